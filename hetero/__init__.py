@@ -1,0 +1,44 @@
+"""hetero: heterogeneous async task graphs.
+
+Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
+(WebGPU compute recorded through wgpu-py); run it from sync code, asyncio or trio.
+"""
+
+from __future__ import annotations
+
+from ._device import Kernel
+from ._gpu import GPUContext
+from ._graph import Graph, Input, Node
+from ._runtime import Runtime, run
+from ._tensor import Tensor
+from .errors import (
+    DeviceLostError,
+    GPUError,
+    GraphError,
+    HeteroError,
+    InputError,
+    NoAdapterError,
+    RuntimeClosedError,
+    StageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceLostError",
+    "GPUContext",
+    "GPUError",
+    "Graph",
+    "GraphError",
+    "HeteroError",
+    "Input",
+    "InputError",
+    "Kernel",
+    "NoAdapterError",
+    "Node",
+    "Runtime",
+    "RuntimeClosedError",
+    "StageError",
+    "Tensor",
+    "run",
+]

@@ -1,0 +1,196 @@
+"""Adapter selection, the device, pipeline cache, submission and fences.
+
+Fence design. ``queue.on_submitted_work_done`` raises ``TypeError`` in wgpu 0.32.0,
+so hetero does not use it. Each submission goes through wgpu-native's
+``wgpuQueueSubmitForIndex``, which returns a submission index, and one fence
+thread per device blocks in ``wgpuDevicePoll(wait=True, index)`` for the oldest
+pending index, then runs that submission's completion callback (downloads, waking
+consumers). The event loop never blocks; submissions resolve in submission order.
+This reaches below wgpu-py's Python API into its cffi binding, which is why
+pyproject.toml pins wgpu to the tested version.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import wgpu
+
+from .errors import DeviceLostError, NoAdapterError
+
+__all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
+
+log = logging.getLogger("hetero")
+
+INSTALL_HINT = (
+    "on Debian or Ubuntu install Mesa's software Vulkan driver with "
+    "'apt-get install -y mesa-vulkan-drivers', or install your GPU's Vulkan driver"
+)
+# Optional features hetero asks for when the adapter has them.
+WANTED_FEATURES = ("timestamp-query", "subgroup", "shader-f16")
+
+
+def _quiet_loader() -> None:
+    # The Vulkan loader complains on stderr when XDG_RUNTIME_DIR is unset (headless
+    # machines); compute needs no display, so give it a private directory.
+    if os.name == "posix" and not os.environ.get("XDG_RUNTIME_DIR"):
+        import tempfile
+
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="hetero-xdg-")
+
+
+def adapter_summary(adapter: Any) -> dict[str, str]:
+    info = adapter.info
+    return {
+        "name": info.get("device", "") or "unknown",
+        "backend": info.get("backend_type", ""),
+        "type": info.get("adapter_type", ""),
+        "summary": adapter.summary,
+    }
+
+
+def list_adapters() -> list[Any]:
+    """Every adapter wgpu can see, on every backend."""
+    _quiet_loader()
+    return list(wgpu.gpu.enumerate_adapters_sync())
+
+
+def select_adapter(pattern: str | None = None) -> Any:
+    """The adapter to use: the one matching ``pattern`` (or ``$HETERO_ADAPTER``), else high-performance.
+
+    ``pattern`` is a case-insensitive substring of the adapter's name, backend or type.
+    """
+    if pattern is None:
+        pattern = os.environ.get("HETERO_ADAPTER") or None
+    adapters = list_adapters()
+    if not adapters:
+        raise NoAdapterError(f"no WebGPU adapter found; {INSTALL_HINT}")
+    if pattern:
+        needle = pattern.casefold()
+        for a in adapters:
+            if needle in a.summary.casefold():
+                return a
+        have = "; ".join(a.summary for a in adapters)
+        raise NoAdapterError(
+            f"no adapter matches HETERO_ADAPTER={pattern!r}; available: {have}. "
+            "Set it to part of one of these names or backends, or unset it"
+        )
+    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    if adapter is None:
+        raise NoAdapterError(f"no WebGPU adapter found; {INSTALL_HINT}")
+    return adapter
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A compiled compute pipeline (cached per device by WGSL hash and entry point)."""
+
+    pipeline: Any
+    entry_point: str
+    label: str
+    n_bindings: int
+
+
+class Device:
+    """One WebGPU device: its queue, its pipeline cache and its fence thread."""
+
+    def __init__(self, adapter: Any | None = None) -> None:
+        self.adapter = adapter if adapter is not None else select_adapter()
+        features = [f for f in WANTED_FEATURES if f in self.adapter.features]
+        limits = {k: v for k, v in self.adapter.limits.items()}
+        self.device = self.adapter.request_device_sync(
+            label="hetero", required_features=features, required_limits=limits
+        )
+        self.queue = self.device.queue
+        self.limits: dict[str, int] = dict(self.device.limits)
+        self.features: frozenset[str] = frozenset(self.device.features)
+        self.summary = adapter_summary(self.adapter)
+        self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._kernel_lock = threading.Lock()
+        self._fences: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self._fence_cv = threading.Condition()
+        self._closed = False
+        self.lost: str | None = None
+        self._fence_thread = threading.Thread(target=self._fence_loop, name="hetero-fence", daemon=True)
+        self._fence_thread.start()
+        # wgpu-py's cffi module: submission indices and blocking polls.
+        from wgpu.backends.wgpu_native import _api
+
+        self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
+
+    # -- pipelines -------------------------------------------------------------------
+    def kernel(self, wgsl: str, entry_point: str = "main", label: str = "") -> Kernel:
+        """Compile ``wgsl`` once per device; later calls return the cached pipeline."""
+        key = (hashlib.sha256(wgsl.encode()).hexdigest(), entry_point)
+        k = self._kernels.get(key)
+        if k is not None:
+            return k
+        with self._kernel_lock:
+            k = self._kernels.get(key)
+            if k is None:
+                label = label or entry_point
+                module = self.device.create_shader_module(label=label, code=wgsl)
+                pipeline = self.device.create_compute_pipeline(
+                    label=label, layout="auto", compute={"module": module, "entry_point": entry_point}
+                )
+                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl))
+                self._kernels[key] = k
+        return k
+
+    # -- submission and fences ------------------------------------------------------
+    def check_alive(self) -> None:
+        if self.lost is not None:
+            raise DeviceLostError(f"the GPU device was lost ({self.lost}); create a new Runtime")
+
+    def submit(self, command_buffers: list[Any]) -> int:
+        """Submit in one call and return the submission index."""
+        self.check_alive()
+        handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
+        return int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+
+    def wait(self, index: int) -> None:
+        """Block the calling thread until submission ``index`` completed (never call on the loop)."""
+        self._lib.wgpuDevicePoll(self.device._internal, True, self._ffi.new("WGPUSubmissionIndex *", index))
+
+    def on_done(self, index: int, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` on the fence thread once submission ``index`` completed."""
+        with self._fence_cv:
+            self._fences.append((index, callback))
+            self._fence_cv.notify()
+
+    def _fence_loop(self) -> None:
+        while True:
+            with self._fence_cv:
+                while not self._fences and not self._closed:
+                    self._fence_cv.wait()
+                if not self._fences:
+                    return
+                index, callback = self._fences.popleft()
+            try:
+                self.wait(index)
+            except Exception as e:  # pragma: no cover - wgpu-native reports loss this way
+                self.lost = repr(e)
+            try:
+                callback()
+            except BaseException:  # pragma: no cover - callbacks handle their own errors
+                log.exception("fence callback failed")
+
+    def close(self) -> None:
+        with self._fence_cv:
+            self._closed = True
+            self._fence_cv.notify()
+        self._fence_thread.join(timeout=5)
+        self._kernels.clear()
+
+
+def _count_group0_bindings(wgsl: str) -> int:
+    """Number of ``@group(0) @binding(n)`` declarations (used to explain binding-count errors)."""
+    import re
+
+    return len(set(re.findall(r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)", wgsl)))

@@ -1,0 +1,201 @@
+"""Declaring a graph: inputs, CPU and GPU stages, outputs.
+
+A :class:`Graph` is declaration only. Every stage names the values it reads (other
+stages, graph inputs, or constants); nothing runs until a runtime executes the
+graph's :class:`~hetero._plan.Plan`, which is derived once and cached on the graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from .errors import GraphError
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+__all__ = ["Graph", "Input", "Node"]
+
+Kind = Literal["cpu", "gpu"]
+_NAME = re.compile(r"^[^\s>]+$")  # no blanks and no '>' so that cycles print unambiguously
+
+
+def _check_name(what: str, name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise GraphError(f"{what} name must be a non-empty string without blanks or '>', got {name!r}")
+    return name
+
+
+class Input:
+    """A named graph input; pass its value to ``run(graph, name=value)``."""
+
+    __slots__ = ("graph", "name")
+
+    def __init__(self, graph: Graph, name: str) -> None:
+        self.graph = graph
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<Input {self.name!r} of graph {self.graph.name!r}>"
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """Per-stage execution options, validated when the stage is declared."""
+
+    retries: int = 0
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
+            raise GraphError(f"retries must be an integer >= 0, got {self.retries!r}")
+        if self.timeout is not None:
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+                raise GraphError(f"timeout must be a number of seconds or None, got {self.timeout!r}")
+            if not (self.timeout > 0 and math.isfinite(self.timeout)):
+                raise GraphError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+@dataclass(eq=False)
+class Node:
+    """A stage of a graph. Use it as an argument of later stages, or as a graph output."""
+
+    graph: Graph
+    name: str
+    kind: Kind
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    options: StageOptions
+    index: int
+    extra_deps: list[Node] = field(default_factory=list)
+
+    def after(self, *nodes: Node) -> Node:
+        """Order this stage after ``nodes`` without passing their values. Returns self."""
+        for n in nodes:
+            if not isinstance(n, Node):
+                raise GraphError(f"stage {self.name!r}: after() takes stages, got {n!r}")
+            self.graph._check_own(n, self.name)
+            self.extra_deps.append(n)
+        self.graph._changed()
+        return self
+
+    def __repr__(self) -> str:
+        return f"<{self.kind.upper()} stage {self.name!r} of graph {self.graph.name!r}>"
+
+
+class Graph:
+    """A DAG of CPU and GPU stages.
+
+    >>> g = Graph("demo")
+    >>> x = g.input("x")
+    >>> y = g.cpu(lambda v: v + 1, x, name="inc")
+    >>> g.output(y)
+    """
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = _check_name("graph", name)
+        self.inputs: dict[str, Input] = {}
+        self.nodes: list[Node] = []
+        self.outputs: tuple[Node | Input, ...] | None = None
+        self._names: set[str] = set()
+        self._plan: Plan | None = None
+        self._version = itertools.count()
+        self.version = next(self._version)
+
+    # -- declaration ------------------------------------------------------------------
+    def input(self, name: str) -> Input:
+        """Declare a named graph input."""
+        _check_name("input", name)
+        if name in self.inputs:
+            raise GraphError(f"graph {self.name!r} already has an input named {name!r}")
+        inp = Input(self, name)
+        self.inputs[name] = inp
+        self._changed()
+        return inp
+
+    def cpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
+            retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
+            **kwargs: Any) -> Node:
+        """Declare a CPU stage: ``fn(*args, **kwargs)`` runs on the runtime's thread pool.
+
+        Arguments may be stages, graph inputs or constants. ``name`` defaults to the
+        function's name; ``retries`` re-runs a failing stage; ``timeout`` (seconds)
+        fails the run when the stage runs longer; ``after`` adds ordering-only
+        dependencies. These four keywords are reserved; others go to ``fn``.
+        """
+        return self._add("cpu", fn, args, kwargs, name, retries, timeout, after)
+
+    def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
+            retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
+            **kwargs: Any) -> Node:
+        """Declare a GPU stage: ``fn(gpu, *args, **kwargs)`` records GPU work.
+
+        numpy arrays reaching it are uploaded and arrive as :class:`hetero.Tensor`.
+        Same options as :meth:`cpu`.
+        """
+        return self._add("gpu", fn, args, kwargs, name, retries, timeout, after)
+
+    def output(self, *values: Node | Input) -> None:
+        """Declare the graph's outputs; ``run()`` returns one value, or a tuple for several."""
+        if self.outputs is not None:
+            have = ", ".join(v.name for v in self.outputs)
+            raise GraphError(f"graph {self.name!r} already has outputs ({have}); call output() once with all of them")
+        if not values:
+            raise GraphError(f"graph {self.name!r}: output() needs at least one stage or input")
+        for v in values:
+            if not isinstance(v, (Node, Input)):
+                raise GraphError(f"graph {self.name!r}: outputs must be stages or inputs, got {v!r}")
+            self._check_own(v, "output")
+        self.outputs = tuple(values)
+        self._changed()
+
+    # -- helpers ----------------------------------------------------------------------
+    def _add(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             name: str | None, retries: int, timeout: float | None, after: Any) -> Node:
+        if not callable(fn):
+            raise GraphError(f"graph {self.name!r}: {kind} stage {name or '?'!r} is not callable: got {fn!r}")
+        if name is None:
+            name = getattr(fn, "__name__", None) or type(fn).__name__
+            if name == "<lambda>":
+                raise GraphError(f"graph {self.name!r}: a lambda stage needs name=")
+        _check_name("stage", name)
+        if name in self._names:
+            raise GraphError(f"graph {self.name!r} already has a stage named {name!r}; pass a unique name=")
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, (Node, Input)):
+                self._check_own(a, name)
+        options = StageOptions(retries=retries, timeout=timeout)
+        node = Node(self, name, kind, fn, tuple(args), dict(kwargs), options, len(self.nodes))
+        self.nodes.append(node)
+        self._names.add(name)
+        if after:
+            node.after(*after)
+        self._changed()
+        return node
+
+    def _check_own(self, value: Node | Input, where: str) -> None:
+        if value.graph is not self:
+            raise GraphError(
+                f"graph {self.name!r}: {where!r} uses {value.name!r} of graph {value.graph.name!r}; "
+                "stages can only read values of their own graph"
+            )
+
+    def _changed(self) -> None:
+        self.version = next(self._version)
+        self._plan = None
+
+    def plan(self) -> Plan:
+        """Validate the graph and return its execution plan (computed once, then cached)."""
+        if self._plan is None:
+            from ._plan import Plan
+
+            self._plan = Plan(self)
+        return self._plan
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.name!r}: {len(self.inputs)} inputs, {len(self.nodes)} stages>"

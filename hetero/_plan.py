@@ -1,0 +1,142 @@
+"""The execution plan of a graph: validated once, then reused by every run.
+
+A plan holds everything the scheduler would otherwise re-derive per run: the
+stages in topological order, how to build each stage's arguments, dependency
+counts, who consumes each value (and whether on the CPU or the GPU), which GPU
+values must come back to the host, and critical-path priorities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import networkx as nx
+
+from .errors import GraphError, InputError
+
+if TYPE_CHECKING:
+    from ._graph import Graph
+
+__all__ = ["Plan", "StagePlan"]
+
+# How a stage argument is obtained at run time.
+ARG_CONST, ARG_INPUT, ARG_NODE = 0, 1, 2
+ArgSpec = tuple[int, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    index: int
+    name: str
+    kind: str  # "cpu" | "gpu"
+    fn: Callable[..., Any]
+    args: tuple[ArgSpec, ...]
+    kwargs: tuple[tuple[str, ArgSpec], ...]
+    n_deps: int  # distinct stages this one waits for
+    gpu_consumers: tuple[int, ...]  # GPU stages that read this value (or are ordered after it)
+    cpu_consumers: tuple[int, ...]  # CPU stages that read this value (or are ordered after it)
+    download: bool  # GPU stage whose value a CPU stage or the caller reads: bring it to the host
+    fence: bool  # GPU stage whose completion a CPU stage or the caller waits for
+    priority: int  # length of the longest path from here to a sink (critical path)
+    retries: int
+    timeout: float | None
+    simple: bool  # no timeout: a worker may run it without the event loop watching
+
+
+class Plan:
+    """Validated, immutable execution plan of a :class:`~hetero.Graph`."""
+
+    def __init__(self, graph: Graph) -> None:
+        if graph.outputs is None:
+            raise GraphError(f"graph {graph.name!r} has no outputs; declare them with graph.output(...)")
+        self.name = graph.name
+        self.input_names = tuple(graph.inputs)
+        nodes = graph.nodes
+
+        dag = nx.DiGraph()
+        dag.add_nodes_from(range(len(nodes)))
+        deps: list[set[int]] = [set() for _ in nodes]
+        for node in nodes:
+            for v in (*node.args, *node.kwargs.values(), *node.extra_deps):
+                if _is_node(v):
+                    deps[node.index].add(v.index)
+                    dag.add_edge(v.index, node.index)
+        try:
+            cycle = nx.find_cycle(dag)
+        except nx.NetworkXNoCycle:
+            cycle = None
+        if cycle:
+            names = [nodes[a].name for a, _ in cycle] + [nodes[cycle[0][0]].name]
+            raise GraphError(f"graph {graph.name!r} has a cycle: {'->'.join(names)}")
+
+        order = list(nx.lexicographical_topological_sort(dag))
+        consumers: list[list[int]] = [[] for _ in nodes]
+        for i, ds in enumerate(deps):
+            for d in ds:
+                consumers[d].append(i)
+        priority = [0] * len(nodes)
+        for i in reversed(order):
+            priority[i] = 1 + max((priority[c] for c in consumers[i]), default=0)
+
+        output_idx = {v.index for v in graph.outputs if _is_node(v)}
+        host_readers: list[bool] = [False] * len(nodes)  # a CPU stage reads the value itself
+        for node in nodes:
+            if node.kind == "cpu":
+                for v in (*node.args, *node.kwargs.values()):
+                    if _is_node(v):
+                        host_readers[v.index] = True
+
+        stages: list[StagePlan] = []
+        for node in nodes:
+            i = node.index
+            cons = sorted(consumers[i], key=lambda c: -priority[c])
+            gpu_c = tuple(c for c in cons if nodes[c].kind == "gpu")
+            cpu_c = tuple(c for c in cons if nodes[c].kind == "cpu")
+            is_gpu = node.kind == "gpu"
+            stages.append(StagePlan(
+                index=i, name=node.name, kind=node.kind, fn=node.fn,
+                args=tuple(_arg(a) for a in node.args),
+                kwargs=tuple((k, _arg(v)) for k, v in node.kwargs.items()),
+                n_deps=len(deps[i]), gpu_consumers=gpu_c, cpu_consumers=cpu_c,
+                download=is_gpu and (host_readers[i] or i in output_idx),
+                fence=is_gpu and (bool(cpu_c) or i in output_idx),
+                priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
+                simple=node.options.timeout is None,
+            ))
+        self.stages: tuple[StagePlan, ...] = tuple(stages)
+        self.order: tuple[int, ...] = tuple(order)
+        self.roots: tuple[int, ...] = tuple(sorted((i for i in order if not deps[i]), key=lambda i: -priority[i]))
+        self.outputs: tuple[ArgSpec, ...] = tuple(_arg(v) for v in graph.outputs)
+        self.single_output = len(graph.outputs) == 1
+        self.output_stages: frozenset[int] = frozenset(output_idx)
+        self.has_gpu = any(s.kind == "gpu" for s in stages)
+        self.version = graph.version
+
+    def check_inputs(self, given: dict[str, Any]) -> None:
+        """Raise :class:`InputError` naming missing or unknown inputs."""
+        expected = self.input_names
+        missing = [n for n in expected if n not in given]
+        unknown = sorted(n for n in given if n not in expected)
+        want = ", ".join(expected) if expected else "no inputs"
+        if missing:
+            raise InputError(f"graph {self.name!r} is missing input(s): {', '.join(missing)} (expected: {want})")
+        if unknown:
+            raise InputError(f"graph {self.name!r} got unknown input(s): {', '.join(unknown)} (expected: {want})")
+
+
+def _is_node(v: object) -> bool:
+    from ._graph import Node
+
+    return isinstance(v, Node)
+
+
+def _arg(v: Any) -> ArgSpec:
+    from ._graph import Input, Node
+
+    if isinstance(v, Node):
+        return (ARG_NODE, v.index)
+    if isinstance(v, Input):
+        return (ARG_INPUT, v.name)
+    return (ARG_CONST, v)
+

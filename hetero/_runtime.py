@@ -1,0 +1,177 @@
+"""The runtime: worker pools, the GPU device, and the entry points that run graphs."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+import anyio
+
+from ._device import Device
+from ._graph import Graph
+from ._scheduler import Run, Scheduler
+from .errors import GraphError, HeteroError, RuntimeClosedError
+
+__all__ = ["Runtime", "run"]
+
+
+class Runtime:
+    """Runs graphs. Use ``async with Runtime() as rt`` (or ``with``), then ``await rt.run(...)``.
+
+    ``cpu_threads`` bounds the CPU stage pool (default: ``os.cpu_count()``);
+    ``gpu_threads`` is the number of threads recording GPU stages. The GPU device is
+    created on first use, so graphs without GPU stages never need an adapter.
+    """
+
+    def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 2, adapter: Any = None) -> None:
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
+        if not isinstance(gpu_threads, int) or gpu_threads < 1:
+            raise ValueError(f"gpu_threads must be an integer >= 1, got {gpu_threads!r}")
+        self._adapter = adapter
+        self._device: Device | None = None
+        self._device_lock = threading.Lock()
+        self._sched = Scheduler(cpu_threads, gpu_threads, self.device)
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def __aenter__(self) -> Runtime:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers and release the device. Blocks until workers finish their current stage."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sched.close()
+        if self._device is not None:
+            self._device.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("this Runtime is closed; create a new one")
+
+    @property
+    def cpu_threads(self) -> int:
+        return self._sched.cpu.size
+
+    def device(self) -> Device:
+        """The runtime's GPU device, created on first call (blocking: not for the event loop)."""
+        if self._device is None:
+            with self._device_lock:
+                if self._device is None:
+                    self._check_open()
+                    self._device = Device(self._adapter)
+        return self._device
+
+    # -- running --------------------------------------------------------------------
+    def _start(self, graph: Graph, inputs: Mapping[str, Any]) -> Run:
+        self._check_open()
+        if not isinstance(graph, Graph):
+            raise GraphError(f"run() expects a hetero.Graph, got {type(graph).__name__}")
+        plan = graph.plan()
+        plan.check_inputs(inputs)
+        run = self._sched.new_run(plan, dict(inputs))
+        run.start()
+        return run
+
+    async def run(self, graph: Graph, /, **inputs: Any) -> Any:
+        """Run ``graph`` once with the given inputs; return its output (a tuple for several)."""
+        return await self._start(graph, inputs).wait()
+
+    async def map(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
+                  max_in_flight: int = 4) -> AsyncIterator[Any]:
+        """Run ``graph`` over many inputs, at most ``max_in_flight`` at once; yield results in input order.
+
+        A result counts as in flight until it is yielded, so a slow consumer holds the
+        producer back (backpressure). The first failure is raised at its place in the
+        order and stops the runs behind it.
+        """
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        pending: collections.deque[Run | BaseException] = collections.deque()
+        source = iter(inputs)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < max_in_flight:
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    try:
+                        if not isinstance(item, Mapping):
+                            raise HeteroError(
+                                f"map() inputs must be dicts of graph inputs, got {type(item).__name__}"
+                            )
+                        pending.append(self._start(graph, item))
+                    except HeteroError as e:
+                        pending.append(e)
+                if not pending:
+                    return
+                head = pending.popleft()
+                if isinstance(head, BaseException):
+                    raise head
+                yield await head.wait()
+        finally:
+            for r in pending:
+                if isinstance(r, Run):
+                    r.stop()
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def _default_runtime() -> Runtime:
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = Runtime()
+            atexit.register(_default.close)
+        return _default
+
+
+def run(graph: Graph, /, **inputs: Any) -> Any:
+    """Run ``graph`` once from synchronous code, on a shared default runtime."""
+    lib = _running_loop()
+    if lib is not None:
+        raise HeteroError(
+            f"hetero.run() cannot be called inside a running {lib} event loop; "
+            "use 'async with hetero.Runtime() as rt: await rt.run(graph, ...)'"
+        )
+    rt = _default_runtime()
+    return anyio.run(lambda: rt.run(graph, **inputs))
+
+
+def _running_loop() -> str | None:
+    """Name of the event loop running in this thread, if any."""
+    import asyncio
+    import sys
+
+    try:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return "trio"
+        except RuntimeError:
+            pass
+    return None

@@ -1,0 +1,50 @@
+"""Device-resident arrays handed to GPU stages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import wgpu
+
+__all__ = ["Tensor", "buffer_size"]
+
+
+def buffer_size(nbytes: int) -> int:
+    """Bytes to allocate for ``nbytes`` of data: WebGPU copies move multiples of 4 bytes."""
+    return max(4, (nbytes + 3) & ~3)
+
+
+class Tensor:
+    """An array living in GPU memory.
+
+    GPU stages receive Tensors for numpy arrays that reach them and create new ones with
+    ``gpu.empty`` or ``gpu.upload``. A Tensor that flows to a CPU stage or out of the graph
+    arrives there as a numpy array. ``buffer`` is the underlying ``wgpu.GPUBuffer``.
+    """
+
+    __slots__ = ("buffer", "dtype", "shape", "__weakref__")
+
+    def __init__(self, buffer: wgpu.GPUBuffer, shape: tuple[int, ...], dtype: Any) -> None:
+        self.buffer = buffer
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data (the buffer may be a few bytes larger)."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"<Tensor shape={self.shape} dtype={self.dtype.name}>"

@@ -1,0 +1,65 @@
+"""The errors hetero raises.
+
+::
+
+    HeteroError                 base of every error the project raises
+    ├── GraphError              the graph is malformed (found when declared or planned)
+    ├── InputError              run() got missing or unknown graph inputs
+    ├── StageError              a stage failed; names the stage, __cause__ is the original error
+    ├── GPUError                the GPU side cannot do what was asked
+    │   ├── NoAdapterError      no WebGPU adapter matches (says what to install or set)
+    │   └── DeviceLostError     the device was lost; runs fail fast instead of aborting
+    └── RuntimeClosedError      the runtime was used after close()
+
+Messages are lowercase, name the rule and the values, and say what to do where
+that is not obvious.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceLostError",
+    "GPUError",
+    "GraphError",
+    "HeteroError",
+    "InputError",
+    "NoAdapterError",
+    "RuntimeClosedError",
+    "StageError",
+]
+
+
+class HeteroError(Exception):
+    """Base class of every error hetero raises."""
+
+
+class GraphError(HeteroError):
+    """The graph is malformed: duplicate names, a cycle, no outputs, a bad stage."""
+
+
+class InputError(HeteroError):
+    """A run was given missing or unknown graph inputs."""
+
+
+class StageError(HeteroError):
+    """A stage failed. ``stage`` is its name; ``__cause__`` is the original exception."""
+
+    def __init__(self, message: str, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class GPUError(HeteroError):
+    """The GPU side cannot do what was asked."""
+
+
+class NoAdapterError(GPUError):
+    """No WebGPU adapter was found, or none matches ``HETERO_ADAPTER``."""
+
+
+class DeviceLostError(GPUError):
+    """The GPU device was lost; create a new Runtime to get a new device."""
+
+
+class RuntimeClosedError(HeteroError):
+    """The runtime was used after it was closed."""

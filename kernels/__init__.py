@@ -1,0 +1,1 @@
+"""GPU kernels (WGSL) and their thin Python wrappers, shipped as ``hetero.kernels``."""

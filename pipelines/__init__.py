@@ -1,0 +1,1 @@
+"""Ready-made graphs, shipped as ``hetero.pipelines``."""
