@@ -76,7 +76,7 @@ class GPUContext:
     # -- kernels ----------------------------------------------------------------------
     def kernel(self, wgsl: str, entry_point: str = "main", label: str = "") -> Kernel:
         """Compile (once per device, then cached) a WGSL compute entry point."""
-        return self._dev.kernel(wgsl, entry_point, label or f"{self.stage}:{entry_point}")
+        return self._dev.kernel(wgsl, entry_point, label)
 
     def dispatch(self, kernel: Kernel | str, workgroups: int | tuple[int, ...], *bindings: Any) -> None:
         """Record one dispatch of ``kernel`` over ``workgroups`` (x, y, z).

@@ -1,0 +1,35 @@
+"""The public surface: ``__all__`` matches what the package exports, both ways."""
+
+from __future__ import annotations
+
+import hetero
+import hetero.errors
+
+
+def test_all_lists_every_public_name_and_only_those() -> None:
+    public = {n for n in vars(hetero) if not n.startswith("_") and not _is_module(getattr(hetero, n))}
+    public.discard("annotations")
+    assert sorted(hetero.__all__) == hetero.__all__
+    assert set(hetero.__all__) == public
+
+
+def test_errors_module_exports_the_tree() -> None:
+    assert sorted(hetero.errors.__all__) == hetero.errors.__all__
+    for name in hetero.errors.__all__:
+        cls = getattr(hetero.errors, name)
+        assert issubclass(cls, hetero.HeteroError)
+        assert getattr(hetero, name) is cls
+    assert issubclass(hetero.StageError, hetero.HeteroError)
+
+
+def test_kernels_and_pipelines_ship_as_subpackages() -> None:
+    import hetero.kernels
+    import hetero.pipelines
+
+    assert hetero.kernels.__doc__ and hetero.pipelines.__doc__
+
+
+def _is_module(obj: object) -> bool:
+    import types
+
+    return isinstance(obj, types.ModuleType)

@@ -1,0 +1,208 @@
+"""GPU stages on a real WebGPU device (Mesa lavapipe in CI): kernels, transfers, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hetero
+from hetero import StageError, Tensor
+
+pytestmark = pytest.mark.anyio
+
+SAXPY = """
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+struct Params { a: f32, n: u32 }
+@group(0) @binding(2) var<uniform> p: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i < p.n) { y[i] = p.a * x[i] + y[i]; }
+}
+"""
+
+SCALE = """
+@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&dst)) { dst[gid.x] = src[gid.x] * 2.0; }
+}
+"""
+
+
+def params(a: float, n: int) -> np.ndarray:
+    return np.array([(a, n)], dtype=[("a", "<f4"), ("n", "<u4")])
+
+
+def saxpy(gpu: hetero.GPUContext, x: Tensor, y: Tensor, a: float) -> Tensor:
+    assert isinstance(x, Tensor) and isinstance(y, Tensor)
+    gpu.dispatch(SAXPY, (x.size + 63) // 64, x, y, params(a, x.size))
+    return y
+
+
+def scale(gpu: hetero.GPUContext, src: Tensor) -> Tensor:
+    out = gpu.empty(src.shape, src.dtype)
+    gpu.dispatch(gpu.kernel(SCALE), (src.size + 63) // 64, src, out)
+    return out
+
+
+def saxpy_graph() -> hetero.Graph:
+    """
+    ::
+
+        x, y -> prepare (cpu) -> saxpy (gpu) -> check (cpu)
+    """
+    g = hetero.Graph("saxpy")
+    x, y = g.input("x"), g.input("y")
+    xy = g.cpu(lambda a, b: (np.asarray(a, np.float32), np.asarray(b, np.float32)), x, y, name="prepare")
+    xs = g.cpu(lambda t: t[0], xy, name="xs")
+    ys = g.cpu(lambda t: t[1], xy, name="ys")
+    r = g.gpu(saxpy, xs, ys, 3.0)
+    g.output(g.cpu(lambda v: (v.dtype.name, v.shape, float(v.sum())), r, name="check"), r)
+    return g
+
+
+async def test_cpu_gpu_cpu_saxpy_matches_numpy(shared_rt: hetero.Runtime) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(1000)
+    y = rng.standard_normal(1000)
+    (dtype, shape, total), r = await shared_rt.run(saxpy_graph(), x=x, y=y)
+    expect = 3.0 * x.astype(np.float32) + y.astype(np.float32)
+    assert isinstance(r, np.ndarray) and dtype == "float32" and shape == (1000,)
+    np.testing.assert_allclose(r, expect, rtol=1e-6)
+    assert total == pytest.approx(float(expect.sum()), rel=1e-4)
+
+
+async def test_gpu_to_gpu_chain_and_structured_results(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x -> scale (gpu) -> scale2 (gpu) -> pair (gpu) -> (cpu reads a dict)
+    """
+    def pair(gpu: hetero.GPUContext, a: Tensor, b: Tensor) -> dict:
+        return {"a": a, "b": (b, "label")}
+
+    g = hetero.Graph("chain")
+    s1 = g.gpu(scale, g.input("x"), name="scale1")
+    s2 = g.gpu(scale, s1, name="scale2")
+    p = g.gpu(pair, s1, s2)
+    g.output(g.cpu(lambda d: (d["a"].tolist(), d["b"][0].tolist(), d["b"][1]), p, name="read"))
+    x = np.arange(5, dtype=np.float32)
+    a, b, label = await shared_rt.run(g, x=x)
+    assert a == (2 * x).tolist() and b == (4 * x).tolist() and label == "label"
+
+
+async def test_many_gpu_runs_through_map(shared_rt: hetero.Runtime) -> None:
+    g = saxpy_graph()
+    inputs = [{"x": np.full(300 + i, i, np.float32), "y": np.ones(300 + i, np.float32)} for i in range(24)]
+    results = [r async for r in shared_rt.map(g, inputs, max_in_flight=4)]
+    for i, (_, r) in enumerate(results):
+        assert r.shape == (300 + i,)
+        np.testing.assert_allclose(r, 3.0 * i + 1.0)
+
+
+async def test_odd_sizes_and_dtypes_round_trip(shared_rt: hetero.Runtime) -> None:
+    def ident(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        return t
+
+    g = hetero.Graph("rt")
+    g.output(g.gpu(ident, g.input("x")))
+    for arr in (np.arange(7, dtype=np.uint8), np.arange(3, dtype=np.float16), np.zeros((0, 3), np.float32),
+                np.arange(6, dtype=np.int32).reshape(2, 3), np.float32(5.0) * np.ones((1, 1, 1), np.float32)):
+        out = await shared_rt.run(g, x=arr)
+        assert out.dtype == arr.dtype and out.shape == arr.shape
+        np.testing.assert_array_equal(out, arr)
+
+
+async def test_tensor_properties(shared_rt: hetero.Runtime) -> None:
+    seen = {}
+
+    def look(gpu: hetero.GPUContext, t: Tensor) -> int:
+        e = gpu.empty((3, 5), np.int32)
+        seen.update(shape=t.shape, dtype=t.dtype.name, nbytes=t.nbytes, e=(e.shape, e.nbytes, e.ndim))
+        return 0
+
+    g = hetero.Graph("props")
+    g.output(g.gpu(look, g.input("x")))
+    await shared_rt.run(g, x=np.zeros((4, 6), np.float32))
+    assert seen == {"shape": (4, 6), "dtype": "float32", "nbytes": 96, "e": ((3, 5), 60, 2)}
+
+
+async def test_bad_wgsl_is_a_stage_error_and_runtime_survives(shared_rt: hetero.Runtime) -> None:
+    def bad(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.dispatch("fn main( {", 1, t)
+        return t
+
+    g = hetero.Graph("badwgsl")
+    g.output(g.gpu(bad, g.input("x"), name="broken"))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g, x=np.ones(4, np.float32))
+    assert str(e.value).startswith("gpu stage 'broken' failed: GPUValidationError")
+    assert "parsing error" in str(e.value)
+    await test_cpu_gpu_cpu_saxpy_matches_numpy(shared_rt)
+
+
+async def test_wrong_binding_count(shared_rt: hetero.Runtime) -> None:
+    def wrong(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.dispatch(SCALE, 1, t)
+        return t
+
+    g = hetero.Graph("bindings")
+    g.output(g.gpu(wrong, g.input("x"), name="wrong"))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g, x=np.ones(4, np.float32))
+    assert str(e.value) == (
+        "gpu stage 'wrong' failed: ValueError: kernel 'main' declares 2 binding(s) in @group(0), dispatch got 1"
+    )
+
+
+async def test_wrong_binding_type(shared_rt: hetero.Runtime) -> None:
+    def wrong(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.dispatch(SCALE, 1, t, "not a buffer")
+        return t
+
+    g = hetero.Graph("btype")
+    g.output(g.gpu(wrong, g.input("x"), name="wrong"))
+    with pytest.raises(StageError, match=r"binding 1: expected a Tensor \(storage\) or a numpy array/bytes"):
+        await shared_rt.run(g, x=np.ones(4, np.float32))
+
+
+async def test_workgroups_over_the_limit(shared_rt: hetero.Runtime) -> None:
+    def huge(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        out = gpu.empty(t.shape)
+        gpu.dispatch(SCALE, 10**6, t, out)
+        return out
+
+    g = hetero.Graph("huge")
+    g.output(g.gpu(huge, g.input("x"), name="huge"))
+    with pytest.raises(StageError, match=r"1000000 workgroups in x exceed the adapter's limit of \d+ per dimension"):
+        await shared_rt.run(g, x=np.ones(4, np.float32))
+
+
+async def test_kernels_compile_once_per_device(shared_rt: hetero.Runtime) -> None:
+    kernels = []
+
+    def twice(gpu: hetero.GPUContext, t: Tensor) -> int:
+        kernels.append(gpu.kernel(SCALE))
+        return 0
+
+    g = hetero.Graph("cache")
+    g.output(g.gpu(twice, g.input("x")))
+    await shared_rt.run(g, x=np.ones(1, np.float32))
+    await shared_rt.run(g, x=np.ones(1, np.float32))
+    assert kernels[0] is kernels[1]
+
+
+def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetero._device import select_adapter
+
+    first = hetero._device.list_adapters()[0]
+    backend = first.info["backend_type"]
+    monkeypatch.setenv("HETERO_ADAPTER", backend.upper())
+    assert backend in select_adapter().summary
+    monkeypatch.setenv("HETERO_ADAPTER", "no-such-gpu-xyz")
+    with pytest.raises(hetero.NoAdapterError, match="no adapter matches HETERO_ADAPTER='no-such-gpu-xyz'; available: "):
+        select_adapter()

@@ -1,0 +1,378 @@
+"""Running graphs: ordering, overlap, failures, cancellation, retries, timeouts, map."""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+
+import anyio
+import pytest
+
+import hetero
+from hetero import StageError
+
+pytestmark = pytest.mark.anyio
+
+WAIT = 10.0  # generous bound for anything that should happen at once (never hit when passing)
+
+
+async def test_diamond(rt: hetero.Runtime) -> None:
+    """
+    ::
+
+          x
+         / \\
+        a   b
+         \\ /
+          c
+    """
+    g = hetero.Graph("diamond")
+    x = g.input("x")
+    a = g.cpu(operator.add, x, 1, name="a")
+    b = g.cpu(operator.mul, x, 10, name="b")
+    c = g.cpu(operator.sub, b, a, name="c")
+    g.output(c)
+    assert await rt.run(g, x=3) == 26
+    assert await rt.run(g, x=0) == -1  # the plan is reused across runs
+
+
+async def test_wide_fan_out_fan_in(rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x -> s0 .. s63 -> total
+    """
+    g = hetero.Graph("wide")
+    x = g.input("x")
+    parts = [g.cpu(operator.mul, x, k, name=f"s{k}") for k in range(64)]
+    g.output(g.cpu(lambda *v: sum(v), *parts, name="total"), parts[5])
+    assert await rt.run(g, x=2) == (2 * sum(range(64)), 10)
+
+
+async def test_constants_kwargs_and_input_outputs(rt: hetero.Runtime) -> None:
+    def fmt(value: int, *, prefix: str, suffix: str = "") -> str:
+        return f"{prefix}{value}{suffix}"
+
+    g = hetero.Graph("kw")
+    x = g.input("x")
+    sep = g.input("sep")
+    s = g.cpu(fmt, x, prefix="<", suffix=sep, name="fmt")
+    g.output(s, x)
+    assert await rt.run(g, x=7, sep=">") == ("<7>", 7)
+
+
+async def test_independent_stages_really_overlap(rt: hetero.Runtime) -> None:
+    """Two stages that can only finish if they run at the same time (a barrier of 2)."""
+    barrier = threading.Barrier(2)
+
+    def meet(tag: str) -> str:
+        barrier.wait(timeout=WAIT)  # raises BrokenBarrierError if run one after the other
+        return tag
+
+    g = hetero.Graph("overlap")
+    g.output(g.cpu(meet, "a", name="a"), g.cpu(meet, "b", name="b"))
+    assert await rt.run(g) == ("a", "b")
+
+
+async def test_thread_pool_is_bounded() -> None:
+    seen: set[str] = set()
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+            seen.add(threading.current_thread().name)
+        time.sleep(0.002)
+        with lock:
+            active -= 1
+        return i
+
+    g = hetero.Graph("bounded")
+    g.output(*[g.cpu(work, i, name=f"w{i}") for i in range(30)])
+    with hetero.Runtime(cpu_threads=3) as rt:
+        assert await rt.run(g) == tuple(range(30))
+    assert peak <= 3
+    assert len(seen) <= 3
+
+
+async def test_critical_path_runs_first_when_workers_are_scarce() -> None:
+    """
+    With one worker, the head of the long chain goes before the short stages::
+
+        short0 short1 short2
+        long0 -> long1 -> long2 -> long3
+    """
+    order: list[str] = []
+
+    def rec(name: str, *_: object) -> str:
+        order.append(name)
+        return name
+
+    g = hetero.Graph("prio")
+    shorts = [g.cpu(rec, f"short{i}", name=f"short{i}") for i in range(3)]
+    prev = g.cpu(rec, "long0", name="long0")
+    for k in range(1, 4):
+        prev = g.cpu(rec, f"long{k}", prev, name=f"long{k}")
+    g.output(prev, *shorts)
+    with hetero.Runtime(cpu_threads=1) as rt:
+        await rt.run(g)
+    assert order[0] == "long0"
+    assert order.index("long1") < order.index("short0")
+
+
+async def test_failure_names_the_stage_and_chains_the_cause(rt: hetero.Runtime) -> None:
+    def boom(v: int) -> int:
+        raise ValueError(f"bad value {v}")
+
+    g = hetero.Graph("fail")
+    x = g.input("x")
+    a = g.cpu(boom, x, name="explode")
+    g.output(g.cpu(operator.neg, a, name="after"))
+    with pytest.raises(StageError) as e:
+        await rt.run(g, x=3)
+    assert str(e.value) == "cpu stage 'explode' failed: ValueError: bad value 3"
+    assert e.value.stage == "explode"
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+async def test_first_failure_stops_scheduling(rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        fail          slow -> never
+    """
+    release = threading.Event()
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise RuntimeError("no")
+
+    def slow() -> int:
+        release.wait(WAIT)
+        return 1
+
+    def never(v: int) -> int:
+        ran.append("never")
+        return v
+
+    g = hetero.Graph("stop")
+    g.cpu(fail, name="fail")
+    s = g.cpu(slow, name="slow")
+    g.output(g.cpu(never, s, name="never"))
+    with pytest.raises(StageError, match="'fail'"):
+        await rt.run(g)
+    release.set()
+    await anyio.sleep(0.05)
+    assert ran == []
+
+
+async def test_cancellation_mid_run_then_reuse(rt: hetero.Runtime) -> None:
+    started = threading.Event()
+    release = threading.Event()
+    ran_after: list[int] = []
+
+    def block() -> int:
+        started.set()
+        release.wait(WAIT)
+        return 1
+
+    def after(v: int) -> int:
+        ran_after.append(v)
+        return v
+
+    g = hetero.Graph("cancel")
+    g.output(g.cpu(after, g.cpu(block, name="block"), name="after"))
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_when_started() -> None:
+                await anyio.to_thread.run_sync(started.wait, WAIT)
+                scope.cancel()
+
+            tg.start_soon(cancel_when_started)
+            await rt.run(g)
+    assert scope.cancelled_caught
+    release.set()
+    await anyio.sleep(0.05)
+    assert ran_after == []  # nothing was scheduled after the cancel
+
+    ok = hetero.Graph("ok")
+    ok.output(ok.cpu(operator.add, 1, 2, name="add"))
+    assert await rt.run(ok) == 3  # the runtime is still usable
+
+
+async def test_retries(rt: hetero.Runtime) -> None:
+    calls = 0
+
+    def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise ConnectionError(f"try {calls}")
+        return "ok"
+
+    g = hetero.Graph("retry")
+    g.output(g.cpu(flaky, name="flaky", retries=2))
+    assert await rt.run(g) == "ok"
+    assert calls == 3
+
+    calls = 0
+    g2 = hetero.Graph("retry2")
+    g2.output(g2.cpu(flaky, name="flaky", retries=1))
+    with pytest.raises(StageError) as e:
+        await rt.run(g2)
+    assert str(e.value) == "cpu stage 'flaky' failed after 2 attempts: ConnectionError: try 2"
+
+
+async def test_timeout_fails_a_stuck_stage(rt: hetero.Runtime) -> None:
+    release = threading.Event()
+
+    def stuck() -> int:
+        release.wait(WAIT)
+        return 1
+
+    g = hetero.Graph("slow")
+    g.output(g.cpu(stuck, name="stuck", timeout=0.1))
+    t0 = time.monotonic()
+    with pytest.raises(StageError) as e:
+        await rt.run(g)
+    waited = time.monotonic() - t0
+    release.set()
+    assert str(e.value) == "cpu stage 'stuck' timed out after 0.1 s"
+    assert isinstance(e.value.__cause__, TimeoutError)
+    assert waited < WAIT / 2  # raised by the watcher, not after the stage returned
+
+
+async def test_timeout_not_hit(rt: hetero.Runtime) -> None:
+    g = hetero.Graph("fast")
+    g.output(g.cpu(operator.add, 1, 1, name="add", timeout=5))
+    assert await rt.run(g) == 2
+
+
+async def test_map_keeps_input_order(rt: hetero.Runtime) -> None:
+    def work(i: int) -> int:
+        time.sleep(0.001 * ((7 * i) % 5))  # later inputs sometimes finish first
+        return i * i
+
+    g = hetero.Graph("sq")
+    g.output(g.cpu(work, g.input("i"), name="work"))
+    out = [r async for r in rt.map(g, ({"i": i} for i in range(40)), max_in_flight=6)]
+    assert out == [i * i for i in range(40)]
+
+
+async def test_map_backpressure(rt: hetero.Runtime) -> None:
+    """A slow consumer holds back the producer: never more than max_in_flight unconsumed runs."""
+    started = 0
+    consumed = 0
+    worst = 0
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        nonlocal started, worst
+        with lock:
+            started += 1
+            worst = max(worst, started - consumed)
+        return i
+
+    g = hetero.Graph("bp")
+    g.output(g.cpu(work, g.input("i"), name="work"))
+    async for _ in rt.map(g, ({"i": i} for i in range(30)), max_in_flight=3):
+        await anyio.sleep(0.002)
+        with lock:
+            consumed += 1
+    assert started == 30
+    assert worst <= 3
+
+
+async def test_map_raises_first_failure_in_order(rt: hetero.Runtime) -> None:
+    def work(i: int) -> int:
+        if i == 5:
+            raise KeyError(i)
+        return i
+
+    g = hetero.Graph("mapfail")
+    g.output(g.cpu(work, g.input("i"), name="work"))
+    got = []
+    with pytest.raises(StageError, match="'work' failed: KeyError: 5"):
+        async for r in rt.map(g, ({"i": i} for i in range(10)), max_in_flight=4):
+            got.append(r)
+    assert got == [0, 1, 2, 3, 4]
+
+
+async def test_map_input_errors_come_in_order(rt: hetero.Runtime) -> None:
+    g = hetero.Graph("mapin")
+    g.output(g.cpu(operator.neg, g.input("i"), name="neg"))
+    got = []
+    with pytest.raises(hetero.InputError, match="missing input"):
+        async for r in rt.map(g, [{"i": 1}, {"i": 2}, {"j": 3}]):
+            got.append(r)
+    assert got == [-1, -2]
+
+
+async def test_stage_raising_base_exception_does_not_kill_workers(rt: hetero.Runtime) -> None:
+    def bye() -> None:
+        raise SystemExit(3)
+
+    g = hetero.Graph("exit")
+    g.output(g.cpu(bye, name="bye"))
+    with pytest.raises(StageError, match="'bye' failed: SystemExit: 3"):
+        await rt.run(g)
+    ok = hetero.Graph("ok")
+    ok.output(*[ok.cpu(operator.add, i, 1, name=f"a{i}") for i in range(4)])
+    assert await rt.run(ok) == (1, 2, 3, 4)
+
+
+async def test_closed_runtime_refuses() -> None:
+    rt = hetero.Runtime()
+    rt.close()
+    g = hetero.Graph("c")
+    g.output(g.cpu(operator.add, 1, 2, name="add"))
+    with pytest.raises(hetero.RuntimeClosedError):
+        await rt.run(g)
+
+
+def test_sync_run() -> None:
+    g = hetero.Graph("sync")
+    g.output(g.cpu(operator.add, g.input("x"), 1, name="inc"))
+    assert hetero.run(g, x=41) == 42
+
+
+async def test_sync_run_inside_a_loop_is_refused() -> None:
+    g = hetero.Graph("nested")
+    g.output(g.cpu(operator.add, 1, 1, name="add"))
+    with pytest.raises(hetero.HeteroError, match="cannot be called inside a running .* event loop"):
+        hetero.run(g)
+
+
+def test_asyncio_task_cancel_then_reuse() -> None:
+    import asyncio
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def block() -> int:
+        started.set()
+        release.wait(WAIT)
+        return 1
+
+    g = hetero.Graph("acancel")
+    g.output(g.cpu(block, name="block"))
+
+    async def main(rt: hetero.Runtime) -> int:
+        task = asyncio.ensure_future(rt.run(g))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, WAIT)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        ok = hetero.Graph("ok")
+        ok.output(ok.cpu(operator.add, 2, 2, name="add"))
+        return await rt.run(ok)
+
+    with hetero.Runtime() as rt:
+        assert asyncio.run(main(rt)) == 4
