@@ -14,7 +14,7 @@ def loop_caller() -> Callable[[Callable[[], Any]], None]:
 
     Calls made after the loop has closed are dropped: by then nobody waits for them.
     """
-    native = anyio.lowlevel.current_token().native_token
+    native: Any = anyio.lowlevel.current_token().native_token
     schedule = getattr(native, "call_soon_threadsafe", None) or native.run_sync_soon
 
     def call(fn: Callable[[], Any]) -> None:

@@ -105,7 +105,8 @@ class GPUContext:
         if isinstance(b, Tensor):
             return {"buffer": b.buffer, "offset": 0, "size": b.buffer.size}
         if isinstance(b, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
-            data = np.frombuffer(bytes(memoryview(np.ascontiguousarray(b)).cast("B")), np.uint8)
+            data = np.frombuffer(b, np.uint8) if isinstance(b, (bytes, bytearray, memoryview)) \
+                else np.ascontiguousarray(b).reshape(-1).view(np.uint8)
             size = max(16, (data.nbytes + 15) & ~15)  # uniform structs are 16-byte aligned
             padded = np.zeros(size, np.uint8)
             padded[: data.nbytes] = data

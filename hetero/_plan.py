@@ -9,14 +9,14 @@ values must come back to the host, and critical-path priorities.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import networkx as nx
 
 from .errors import GraphError, InputError
 
-if TYPE_CHECKING:
-    from ._graph import Graph
+from ._graph import Graph, Input, Node
 
 __all__ = ["Plan", "StagePlan"]
 
@@ -79,7 +79,7 @@ class Plan:
         for i in reversed(order):
             priority[i] = 1 + max((priority[c] for c in consumers[i]), default=0)
 
-        output_idx = {v.index for v in graph.outputs if _is_node(v)}
+        output_idx = {v.index for v in graph.outputs if isinstance(v, Node)}
         host_readers: list[bool] = [False] * len(nodes)  # a CPU stage reads the value itself
         for node in nodes:
             if node.kind == "cpu":
@@ -113,7 +113,7 @@ class Plan:
         self.has_gpu = any(s.kind == "gpu" for s in stages)
         self.version = graph.version
 
-    def check_inputs(self, given: dict[str, Any]) -> None:
+    def check_inputs(self, given: Mapping[str, Any]) -> None:
         """Raise :class:`InputError` naming missing or unknown inputs."""
         expected = self.input_names
         missing = [n for n in expected if n not in given]
@@ -126,14 +126,10 @@ class Plan:
 
 
 def _is_node(v: object) -> bool:
-    from ._graph import Node
-
     return isinstance(v, Node)
 
 
 def _arg(v: Any) -> ArgSpec:
-    from ._graph import Input, Node
-
     if isinstance(v, Node):
         return (ARG_NODE, v.index)
     if isinstance(v, Input):

@@ -25,10 +25,13 @@ class Tensor:
     arrives there as a numpy array. ``buffer`` is the underlying ``wgpu.GPUBuffer``.
     """
 
-    __slots__ = ("buffer", "dtype", "shape", "__weakref__")
+    __slots__ = ("block", "buffer", "dtype", "offset", "shape", "__weakref__")
 
-    def __init__(self, buffer: wgpu.GPUBuffer, shape: tuple[int, ...], dtype: Any) -> None:
+    def __init__(self, buffer: wgpu.GPUBuffer, shape: tuple[int, ...], dtype: Any, offset: int = 0,
+                 block: Any = None) -> None:
         self.buffer = buffer
+        self.offset = int(offset)  # byte offset of the data in ``buffer`` (pooled small tensors share slabs)
+        self.block = block  # the pool allocation this tensor lives in, if pooled
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
 
@@ -41,6 +44,11 @@ class Tensor:
     def nbytes(self) -> int:
         """Bytes of data (the buffer may be a few bytes larger)."""
         return self.size * self.dtype.itemsize
+
+    @property
+    def binding_size(self) -> int:
+        """Bytes a binding of this tensor covers (data rounded up to 4)."""
+        return buffer_size(self.nbytes)
 
     @property
     def ndim(self) -> int:
