@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import wgpu
@@ -100,7 +101,7 @@ class Kernel:
 class Device:
     """One WebGPU device: its queue, its pipeline cache and its fence thread."""
 
-    def __init__(self, adapter: Any | None = None) -> None:
+    def __init__(self, adapter: Any | None = None, *, max_batch: int = 32) -> None:
         self.adapter = adapter if adapter is not None else select_adapter()
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
         limits = {k: v for k, v in self.adapter.limits.items()}
@@ -111,11 +112,17 @@ class Device:
         self.limits: dict[str, int] = dict(self.device.limits)
         self.features: frozenset[str] = frozenset(self.device.features)
         self.summary = adapter_summary(self.adapter)
-        self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._kernels: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
         self._kernel_lock = threading.Lock()
         self._fences: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self._fence_cv = threading.Condition()
         self._closed = False
+        # Command buffers recorded but not yet submitted, in dependency order.
+        self.max_batch = max_batch
+        self._batch: list[Any] = []
+        self._batch_callbacks: list[Callable[[], None]] = []
+        self._submit_lock = threading.Lock()
+        self.submissions = 0
         self.lost: str | None = None
         self._fence_thread = threading.Thread(target=self._fence_loop, name="hetero-fence", daemon=True)
         self._fence_thread.start()
@@ -125,9 +132,16 @@ class Device:
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
 
     # -- pipelines -------------------------------------------------------------------
-    def kernel(self, wgsl: str, entry_point: str = "main", label: str = "") -> Kernel:
-        """Compile ``wgsl`` once per device; later calls return the cached pipeline."""
-        key = (hashlib.sha256(wgsl.encode()).hexdigest(), entry_point)
+    def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",
+               constants: Mapping[str, float | int | bool] | None = None) -> Kernel:
+        """Compile ``wgsl`` once per device; later calls return the cached pipeline.
+
+        The cache is keyed by the WGSL's hash, the entry point and the override
+        ``constants``; it is thread-safe, and compilation never runs on the event loop
+        (GPU stages record on worker threads; ``Runtime.warmup`` compiles on one too).
+        """
+        consts = tuple(sorted((constants or {}).items()))
+        key = (hashlib.sha256(wgsl.encode()).hexdigest(), entry_point, consts)
         k = self._kernels.get(key)
         if k is not None:
             return k
@@ -136,9 +150,10 @@ class Device:
             if k is None:
                 label = label or entry_point
                 module = self.device.create_shader_module(label=label, code=wgsl)
-                pipeline = self.device.create_compute_pipeline(
-                    label=label, layout="auto", compute={"module": module, "entry_point": entry_point}
-                )
+                compute: dict[str, Any] = {"module": module, "entry_point": entry_point}
+                if consts:
+                    compute["constants"] = dict(consts)
+                pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
                 k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl))
                 self._kernels[key] = k
         return k
@@ -153,6 +168,37 @@ class Device:
         self.check_alive()
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
         return int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+
+    def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
+                flush: bool = False) -> None:
+        """Append a command buffer to the ordered batch; submit the batch when asked or full.
+
+        Everything enqueued runs in enqueue order, so a stage's consumers may be
+        enqueued (and buffers it released reused) as soon as this returns.
+        ``on_done`` runs on the fence thread once the batch holding this command
+        buffer completed; a callback forces a flush, since someone waits for it.
+        """
+        with self._submit_lock:
+            self._batch.append(command_buffer)
+            if on_done is not None:
+                self._batch_callbacks.append(on_done)
+                flush = True
+            if flush or len(self._batch) >= self.max_batch:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        """Submit whatever is batched."""
+        with self._submit_lock:
+            if self._batch:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        batch, callbacks = self._batch, self._batch_callbacks
+        self._batch, self._batch_callbacks = [], []
+        index = self.submit(batch)
+        self.submissions += 1
+        for cb in callbacks:
+            self.on_done(index, cb)
 
     def wait(self, index: int) -> None:
         """Block the calling thread until submission ``index`` completed (never call on the loop)."""
@@ -182,6 +228,7 @@ class Device:
                 log.exception("fence callback failed")
 
     def close(self) -> None:
+        self.flush()
         with self._fence_cv:
             self._closed = True
             self._fence_cv.notify()

@@ -43,6 +43,7 @@ class GPUContext:
         self.limits = device.limits
         self.features = device.features
         self._encoder: Any = None
+        self.workgroups = 0  # dispatched so far (decides whether the stage is coalesced)
 
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
@@ -74,9 +75,13 @@ class GPUContext:
         return self.device.create_buffer(size=buffer_size(nbytes), usage=_STORAGE)
 
     # -- kernels ----------------------------------------------------------------------
-    def kernel(self, wgsl: str, entry_point: str = "main", label: str = "") -> Kernel:
-        """Compile (once per device, then cached) a WGSL compute entry point."""
-        return self._dev.kernel(wgsl, entry_point, label)
+    def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",
+               constants: dict[str, float | int | bool] | None = None) -> Kernel:
+        """Compile (once per device, then cached) a WGSL compute entry point.
+
+        ``constants`` set WGSL ``override`` declarations; each combination is its own pipeline.
+        """
+        return self._dev.kernel(wgsl, entry_point, label, constants)
 
     def dispatch(self, kernel: Kernel | str, workgroups: int | tuple[int, ...], *bindings: Any) -> None:
         """Record one dispatch of ``kernel`` over ``workgroups`` (x, y, z).
@@ -95,6 +100,7 @@ class GPUContext:
         bind_group = self.device.create_bind_group(layout=k.pipeline.get_bind_group_layout(0), entries=entries)
         if groups[0] * groups[1] * groups[2] == 0:
             return  # an empty grid does nothing; the bindings were still checked
+        self.workgroups += groups[0] * groups[1] * groups[2]
         cpass = self.encoder.begin_compute_pass()
         cpass.set_pipeline(k.pipeline)
         cpass.set_bind_group(0, bind_group)

@@ -22,19 +22,25 @@ class Runtime:
     """Runs graphs. Use ``async with Runtime() as rt`` (or ``with``), then ``await rt.run(...)``.
 
     ``cpu_threads`` bounds the CPU stage pool (default: ``os.cpu_count()``);
-    ``gpu_threads`` is the number of threads recording GPU stages. The GPU device is
-    created on first use, so graphs without GPU stages never need an adapter.
+    ``gpu_threads`` is the number of threads recording GPU stages; ``submit_batch`` is
+    how many small GPU stages may share one queue submission (1 turns coalescing off).
+    The GPU device is created on first use, so graphs without GPU stages never need an
+    adapter.
     """
 
-    def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 2, adapter: Any = None) -> None:
+    def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 2, submit_batch: int = 32,
+                 adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
         if not isinstance(gpu_threads, int) or gpu_threads < 1:
             raise ValueError(f"gpu_threads must be an integer >= 1, got {gpu_threads!r}")
+        if not isinstance(submit_batch, int) or submit_batch < 1:
+            raise ValueError(f"submit_batch must be an integer >= 1, got {submit_batch!r}")
+        self._submit_batch = submit_batch
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
-        self._sched = Scheduler(cpu_threads, gpu_threads, self.device)
+        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------
@@ -73,7 +79,7 @@ class Runtime:
             with self._device_lock:
                 if self._device is None:
                     self._check_open()
-                    self._device = Device(self._adapter)
+                    self._device = Device(self._adapter, max_batch=self._submit_batch)
         return self._device
 
     # -- running --------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import os
 import threading
@@ -57,15 +58,22 @@ if TYPE_CHECKING:
 
 __all__ = ["Run", "Scheduler", "WorkerPool"]
 
+log = logging.getLogger("hetero")
+# A stage dispatching more workgroups than this is submitted on its own rather than
+# coalesced with its neighbours: its GPU time dwarfs the cost of a submission.
+LARGE_STAGE_WORKGROUPS = 1 << 14
+
 
 class WorkerPool:
     """A fixed set of daemon threads serving a priority queue of jobs."""
 
-    def __init__(self, name: str, threads: int) -> None:
+    def __init__(self, name: str, threads: int, on_idle: Callable[[], None] | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"{name} needs at least 1 thread, got {threads!r}")
         self.name = name
         self.size = threads
+        self._on_idle = on_idle  # called when the last busy worker finds the queue empty
+        self._busy = 0
         self._heap: list[tuple[Any, int, Callable[[], None]]] = []
         self._cv = threading.Condition(threading.Lock())
         self._arrival = itertools.count()
@@ -94,7 +102,7 @@ class WorkerPool:
             self._cv.notify(len(items))
 
     def _work(self) -> None:
-        heap, cv = self._heap, self._cv
+        heap, cv, on_idle = self._heap, self._cv, self._on_idle
         while True:
             with cv:
                 while not heap:
@@ -102,7 +110,16 @@ class WorkerPool:
                         return
                     cv.wait()
                 job = heapq.heappop(heap)[2]
+                self._busy += 1
             job()  # jobs catch their own errors
+            with cv:
+                self._busy -= 1
+                idle = not self._busy and not heap
+            if idle and on_idle is not None:
+                try:
+                    on_idle()
+                except BaseException:  # pragma: no cover - the hook must not kill the worker
+                    log.exception("%s: idle hook failed", self.name)
 
     def close(self) -> None:
         with self._cv:
@@ -274,10 +291,12 @@ class Run:
 class Scheduler:
     """Owns the CPU pool and the GPU recording pool; routes ready stages to them."""
 
-    def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device]) -> None:
+    def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
+                 device_if_open: Callable[[], Device | None]) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
-        self.gpu = WorkerPool("hetero-gpu", gpu_threads)
+        self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
+        self._device_if_open = device_if_open
         self._seq = itertools.count()
 
     def new_run(self, plan: Plan, inputs: dict[str, Any]) -> Run:
@@ -377,7 +396,10 @@ class Scheduler:
         if run.stopped:
             return
         try:
-            index = dev.submit([command_buffer])
+            # Small stages are coalesced into one submission (flushed when the GPU
+            # workers go idle, when someone waits on a fence, or when the batch is full).
+            on_done = (lambda: self._gpu_completed(run, st, result, staged)) if st.fence else None
+            dev.enqueue(command_buffer, on_done, flush=ctx.workgroups > LARGE_STAGE_WORKGROUPS)
         except BaseException as e:  # noqa: BLE001
             run.fail(st, e, attempt)
             return
@@ -386,9 +408,7 @@ class Scheduler:
             ready = run.release(st.gpu_consumers)
             if ready:
                 self.dispatch(run, ready)
-        if st.fence:
-            dev.on_done(index, lambda: self._gpu_completed(run, st, result, staged))
-        else:
+        if not st.fence:
             run.values[i] = result
             if not st.simple and not run.end_timed(st):
                 return
@@ -411,6 +431,11 @@ class Scheduler:
             if ready:
                 self.dispatch(run, ready)
         run.stage_done()
+
+    def _gpu_idle(self) -> None:
+        dev = self._device_if_open()
+        if dev is not None:
+            dev.flush()
 
     def close(self) -> None:
         self.cpu.close()
