@@ -97,7 +97,10 @@ class GPUContext:
                 f"dispatch got {len(bindings)}"
             )
         entries = [{"binding": i, "resource": self._resource(b, i, k.label)} for i, b in enumerate(bindings)]
-        bind_group = self.device.create_bind_group(layout=k.pipeline.get_bind_group_layout(0), entries=entries)
+        try:
+            bind_group = self.device.create_bind_group(layout=k.pipeline.get_bind_group_layout(0), entries=entries)
+        except Exception as e:
+            raise ValueError(_explain_bind_error(k.label, bindings, e)) from e
         if groups[0] * groups[1] * groups[2] == 0:
             return  # an empty grid does nothing; the bindings were still checked
         self.workgroups += groups[0] * groups[1] * groups[2]
@@ -113,7 +116,7 @@ class GPUContext:
         if isinstance(b, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
             data = np.frombuffer(b, np.uint8) if isinstance(b, (bytes, bytearray, memoryview)) \
                 else np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-            size = max(16, (data.nbytes + 15) & ~15)  # uniform structs are 16-byte aligned
+            size = _uniform_size(data.nbytes)
             padded = np.zeros(size, np.uint8)
             padded[: data.nbytes] = data
             buf = self.device.create_buffer_with_data(data=padded, usage=_UNIFORM)
@@ -151,6 +154,41 @@ def read_staging(staging: Any, t: Tensor) -> np.ndarray:
     finally:
         staging.unmap()
     return out
+
+
+def _explain_bind_error(label: str, bindings: tuple[Any, ...], err: Exception) -> str:
+    """Say in one line which binding is wrong and why (wgpu's message is long and unnamed)."""
+    import re
+
+    text = str(err)
+    m = re.search(r"Binding size (\d+) .* less than minimum (\d+)", text)
+    if m:
+        got, need = int(m.group(1)), int(m.group(2))
+        which = [i for i, b in enumerate(bindings) if _binding_bytes(b) == got]
+        where = "binding " + " or ".join(map(str, which)) if which else "a binding"
+        return (f"kernel {label!r}: {where} is {got} bytes, smaller than the {need} bytes the shader "
+                "declares for it; pass a larger tensor or fix the WGSL struct")
+    if "required usage flags" in text and "UNIFORM" in text:
+        return (f"kernel {label!r}: a Tensor was bound where the shader declares var<uniform>; "
+                "pass a numpy array or bytes for uniform bindings")
+    if "required usage flags" in text and "STORAGE" in text:
+        return (f"kernel {label!r}: a uniform (numpy array or bytes) was bound where the shader declares "
+                "var<storage>; pass a Tensor")
+    first = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), text)
+    return f"kernel {label!r}: the bindings do not match the shader: {first}"
+
+
+def _binding_bytes(b: Any) -> int:
+    if isinstance(b, Tensor):
+        return b.binding_size
+    try:
+        return _uniform_size(memoryview(b).nbytes)
+    except TypeError:
+        return -1
+
+
+def _uniform_size(nbytes: int) -> int:
+    return max(16, (nbytes + 15) & ~15)  # uniform structs are 16-byte aligned
 
 
 def _workgroups(workgroups: Any, limit: int, label: str) -> tuple[int, int, int]:
