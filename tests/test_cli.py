@@ -1,0 +1,114 @@
+"""The ``hetero`` command line, called in-process through ``hetero._cli.main``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import hetero
+from hetero import _cli, _device
+
+
+def adapter_names() -> list[str]:
+    return [_device.adapter_summary(a)["name"] for a in _device.list_adapters()]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"hetero {hetero.__version__} (wgpu ")
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main([]) == 2
+    assert "required: command" in capsys.readouterr().err
+
+
+def test_info(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HETERO_ADAPTER", raising=False)
+    assert _cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    chosen = _device.select_adapter()
+    assert f"selected: {chosen.summary}" in out
+    assert "<- selected" in out
+    for name in adapter_names():
+        assert name in out
+    for limit in _cli.KEY_LIMITS:
+        assert limit in out
+    assert "compute features enabled: timestamp-query " in out
+    assert "adapter features: " in out
+
+
+def test_info_respects_hetero_adapter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = _device.list_adapters()[-1].summary
+    backend = summary.rsplit(" via ", 1)[-1]
+    monkeypatch.setenv("HETERO_ADAPTER", backend.lower())
+    assert _cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"via {backend} (HETERO_ADAPTER={backend.lower()!r})" in out
+
+
+def test_info_with_unknown_adapter_fails_clearly(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETERO_ADAPTER", "no-such-gpu-xyz")
+    assert _cli.main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hetero: error: no adapter matches HETERO_ADAPTER='no-such-gpu-xyz'; available: ")
+    assert "Traceback" not in err
+
+
+def test_info_without_adapters_says_what_to_install(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_device, "list_adapters", lambda: [])
+    assert _cli.main(["info"]) == 1
+    assert "apt-get install -y mesa-vulkan-drivers" in capsys.readouterr().err
+    assert _cli.main(["info", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert out.startswith("no compute-capable Vulkan, Metal or D3D12 adapter (adapters: none)")
+    assert "apt-get install -y mesa-vulkan-drivers" in out
+
+
+def test_info_check(capsys: pytest.CaptureFixture[str]) -> None:
+    has_compute_backend = any(
+        _device.adapter_summary(a)["backend"] in _cli.COMPUTE_BACKENDS for a in _device.list_adapters()
+    )
+    code = _cli.main(["info", "--check"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert code == (0 if has_compute_backend else 1)
+    if code == 0:
+        assert out.startswith("ok: compute works on ")
+
+
+def test_demo(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HETERO_ADAPTER", raising=False)
+    assert _cli.main(["demo", "--size", "1000", "--runs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"adapter: {_device.select_adapter().summary}" in out
+    assert "1 run + 3 through Runtime.map" in out
+    for stage, kind in (("prepare", "cpu"), ("saxpy", "gpu"), ("check", "cpu")):
+        assert f"  {stage:<8} {kind} " in out
+    assert "result: matches numpy in all 4 runs" in out
+
+
+def test_demo_error_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stage failure surfaces as StageError -> "hetero: error: ..." and exit status 1.
+    monkeypatch.setattr(_cli, "SAXPY_WGSL", "this is not WGSL")
+    assert _cli.main(["demo", "--size", "10", "--runs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hetero: error: gpu stage 'saxpy' failed: ")
+    assert "Traceback" not in err
+
+
+def test_demo_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["demo", "--size", "0"]) == 2
+    assert "argument --size: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_python_dash_m() -> None:
+    done = subprocess.run([sys.executable, "-m", "hetero", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert done.stdout.startswith("hetero ")
