@@ -101,7 +101,7 @@ class Kernel:
 class Device:
     """One WebGPU device: its queue, its pipeline cache and its fence thread."""
 
-    def __init__(self, adapter: Any | None = None, *, max_batch: int = 32) -> None:
+    def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None) -> None:
         self.adapter = adapter if adapter is not None else select_adapter()
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
         limits = {k: v for k, v in self.adapter.limits.items()}
@@ -130,6 +130,11 @@ class Device:
         from wgpu.backends.wgpu_native import _api
 
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
+        from ._memory import BufferPool
+        from ._transfer import StagingRing
+
+        self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush)
+        self.ring = StagingRing(self.device)
 
     # -- pipelines -------------------------------------------------------------------
     def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",
@@ -228,11 +233,14 @@ class Device:
                 log.exception("fence callback failed")
 
     def close(self) -> None:
+        """Submit what is batched, let the fence thread drain, then destroy pooled memory."""
         self.flush()
         with self._fence_cv:
             self._closed = True
             self._fence_cv.notify()
         self._fence_thread.join(timeout=5)
+        self.ring.close()
+        self.pool.close()
         self._kernels.clear()
 
 

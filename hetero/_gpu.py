@@ -13,12 +13,12 @@ import numpy as np
 import wgpu
 
 from ._device import Device, Kernel
-from ._tensor import Tensor, buffer_size
+from ._memory import Block, MemoryWait
+from ._tensor import Tensor
 
 __all__ = ["GPUContext", "map_values"]
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-_READBACK = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
 _UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
 
 
@@ -33,46 +33,76 @@ def map_values(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ..
     return value
 
 
-class GPUContext:
-    """What a GPU stage function receives as its first argument."""
+class _Park(BaseException):
+    """The stage must wait for memory: unwinds the stage function (which must not catch it)."""
 
-    def __init__(self, device: Device, stage: str) -> None:
+    def __init__(self, wait: MemoryWait) -> None:
+        super().__init__(wait)
+        self.wait = wait
+
+
+class GPUContext:
+    """What a GPU stage function receives as its first argument.
+
+    Tensors made here come from the runtime's buffer pool. The ones the stage
+    returns live until their last consumer was submitted (or they were downloaded);
+    the others are temporaries, back in the pool as soon as the stage is submitted.
+    """
+
+    def __init__(self, device: Device, stage: str, *, overcommit: bool = False) -> None:
         self._dev = device
         self.stage = stage
         self.device = device.device  # the wgpu.GPUDevice, for work hetero does not wrap
         self.limits = device.limits
         self.features = device.features
         self._encoder: Any = None
+        self._overcommit = overcommit
         self.workgroups = 0  # dispatched so far (decides whether the stage is coalesced)
+        self.blocks: list[Block] = []  # pool blocks this context acquired (one reference each)
+        self.uploads: list[Any] = []  # staging tickets of this stage's uploads
+        self.downloads: list[tuple[Any, Tensor]] = []  # staging tickets of values going to the host
 
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
-        """A new uninitialised Tensor."""
+        """A new uninitialised Tensor from the pool."""
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if any(int(s) < 0 for s in shape):
             raise ValueError(f"gpu.empty: shape {shape} has a negative dimension")
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        return Tensor(self._buffer(nbytes), shape, dt)
+        try:
+            block = self._dev.pool.acquire(nbytes, _STORAGE, stage=self.stage, overcommit=self._overcommit)
+        except MemoryWait as w:
+            raise _Park(w) from None
+        self.blocks.append(block)
+        return Tensor(block.buffer, shape, dt, offset=block.offset, block=block)
 
     def upload(self, array: Any) -> Tensor:
-        """Copy a host array to a new Tensor (ordered before this stage's work)."""
-        a = np.ascontiguousarray(array)
+        """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
+        a = np.asarray(array)
         if a.dtype == object:
             raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
-        buf = self._buffer(a.nbytes)
-        data = a.reshape(-1).view(np.uint8)
-        if data.nbytes % 4:
-            data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
-        if data.nbytes:
-            self._dev.queue.write_buffer(buf, 0, data)
-        return Tensor(buf, a.shape, a.dtype)
+        t = self.empty(a.shape, a.dtype)
+        if a.nbytes:
+            self.uploads.append(self._dev.ring.upload(self.encoder, a, t.buffer, t.offset))
+        return t
 
-    def _buffer(self, nbytes: int) -> Any:
-        limit = self.limits["max-buffer-size"]
-        if nbytes > limit:
-            raise ValueError(f"a buffer of {nbytes} bytes exceeds the adapter's max-buffer-size of {limit} bytes")
-        return self.device.create_buffer(size=buffer_size(nbytes), usage=_STORAGE)
+    def discard(self) -> None:
+        """The stage will not be submitted: give back everything it took."""
+        for ticket in self.uploads:
+            ticket.discard()
+        for ticket, _ in self.downloads:
+            ticket.discard()
+        self.uploads, self.downloads = [], []
+        self.release_blocks()
+        self._encoder = None
+
+    def release_blocks(self) -> None:
+        """Drop this context's references to its blocks (after submission, or when discarded)."""
+        pool = self._dev.pool
+        blocks, self.blocks = self.blocks, []
+        for b in blocks:
+            pool.release(b)
 
     # -- kernels ----------------------------------------------------------------------
     def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",
@@ -112,7 +142,7 @@ class GPUContext:
 
     def _resource(self, b: Any, i: int, label: str) -> dict[str, Any]:
         if isinstance(b, Tensor):
-            return {"buffer": b.buffer, "offset": 0, "size": b.buffer.size}
+            return {"buffer": b.buffer, "offset": b.offset, "size": b.binding_size}
         if isinstance(b, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
             data = np.frombuffer(b, np.uint8) if isinstance(b, (bytes, bytearray, memoryview)) \
                 else np.ascontiguousarray(b).reshape(-1).view(np.uint8)
@@ -134,26 +164,22 @@ class GPUContext:
             self._encoder = self.device.create_command_encoder(label=self.stage)
         return self._encoder
 
-    def stage_download(self, t: Tensor) -> Any:
-        """Record a copy of ``t`` into a new host-readable buffer; returns that buffer."""
-        staging = self.device.create_buffer(size=t.buffer.size, usage=_READBACK)
-        self.encoder.copy_buffer_to_buffer(t.buffer, 0, staging, 0, t.buffer.size)
-        return staging
+    def stage_download(self, t: Tensor) -> Tensor:
+        """Record a copy of ``t`` into host-readable staging memory (read after the fence)."""
+        if t.nbytes:
+            self.downloads.append((self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes), t))
+        return t
+
+    def read_downloads(self) -> dict[int, np.ndarray]:
+        """After the fence: the host copies of the staged tensors, by ``id(tensor)``."""
+        out: dict[int, np.ndarray] = {}
+        for ticket, t in self.downloads:
+            out[id(t)] = ticket.read(t.shape, t.dtype)
+        return out
 
     def finish(self) -> Any:
         """The recorded command buffer (an empty one flushes pending uploads)."""
         return self.encoder.finish()
-
-
-def read_staging(staging: Any, t: Tensor) -> np.ndarray:
-    """Map a completed staging buffer and copy its data out as ``t``'s shape and dtype."""
-    staging.map_sync("READ_NOSYNC")  # the fence already waited for the copy
-    try:
-        raw = staging.read_mapped(copy=False)
-        out = np.frombuffer(raw, np.uint8, count=t.nbytes).view(t.dtype).reshape(t.shape).copy()
-    finally:
-        staging.unmap()
-    return out
 
 
 def _explain_bind_error(label: str, bindings: tuple[Any, ...], err: Exception) -> str:

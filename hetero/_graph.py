@@ -11,6 +11,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from .errors import GraphError
@@ -73,6 +74,7 @@ class Node:
     options: StageOptions
     index: int
     extra_deps: list[Node] = field(default_factory=list)
+    kernels: tuple[tuple[str, str], ...] = ()  # (wgsl, entry point) a GPU stage declares, for warmup
 
     def after(self, *nodes: Node) -> Node:
         """Order this stage after ``nodes`` without passing their values. Returns self."""
@@ -132,13 +134,17 @@ class Graph:
 
     def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            **kwargs: Any) -> Node:
+            kernels: Iterable[str | tuple[str, str]] = (), **kwargs: Any) -> Node:
         """Declare a GPU stage: ``fn(gpu, *args, **kwargs)`` records GPU work.
 
         numpy arrays reaching it are uploaded and arrive as :class:`hetero.Tensor`.
-        Same options as :meth:`cpu`.
+        Same options as :meth:`cpu`, plus ``kernels``: the WGSL sources (or
+        ``(wgsl, entry_point)`` pairs) the stage uses, for ``Runtime.warmup``; a
+        ``kernels`` attribute on ``fn`` is read too.
         """
-        return self._add("gpu", fn, args, kwargs, name, retries, timeout, after)
+        node = self._add("gpu", fn, args, kwargs, name, retries, timeout, after)
+        node.kernels = _kernel_specs(node.name, (*getattr(fn, "kernels", ()), *kernels))
+        return node
 
     def output(self, *values: Node | Input) -> None:
         """Declare the graph's outputs; ``run()`` returns one value, or a tuple for several."""
@@ -199,3 +205,15 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {self.name!r}: {len(self.inputs)} inputs, {len(self.nodes)} stages>"
+
+
+def _kernel_specs(stage: str, specs: Iterable[Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for k in specs:
+        if isinstance(k, str):
+            out.append((k, "main"))
+        elif isinstance(k, tuple) and len(k) == 2 and all(isinstance(p, str) for p in k):
+            out.append((k[0], k[1]))
+        else:
+            raise GraphError(f"stage {stage!r}: kernels must be WGSL strings or (wgsl, entry_point) pairs, got {k!r}")
+    return tuple(out)

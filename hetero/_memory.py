@@ -30,6 +30,12 @@ usage are never mixed: a uniform buffer is not a storage buffer).
 * Usages that can be mapped (MAP_READ, MAP_WRITE) always get a buffer of their
   own: a mapped buffer cannot be used by a submission, so a slab shared by two
   blocks would let mapping one block abort the submission of its neighbour.
+* STORAGE usages get a buffer of their own too. WebGPU tracks usage per buffer,
+  not per range: a dispatch that reads one block of a slab and writes another
+  binds the same buffer as read-only and read-write storage at once, which is a
+  validation error ("conflicting usages"). Small storage tensors therefore get
+  the smallest class (256 bytes and up, powers of two) in their own buffer, and
+  reuse makes the per-buffer cost a one-off.
 
 Budget
 ------
@@ -114,6 +120,7 @@ DEFAULT_SLAB_BYTES = 1 * MiB
 MIN_CLASS = 256
 BUDGET_CAP = 8 * GiB
 _MAPPABLE = int(wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.MAP_WRITE)
+_NO_SLAB = _MAPPABLE | int(wgpu.BufferUsage.STORAGE)  # see "Size classes" above
 
 
 class OutOfMemoryError(GPUError):
@@ -158,6 +165,11 @@ class MemoryStats:
     blocks_in_use: int
     buffers: int  # live wgpu buffers (slabs and dedicated buffers)
 
+    @classmethod
+    def empty(cls, budget_bytes: int | None = None) -> MemoryStats:
+        """The stats of a runtime that has not created its device yet."""
+        return cls(0, 0, 0, 0, 0, 0, budget_bytes or 0, 0, 0, 0, 0, 0)
+
 
 class Block:
     """One allocation handed out by a :class:`BufferPool`: ``size`` bytes at ``offset`` in ``buffer``.
@@ -178,6 +190,10 @@ class Block:
         self._pool = pool
         self._home = home
         self._refs = 1
+
+    @property
+    def pool(self) -> BufferPool:
+        return self._pool
 
     @property
     def refcount(self) -> int:
@@ -279,12 +295,16 @@ class BufferPool:
 
     def __init__(self, device: wgpu.GPUDevice, *, budget_bytes: int | None = None,
                  limits: dict[str, Any] | None = None, small_max_bytes: int = DEFAULT_SMALL_MAX,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES, before_destroy: Callable[[], None] | None = None) -> None:
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, before_destroy: Callable[[], None] | None = None,
+                 slab_storage: bool = False) -> None:
         self.device = device
         # Called before free buffers are destroyed: a free buffer may still be named by a
         # recorded command buffer that waits in the submission batch, and submitting work
         # that uses a destroyed buffer aborts the process. The runtime flushes the batch here.
         self._before_destroy = before_destroy
+        # Slabs of STORAGE buffers are only safe where no dispatch binds two blocks of
+        # one slab (see "Size classes"); the runtime never enables them.
+        self._no_slab = _MAPPABLE if slab_storage else _NO_SLAB
         lim: dict[str, Any] = dict(device.limits)
         if limits:
             lim.update(limits)
@@ -338,7 +358,7 @@ class BufferPool:
         if cls > cap and need <= cap:
             r256 = (nbytes + 255) & ~255
             cls = r256 if r256 <= cap else need
-        slab = (nbytes <= self.small_max and not usage & _MAPPABLE and self.slab_bytes >= 2 * cls)
+        slab = (nbytes <= self.small_max and not usage & self._no_slab and self.slab_bytes >= 2 * cls)
         return cls, slab
 
     # -- acquire / retain / release ---------------------------------------------------

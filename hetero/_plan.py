@@ -36,12 +36,14 @@ class StagePlan:
     n_deps: int  # distinct stages this one waits for
     gpu_consumers: tuple[int, ...]  # GPU stages that read this value (or are ordered after it)
     cpu_consumers: tuple[int, ...]  # CPU stages that read this value (or are ordered after it)
+    gpu_deps: tuple[int, ...]  # GPU stages whose values (or completion) this stage waits for
     download: bool  # GPU stage whose value a CPU stage or the caller reads: bring it to the host
     fence: bool  # GPU stage whose completion a CPU stage or the caller waits for
     priority: int  # length of the longest path from here to a sink (critical path)
     retries: int
     timeout: float | None
     simple: bool  # no timeout: a worker may run it without the event loop watching
+    kernels: tuple[tuple[str, str], ...]  # declared (wgsl, entry point) pairs, compiled by warmup
 
 
 class Plan:
@@ -99,10 +101,11 @@ class Plan:
                 args=tuple(_arg(a) for a in node.args),
                 kwargs=tuple((k, _arg(v)) for k, v in node.kwargs.items()),
                 n_deps=len(deps[i]), gpu_consumers=gpu_c, cpu_consumers=cpu_c,
+                gpu_deps=tuple(sorted(d for d in deps[i] if nodes[d].kind == "gpu")) if is_gpu else (),
                 download=is_gpu and (host_readers[i] or i in output_idx),
                 fence=is_gpu and (bool(cpu_c) or i in output_idx),
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
-                simple=node.options.timeout is None,
+                simple=node.options.timeout is None, kernels=node.kernels,
             ))
         self.stages: tuple[StagePlan, ...] = tuple(stages)
         self.order: tuple[int, ...] = tuple(order)

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 
 from ._device import Device
+from ._memory import MemoryStats
 from ._graph import Graph
 from ._scheduler import Run, Scheduler
 from .errors import GraphError, HeteroError, RuntimeClosedError
@@ -23,13 +24,16 @@ class Runtime:
 
     ``cpu_threads`` bounds the CPU stage pool (default: ``os.cpu_count()``);
     ``gpu_threads`` is the number of threads recording GPU stages; ``submit_batch`` is
-    how many small GPU stages may share one queue submission (1 turns coalescing off).
+    how many small GPU stages may share one queue submission (1 turns coalescing off);
+    ``memory_budget`` caps the device memory (bytes) the buffer pool holds: past it,
+    younger runs wait for memory while the oldest one proceeds (default: see
+    ``hetero._memory.default_budget``).
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
 
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 2, submit_batch: int = 32,
-                 adapter: Any = None) -> None:
+                 memory_budget: int | None = None, adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
         if not isinstance(gpu_threads, int) or gpu_threads < 1:
@@ -37,6 +41,10 @@ class Runtime:
         if not isinstance(submit_batch, int) or submit_batch < 1:
             raise ValueError(f"submit_batch must be an integer >= 1, got {submit_batch!r}")
         self._submit_batch = submit_batch
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                          or memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        self._memory_budget = memory_budget
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
@@ -79,8 +87,41 @@ class Runtime:
             with self._device_lock:
                 if self._device is None:
                     self._check_open()
-                    self._device = Device(self._adapter, max_batch=self._submit_batch)
+                    self._device = Device(self._adapter, max_batch=self._submit_batch,
+                                          memory_budget=self._memory_budget)
         return self._device
+
+    # -- memory -----------------------------------------------------------------------
+    def memory_stats(self) -> MemoryStats:
+        """Device memory of the buffer pool: in use, peak, pooled, allocations, reuses, waits."""
+        dev = self._device
+        if dev is None:
+            return MemoryStats.empty(self._memory_budget)
+        return dev.pool.stats()
+
+    def trim(self) -> int:
+        """Destroy pooled device buffers (and staging buffers) not in use; returns bytes freed."""
+        dev = self._device
+        if dev is None:
+            return 0
+        return dev.pool.trim() + dev.ring.trim()
+
+    async def warmup(self, graph: Graph) -> int:
+        """Create the device and compile every kernel ``graph``'s GPU stages declare, off the loop.
+
+        A GPU stage declares its kernels with ``g.gpu(fn, ..., kernels=[wgsl, (wgsl, entry_point), ...])``
+        or a ``kernels`` attribute on ``fn``. Returns how many pipelines were compiled or found cached.
+        """
+        plan = graph.plan()
+        specs = [k for st in plan.stages for k in st.kernels]
+
+        def compile_all() -> int:
+            dev = self.device()
+            for wgsl, entry in specs:
+                dev.kernel(wgsl, entry)
+            return len(specs)
+
+        return await anyio.to_thread.run_sync(compile_all)
 
     # -- running --------------------------------------------------------------------
     def _start(self, graph: Graph, inputs: Mapping[str, Any]) -> Run:

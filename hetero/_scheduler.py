@@ -48,7 +48,7 @@ import anyio
 import numpy as np
 
 from ._bridge import loop_caller
-from ._gpu import GPUContext, map_values, read_staging
+from ._gpu import GPUContext, _Park, map_values
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
 from ._tensor import Tensor
 from .errors import StageError
@@ -62,6 +62,8 @@ log = logging.getLogger("hetero")
 # A stage dispatching more workgroups than this is submitted on its own rather than
 # coalesced with its neighbours: its GPU time dwarfs the cost of a submission.
 LARGE_STAGE_WORKGROUPS = 1 << 14
+# How long a failed run waits for its GPU stages being recorded before raising anyway.
+_CLEANUP_WAIT = 5.0
 
 
 class WorkerPool:
@@ -148,6 +150,12 @@ class Run:
         self.done = False
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
         self.finished_at = 0.0
+        # Device memory: a GPU value's blocks are held while holds[i] > 0 (one per GPU
+        # consumer still to be enqueued, one for its download, one while it is recorded).
+        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else 0 for s in plan.stages]
+        self.held: dict[int, list[Any]] = {}
+        self.recording = 0  # GPU stages of this run being recorded right now
+        self.cleaned = False
         self._event: anyio.Event | None = None
         self._call: Callable[[Callable[[], Any]], None] | None = None
 
@@ -156,6 +164,7 @@ class Run:
         """Bind to the current event loop and queue the root stages."""
         self._call = loop_caller()
         self._event = anyio.Event()
+        self.sched.run_started(self)
         if not self.plan.stages:
             self._finish()
             return
@@ -177,6 +186,14 @@ class Run:
             if not self.stopped:  # cancelled by the caller
                 self.stop()
         if self.error is not None:
+            # Let GPU stages being recorded finish and the run's buffers go back to the
+            # pool before raising (recording is short; a stage's GPU work is not awaited).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT):
+                while not self.cleaned:
+                    event = self._event = anyio.Event()
+                    if self.cleaned:
+                        break
+                    await event.wait()
             raise self.error
         return self.outputs()
 
@@ -206,6 +223,52 @@ class Run:
     def stop(self) -> None:
         with self.lock:
             self.stopped = True
+            clean = self.recording == 0
+        if clean:
+            self.cleanup()
+
+    # -- device memory ----------------------------------------------------------------
+    def hold(self, i: int, blocks: list[Any]) -> bool:
+        """Keep ``blocks`` for value ``i``; False (nothing kept) if the run stopped."""
+        pool = None
+        with self.lock:
+            if self.stopped:
+                return False
+            if blocks:
+                pool = blocks[0].pool
+                self.held[i] = blocks
+        if pool is not None:
+            for b in blocks:
+                pool.retain(b)
+        return True
+
+    def drop_hold(self, i: int) -> None:
+        with self.lock:
+            self.holds[i] -= 1
+            blocks = self.held.pop(i, None) if self.holds[i] <= 0 else None
+        if blocks:
+            for b in blocks:
+                b.pool.release(b)
+
+    def recording_done(self) -> None:
+        with self.lock:
+            self.recording -= 1
+            clean = self.stopped and self.recording == 0
+        if clean:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """The run stopped and nothing of it is being recorded: return every block it holds."""
+        with self.lock:
+            if self.cleaned:
+                return
+            self.cleaned = True
+            held, self.held = self.held, {}
+        for blocks in held.values():
+            for b in blocks:
+                b.pool.release(b)
+        self.sched.run_ended(self)
+        self._wake()
 
     def outputs(self) -> Any:
         outs = []
@@ -232,6 +295,9 @@ class Run:
                 return
             self.stopped = True
             self.error = err
+            clean = self.recording == 0
+        if clean:
+            self.cleanup()
         self._wake()
 
     def _finish(self) -> None:
@@ -240,7 +306,10 @@ class Run:
                 return
             self.stopped = True
             self.done = True
+            clean = self.recording == 0
         self.finished_at = time.monotonic()
+        if clean:
+            self.cleanup()
         self._wake()
 
     def args_for(self, st: StagePlan, values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -297,6 +366,9 @@ class Scheduler:
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
+        self._runs_lock = threading.Lock()
+        self._active: dict[int, Run] = {}  # runs started and not ended, by sequence
+        self._parked: dict[int, tuple[Run, int]] = {}  # stages waiting for memory
         self._seq = itertools.count()
 
     def new_run(self, plan: Plan, inputs: dict[str, Any]) -> Run:
@@ -361,49 +433,70 @@ class Scheduler:
 
     # -- GPU stages -----------------------------------------------------------------
     def run_gpu(self, run: Run, i: int) -> None:
-        """Record GPU stage ``i`` on this thread with its own encoder and submit it."""
-        if run.stopped:
-            return
-        st = run.plan.stages[i]
-        if not st.simple:
+        """Record GPU stage ``i`` on this thread with its own encoder and enqueue it."""
+        with run.lock:
+            if run.stopped:
+                return
+            run.recording += 1
+        try:
+            self._record_gpu(run, run.plan.stages[i])
+        finally:
+            run.recording_done()
+
+    def _record_gpu(self, run: Run, st: StagePlan) -> None:
+        i = st.index
+        if not st.simple and i not in run.timed_started:
             run.begin_timed(st)
         attempt = 0
         while True:
             attempt += 1
+            ctx: GPUContext | None = None
             try:
                 dev = self._device()
                 dev.check_alive()
-                ctx = GPUContext(dev, st.name)
+                ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run))
+                c = ctx
                 args, kwargs = run.args_for(st, run.dev_values)
-                args = tuple(map_values(a, ctx.upload, np.ndarray) for a in args)
-                kwargs = {k: map_values(v, ctx.upload, np.ndarray) for k, v in kwargs.items()}
+                args = tuple(map_values(a, c.upload, np.ndarray) for a in args)
+                kwargs = {k: map_values(v, c.upload, np.ndarray) for k, v in kwargs.items()}
                 result = st.fn(ctx, *args, **kwargs)
-                staged: list[tuple[Any, Tensor]] = []
                 if st.download:
-                    def stage(t: Tensor) -> Tensor:
-                        staged.append((ctx.stage_download(t), t))
-                        return t
-
-                    map_values(result, stage, Tensor)
+                    map_values(result, c.stage_download, Tensor)
                 command_buffer = ctx.finish()
                 break
-            except BaseException as e:  # noqa: BLE001
+            except _Park as park:
+                assert ctx is not None
+                ctx.discard()
+                self._park(run, i, park.wait.generation)
+                return
+            except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
+                if ctx is not None:
+                    ctx.discard()
                 if attempt > st.retries or run.stopped:
                     if not st.simple:
                         run.timed_started.pop(i, None)
                     run.fail(st, e, attempt)
                     return
-        if run.stopped:
+        # The value keeps the blocks of the tensors it holds until its last consumer is
+        # enqueued (and its download, if any, is done); everything else the stage took
+        # goes back to the pool once its command buffer is enqueued.
+        blocks = {id(b): b for b in _blocks_of(result)}
+        if not run.hold(i, list(blocks.values())):
+            ctx.discard()  # the run stopped meanwhile: enqueue nothing
             return
+        uploads, needs_callback = ctx.uploads, st.fence or bool(ctx.uploads)
+        on_done = (lambda: self._gpu_completed(run, st, result, ctx, uploads)) if needs_callback else None
         try:
-            # Small stages are coalesced into one submission (flushed when the GPU
-            # workers go idle, when someone waits on a fence, or when the batch is full).
-            on_done = (lambda: self._gpu_completed(run, st, result, staged)) if st.fence else None
-            dev.enqueue(command_buffer, on_done, flush=ctx.workgroups > LARGE_STAGE_WORKGROUPS)
-        except BaseException as e:  # noqa: BLE001
+            dev.enqueue(command_buffer, on_done, flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS)
+        except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
             run.fail(st, e, attempt)
+            ctx.discard()
             return
+        ctx.release_blocks()
+        for d in st.gpu_deps:
+            run.drop_hold(d)
         run.dev_values[i] = result
+        run.drop_hold(i)  # the recording hold: from here only consumers and the download keep it
         if st.gpu_consumers:
             ready = run.release(st.gpu_consumers)
             if ready:
@@ -414,16 +507,25 @@ class Scheduler:
                 return
             run.stage_done()
 
-    def _gpu_completed(self, run: Run, st: StagePlan, result: Any, staged: list[tuple[Any, Tensor]]) -> None:
-        """On the fence thread: the stage's GPU work finished; bring its value to the host."""
-        if run.stopped:
+    def _gpu_completed(self, run: Run, st: StagePlan, result: Any, ctx: GPUContext, uploads: list[Any]) -> None:
+        """On the fence thread: the stage's GPU work finished; recycle staging, bring values to the host."""
+        for ticket in uploads:
+            ticket.complete()
+        if not st.fence:
             return
         try:
-            host = {id(t): read_staging(buf, t) for buf, t in staged}
-            run.values[st.index] = map_values(result, lambda t: host[id(t)], Tensor) if staged else result
-        except BaseException as e:  # noqa: BLE001
-            run.fail(st, e)
-            return
+            if run.stopped:
+                return
+            try:
+                host = ctx.read_downloads()
+                run.values[st.index] = map_values(result, lambda t: host.get(id(t), t), Tensor) if host else result
+            except BaseException as e:  # noqa: BLE001
+                run.fail(st, e)
+                return
+        finally:
+            for ticket, _ in ctx.downloads:
+                ticket.discard()  # no-op for tickets already read
+            run.drop_hold(st.index)
         if not st.simple and not run.end_timed(st):
             return
         if st.cpu_consumers:
@@ -431,6 +533,40 @@ class Scheduler:
             if ready:
                 self.dispatch(run, ready)
         run.stage_done()
+
+    # -- memory backpressure --------------------------------------------------------
+    def is_oldest(self, run: Run) -> bool:
+        """The oldest active run may exceed the memory budget, so that it always progresses."""
+        with self._runs_lock:
+            return bool(self._active) and run.seq == min(self._active)
+
+    def _park(self, run: Run, i: int, generation: int) -> None:
+        """Stage ``i`` waits for memory: queue it again once memory is freed or a run ends."""
+        token = (run, i)
+        with self._runs_lock:
+            self._parked[id(token)] = token
+
+        def requeue() -> None:
+            with self._runs_lock:
+                if self._parked.pop(id(token), None) is None:
+                    return  # already requeued
+            if not run.stopped:
+                self.dispatch(run, [i])
+
+        self._device().pool.on_free(requeue, after=generation)
+
+    def run_started(self, run: Run) -> None:
+        with self._runs_lock:
+            self._active[run.seq] = run
+
+    def run_ended(self, run: Run) -> None:
+        """A run finished, failed or was cancelled: parked stages may now fit, or overcommit."""
+        with self._runs_lock:
+            self._active.pop(run.seq, None)
+            parked, self._parked = list(self._parked.values()), {}
+        for r, i in parked:
+            if not r.stopped:
+                self.dispatch(r, [i])
 
     def _gpu_idle(self) -> None:
         dev = self._device_if_open()
@@ -447,3 +583,16 @@ _NO_VALUE = object()
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
     return lambda: fn(run, i)
+
+
+def _blocks_of(value: Any) -> list[Any]:
+    """Pool blocks of the tensors in a stage result."""
+    found: list[Any] = []
+
+    def visit(t: Tensor) -> Tensor:
+        if t.block is not None:
+            found.append(t.block)
+        return t
+
+    map_values(value, visit, Tensor)
+    return found

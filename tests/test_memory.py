@@ -38,9 +38,21 @@ def device() -> Any:
 
 @pytest.fixture
 def pool(device: Any) -> Iterator[BufferPool]:
-    p = BufferPool(device)
+    # Slabs of storage buffers enabled, to exercise the slab allocator (the runtime
+    # keeps them off: see test_storage_blocks_get_buffers_of_their_own).
+    p = BufferPool(device, slab_storage=True)
     yield p
     p.close()
+
+
+def test_storage_blocks_get_buffers_of_their_own(device: Any) -> None:
+    """WebGPU tracks usage per buffer: two storage blocks of one slab in one dispatch would conflict."""
+    pool = BufferPool(device)
+    blocks = [pool.acquire(1000, STORAGE) for _ in range(4)]
+    assert len({id(b.buffer) for b in blocks}) == 4 and all(b.offset == 0 for b in blocks)
+    uniforms = [pool.acquire(100, UNIFORM) for _ in range(4)]
+    assert len({id(b.buffer) for b in uniforms}) == 1  # read-only usages still share slabs
+    pool.close()
 
 
 def overlaps(a: Block, b: Block) -> bool:
