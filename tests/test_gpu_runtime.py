@@ -1,0 +1,308 @@
+"""The GPU runtime on a real device: buffer lifetimes, pooling, budget backpressure, fences, warmup."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+import hetero
+from hetero import StageError, Tensor
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+
+SCALE = """
+@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+struct P { k: f32, n: u32 }
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x + gid.y * 65535u * 64u;
+    if (i < p.n) { dst[i] = src[i] * p.k; }
+}
+"""
+
+
+def params(k: float, n: int) -> np.ndarray:
+    return np.array([(k, n)], dtype=[("k", "<f4"), ("n", "<u4")])
+
+
+def scale(gpu: hetero.GPUContext, src: Tensor, k: float = 2.0) -> Tensor:
+    out = gpu.empty(src.shape, np.float32)
+    groups = (src.size + 63) // 64
+    gpu.dispatch(SCALE, (min(groups, 65535), (groups + 65534) // 65535), src, out, params(k, src.size))
+    return out
+
+
+def chain(n: int, name: str = "chain") -> hetero.Graph:
+    """
+    ::
+
+        x -> s0 -> s1 -> ... -> s{n-1}     (every stage doubles its input)
+    """
+    g = hetero.Graph(name)
+    v = g.input("x")
+    for i in range(n):
+        v = g.gpu(scale, v, name=f"s{i}")
+    g.output(v)
+    return g
+
+
+async def test_long_chain_peaks_at_a_few_intermediates_and_reuses_memory() -> None:
+    x = np.ones(MiB, np.float32)  # 4 MiB
+    g = chain(24)
+    async with hetero.Runtime() as rt:
+        out = await rt.run(g, x=x)
+        np.testing.assert_array_equal(out, np.full(MiB, 2.0**24, np.float32))
+        first = rt.memory_stats()
+        assert first.in_use_bytes == 0
+        # Input upload, one stage's input and its output: never all 24 intermediates.
+        assert first.peak_bytes <= 3 * 4 * MiB
+        for _ in range(3):
+            await rt.run(g, x=x)
+        again = rt.memory_stats()
+        assert again.allocations == first.allocations  # repeated runs allocate nothing new
+        assert again.reuses > first.reuses
+        assert again.in_use_bytes == 0
+        freed = rt.trim()
+        assert freed >= first.pooled_bytes and rt.memory_stats().pooled_bytes == 0
+
+
+async def test_no_leak_over_many_failed_and_cancelled_runs() -> None:
+    """
+    ::
+
+        x -> s0 (gpu) -> maybe_fail (gpu) -> s1 (gpu) -> read (cpu)
+    """
+    def maybe_fail(gpu: hetero.GPUContext, t: Tensor, mode: int) -> Tensor:
+        tmp = gpu.empty(t.shape)  # a temporary taken before failing
+        if mode == 1:
+            raise ValueError("planned failure")
+        gpu.dispatch(SCALE, (t.size + 63) // 64, t, tmp, params(1.0, t.size))
+        return tmp
+
+    g = hetero.Graph("leaky")
+    x, mode = g.input("x"), g.input("mode")
+    a = g.gpu(scale, x, name="s0")
+    b = g.gpu(maybe_fail, a, mode)
+    c = g.gpu(scale, b, name="s1")
+    g.output(g.cpu(lambda v: float(v.sum()), c, name="read"))
+    rng = random.Random(7)
+    counts = {"ok": 0, "failed": 0, "cancelled": 0}
+    async with hetero.Runtime() as rt:
+        for _ in range(1000):
+            m = rng.choice([0, 1, 2])
+            xv = np.ones(rng.randint(1, 300), np.float32)
+            if m == 2:
+                with anyio.move_on_after(rng.choice([0, 0.0001, 0.001])):
+                    await rt.run(g, x=xv, mode=0)
+                    counts["ok"] += 1
+                    continue
+                counts["cancelled"] += 1
+                continue
+            try:
+                assert await rt.run(g, x=xv, mode=m) == 4.0 * xv.size
+                counts["ok"] += 1
+            except StageError as e:
+                assert e.stage == "maybe_fail"
+                counts["failed"] += 1
+        # Cancelled runs return their buffers once the stage being recorded finishes.
+        with anyio.fail_after(10):
+            while rt.memory_stats().in_use_bytes:
+                await anyio.sleep(0.01)
+        s = rt.memory_stats()
+        assert s.in_use_bytes == 0 and s.blocks_in_use == 0
+        assert s.allocations < 100  # buffers came back and were reused, run after run
+    assert counts["failed"] > 200 and counts["cancelled"] > 100 and counts["ok"] > 200
+
+
+async def test_failed_run_has_returned_its_memory_when_it_raises() -> None:
+    def take_and_fail(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.empty(1000)
+        raise RuntimeError("after allocating")
+
+    g = hetero.Graph("f")
+    a = g.gpu(scale, g.input("x"), name="a")
+    g.output(g.gpu(take_and_fail, a))
+    async with hetero.Runtime() as rt:
+        with pytest.raises(StageError, match="'take_and_fail' failed: RuntimeError: after allocating"):
+            await rt.run(g, x=np.ones(10, np.float32))
+        assert rt.memory_stats().in_use_bytes == 0
+
+
+async def test_budget_backpressure_between_two_graphs() -> None:
+    """Two runs of different graphs whose peaks do not fit the budget together: the younger one waits.
+
+    ::
+
+        hog:    x -> hold (gpu: 3 MiB until the pool reports a wait) -> sum (cpu)
+        other:  x -> take (gpu: 3 MiB) -> sum (cpu)
+    """
+    holding = threading.Event()
+    seen_wait = threading.Event()
+
+    def hold(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        parts = [gpu.empty(MiB // 4) for _ in range(3)]
+        holding.set()
+        pool = gpu._dev.pool
+        deadline = time.monotonic() + 10
+        while pool.stats().waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen_wait.set()
+        return scale(gpu, t, 3.0) if parts else t
+
+    def take(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        holding.wait(10)
+        parts = [gpu.empty(MiB // 4) for _ in range(3)]
+        return scale(gpu, t, 5.0) if parts else t
+
+    hog = hetero.Graph("hog")
+    hog.output(hog.cpu(lambda v: float(v.sum()), hog.gpu(hold, hog.input("x")), name="sum"))
+    other = hetero.Graph("other")
+    other.output(other.cpu(lambda v: float(v.sum()), other.gpu(take, other.input("x")), name="sum"))
+
+    async with hetero.Runtime(memory_budget=4 * MiB, gpu_threads=2) as rt:
+        results: dict[str, float] = {}
+
+        async def go(name: str, graph: hetero.Graph) -> None:
+            results[name] = await graph_run(rt, graph)
+
+        async def graph_run(rt: hetero.Runtime, graph: hetero.Graph) -> float:
+            return await rt.run(graph, x=np.ones(1000, np.float32))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(go, "hog", hog)
+            await anyio.to_thread.run_sync(holding.wait, 10)
+            tg.start_soon(go, "other", other)
+        assert results == {"hog": 3000.0, "other": 5000.0}
+        s = rt.memory_stats()
+        assert seen_wait.is_set() and s.waits >= 1
+        assert s.in_use_bytes == 0
+
+
+async def test_a_request_larger_than_the_budget_fails_clearly() -> None:
+    def big(gpu: hetero.GPUContext) -> Tensor:
+        return gpu.empty(2 * MiB)
+
+    g = hetero.Graph("big")
+    g.output(g.gpu(big, name="huge_alloc"))
+    async with hetero.Runtime(memory_budget=4 * MiB) as rt:
+        with pytest.raises(StageError) as e:
+            await rt.run(g)
+        assert str(e.value) == (
+            "gpu stage 'huge_alloc' failed: OutOfMemoryError: stage 'huge_alloc' needs a buffer of 8.0 MiB "
+            "(8388608 bytes), more than the memory budget of 4.0 MiB (4194304 bytes); "
+            "raise Runtime(memory_budget=...) or split the work"
+        )
+        assert rt.memory_stats().in_use_bytes == 0
+
+
+async def test_concurrent_recording_on_several_workers_is_correct() -> None:
+    """
+    ::
+
+        x -> s0 .. s15 (gpu, independent) -> total (cpu)
+    """
+    g = hetero.Graph("wide_gpu")
+    x = g.input("x")
+    parts = [g.gpu(scale, x, float(k), name=f"s{k}") for k in range(16)]
+    g.output(g.cpu(lambda *vs: [float(v[0]) for v in vs], *parts, name="total"))
+    async with hetero.Runtime(gpu_threads=4) as rt:
+        for _ in range(5):
+            assert await rt.run(g, x=np.ones(5000, np.float32)) == [float(k) for k in range(16)]
+
+
+async def test_fences_resolve_in_submission_order(shared_rt: hetero.Runtime) -> None:
+    dev = await anyio.to_thread.run_sync(shared_rt.device)
+    order: list[int] = []
+    done = threading.Event()
+    n = 50
+
+    def make(k: int):
+        def cb() -> None:
+            order.append(k)
+            if len(order) == n:
+                done.set()
+        return cb
+
+    for k in range(n):
+        dev.enqueue(dev.device.create_command_encoder().finish(), make(k), flush=True)
+    assert await anyio.to_thread.run_sync(done.wait, 10)
+    assert order == list(range(n))
+
+
+async def test_coalescing_shares_submissions(shared_rt: hetero.Runtime) -> None:
+    dev = await anyio.to_thread.run_sync(shared_rt.device)
+    g = chain(40, "coalesce")
+    before = dev.submissions
+    out = await shared_rt.run(g, x=np.ones(8, np.float32))
+    np.testing.assert_array_equal(out, np.full(8, 2.0**40, np.float32))
+    assert dev.submissions - before < 10  # 40 stages, one fence: a few batches, not 40 submissions
+
+
+async def test_warmup_compiles_declared_kernels() -> None:
+    def declared(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        return scale(gpu, t)
+
+    g = hetero.Graph("warm")
+    g.output(g.gpu(declared, g.input("x"), kernels=[SCALE, (SCALE, "main")]))
+    async with hetero.Runtime() as rt:
+        assert await rt.warmup(g) == 2
+        dev = rt.device()
+        assert len(dev._kernels) == 1  # both name the same pipeline
+        np.testing.assert_array_equal(await rt.run(g, x=np.ones(3, np.float32)), [2, 2, 2])
+        assert len(dev._kernels) == 1  # the run found it compiled
+
+
+def test_bad_kernel_declaration() -> None:
+    g = hetero.Graph("k")
+    with pytest.raises(hetero.GraphError, match=r"stage 'scale': kernels must be WGSL strings or \(wgsl, entry_point\)"):
+        g.gpu(scale, 1, kernels=[42])
+
+
+async def test_binding_smaller_than_the_shader_struct(shared_rt: hetero.Runtime) -> None:
+    fixed = """
+    struct Big { a: vec4<f32>, b: array<f32, 64> }
+    @group(0) @binding(0) var<storage, read_write> x: Big;
+    @compute @workgroup_size(1) fn main() { x.b[3] = 1.0; }
+    """
+
+    def small(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.dispatch(fixed, 1, t)
+        return t
+
+    g = hetero.Graph("small")
+    g.output(g.gpu(small, g.input("x"), name="small"))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g, x=np.zeros(4, np.float32))
+    assert str(e.value) == (
+        "gpu stage 'small' failed: ValueError: kernel 'main': binding 0 is 16 bytes, smaller than the 272 bytes "
+        "the shader declares for it; pass a larger tensor or fix the WGSL struct"
+    )
+
+
+async def test_tensor_bound_as_uniform(shared_rt: hetero.Runtime) -> None:
+    def wrong(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        out = gpu.empty(t.shape)
+        gpu.dispatch(SCALE, 1, t, out, t)
+        return out
+
+    g = hetero.Graph("uni")
+    g.output(g.gpu(wrong, g.input("x"), name="wrong"))
+    with pytest.raises(StageError, match="a Tensor was bound where the shader declares var<uniform>"):
+        await shared_rt.run(g, x=np.zeros(4, np.float32))
+    assert shared_rt.memory_stats().in_use_bytes == 0
+
+
+async def test_memory_stats_before_the_device_exists() -> None:
+    async with hetero.Runtime(memory_budget=123 * MiB) as rt:
+        s = rt.memory_stats()
+        assert (s.in_use_bytes, s.allocations, s.budget_bytes) == (0, 0, 123 * MiB)
+        assert rt.trim() == 0
