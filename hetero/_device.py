@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -124,6 +125,9 @@ class Device:
         self._submit_lock = threading.Lock()
         self.submissions = 0
         self.lost: str | None = None
+        self._lost_callbacks: list[Callable[[str], None]] = []
+        self._lost_lock = threading.Lock()
+        _LostWatcher.register(self)
         self._fence_thread = threading.Thread(target=self._fence_loop, name="hetero-fence", daemon=True)
         self._fence_thread.start()
         # wgpu-py's cffi module: submission indices and blocking polls.
@@ -168,6 +172,31 @@ class Device:
         if self.lost is not None:
             raise DeviceLostError(f"the GPU device was lost ({self.lost}); create a new Runtime")
 
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once if the device is lost (at once if it already is)."""
+        self._lost_callbacks.append(callback)
+        if self.lost is not None:
+            callback(self.lost)
+
+    def _probe_lost(self) -> None:
+        """wgpu reported that *a* device was lost: find out whether it was this one."""
+        with self._lost_lock:
+            if self.lost is not None or self._closed:
+                return
+            try:
+                self.device.create_command_encoder().finish()
+                return
+            except Exception as e:  # "Parent device is lost"
+                if "lost" not in str(e).lower():
+                    return
+            self.lost = "reported by the driver"
+        log.error("hetero: the GPU device %s was lost", self.summary["summary"])
+        for cb in self._lost_callbacks:
+            try:
+                cb(self.lost)
+            except Exception:  # pragma: no cover
+                log.exception("device-lost callback failed")
+
     def submit(self, command_buffers: list[Any]) -> int:
         """Submit in one call and return the submission index."""
         self.check_alive()
@@ -181,13 +210,13 @@ class Device:
         Everything enqueued runs in enqueue order, so a stage's consumers may be
         enqueued (and buffers it released reused) as soon as this returns.
         ``on_done`` runs on the fence thread once the batch holding this command
-        buffer completed; a callback forces a flush, since someone waits for it.
+        buffer completed; pass ``flush=True`` when someone waits for it now.
         """
         with self._submit_lock:
+            self.check_alive()
             self._batch.append(command_buffer)
             if on_done is not None:
                 self._batch_callbacks.append(on_done)
-                flush = True
             if flush or len(self._batch) >= self.max_batch:
                 self._flush_locked()
 
@@ -200,6 +229,8 @@ class Device:
     def _flush_locked(self) -> None:
         batch, callbacks = self._batch, self._batch_callbacks
         self._batch, self._batch_callbacks = [], []
+        if self.lost is not None:
+            return  # submitting on a lost device aborts the process; runs were failed already
         index = self.submit(batch)
         self.submissions += 1
         for cb in callbacks:
@@ -242,6 +273,38 @@ class Device:
         self.ring.close()
         self.pool.close()
         self._kernels.clear()
+
+
+class _LostWatcher(logging.Handler):
+    """wgpu 0.32 hides ``device.lost``; its device-lost callback only logs. Watch that log.
+
+    On a "device was lost" record every live Device probes itself (a lost device
+    fails ``encoder.finish()`` with "Parent device is lost") and, if lost, fails its
+    runs with :class:`DeviceLostError` and refuses further submissions, which would
+    otherwise abort the process.
+    """
+
+    _installed: _LostWatcher | None = None
+    _devices: weakref.WeakSet[Device] = weakref.WeakSet()
+
+    @classmethod
+    def register(cls, device: Device) -> None:
+        if cls._installed is None:
+            cls._installed = cls(level=logging.ERROR)
+            logging.getLogger("wgpu").addHandler(cls._installed)
+        cls._devices.add(device)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "device was lost" not in record.getMessage():
+            return
+        devices = list(self._devices)
+
+        def probe() -> None:
+            for d in devices:
+                d._probe_lost()
+
+        # Probe off the thread that logged (it may be inside a wgpu call).
+        threading.Thread(target=probe, name="hetero-lost-probe", daemon=True).start()
 
 
 def _count_group0_bindings(wgsl: str) -> int:

@@ -14,7 +14,7 @@ from ._device import Device
 from ._memory import MemoryStats
 from ._graph import Graph
 from ._scheduler import Run, Scheduler
-from .errors import GraphError, HeteroError, RuntimeClosedError
+from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
 __all__ = ["Runtime", "run"]
 
@@ -87,8 +87,10 @@ class Runtime:
             with self._device_lock:
                 if self._device is None:
                     self._check_open()
-                    self._device = Device(self._adapter, max_batch=self._submit_batch,
-                                          memory_budget=self._memory_budget)
+                    dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget)
+                    dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
+                        f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
+                    self._device = dev
         return self._device
 
     # -- memory -----------------------------------------------------------------------
@@ -130,6 +132,8 @@ class Runtime:
             raise GraphError(f"run() expects a hetero.Graph, got {type(graph).__name__}")
         plan = graph.plan()
         plan.check_inputs(inputs)
+        if plan.has_gpu and self._device is not None:
+            self._device.check_alive()  # fail fast: nothing can run on a lost device
         run = self._sched.new_run(plan, dict(inputs))
         run.start()
         return run

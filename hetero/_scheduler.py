@@ -472,6 +472,8 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
                 if ctx is not None:
                     ctx.discard()
+                if "device is lost" in str(e).lower():
+                    dev._probe_lost()  # fails every active run with DeviceLostError
                 if attempt > st.retries or run.stopped:
                     if not st.simple:
                         run.timed_started.pop(i, None)
@@ -554,6 +556,13 @@ class Scheduler:
                 self.dispatch(run, [i])
 
         self._device().pool.on_free(requeue, after=generation)
+
+    def fail_gpu_runs(self, exc: BaseException) -> None:
+        """Fail every active run with GPU stages (the device was lost): their waiters raise ``exc``."""
+        with self._runs_lock:
+            runs = [r for r in self._active.values() if r.plan.has_gpu]
+        for r in runs:
+            r._set_error(exc)
 
     def run_started(self, run: Run) -> None:
         with self._runs_lock:

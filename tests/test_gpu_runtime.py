@@ -306,3 +306,19 @@ async def test_memory_stats_before_the_device_exists() -> None:
         s = rt.memory_stats()
         assert (s.in_use_bytes, s.allocations, s.budget_bytes) == (0, 0, 123 * MiB)
         assert rt.trim() == 0
+
+
+async def test_device_loss_fails_runs_fast_instead_of_aborting() -> None:
+    g = chain(2, "lost")
+    async with hetero.Runtime() as rt:
+        np.testing.assert_array_equal(await rt.run(g, x=np.ones(4, np.float32)), [4, 4, 4, 4])
+        dev = rt.device()
+        dev.device.destroy()  # what a driver reset looks like to the runtime
+        # The first run finds out (wgpu reports the loss on the next call), the next fails at once.
+        for _ in range(2):
+            with pytest.raises(hetero.DeviceLostError, match="the GPU device was lost .*; create a new Runtime"):
+                await rt.run(g, x=np.ones(4, np.float32))
+        assert dev.lost is not None
+        cpu_only = hetero.Graph("cpu")
+        cpu_only.output(cpu_only.cpu(len, "abc", name="len"))
+        assert await rt.run(cpu_only) == 3  # CPU graphs still run
