@@ -1,0 +1,423 @@
+"""The staging ring: round trips, reuse, discard, threads, and the never-mapped-at-submit rule."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import wgpu
+
+from hetero._device import Device
+from hetero._transfer import StagingRing, Ticket
+from hetero.errors import RuntimeClosedError
+
+STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+CHUNK = 64 << 10  # small chunks: multi-buffer transfers stay cheap on lavapipe
+
+
+@pytest.fixture(scope="module")
+def dev() -> Iterator[Device]:
+    d = Device()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def ring(dev: Device) -> Iterator[StagingRing]:
+    r = StagingRing(dev.device, copy_threads=4, chunk_bytes=CHUNK)
+    yield r
+    r.close()
+
+
+def pad4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def new_buffer(dev: Device, nbytes: int) -> Any:
+    return dev.device.create_buffer(size=max(4, pad4(nbytes)), usage=STORAGE)
+
+
+def assert_unmapped(ticket: Ticket) -> None:
+    """What upload()/download() hand back must be submittable: no staging buffer mapped."""
+    states = [b.map_state for b in ticket.buffers]
+    assert states == ["unmapped"] * len(states)
+
+
+def submit_wait(dev: Device, encoder: Any) -> None:
+    dev.wait(dev.submit([encoder.finish()]))
+
+
+def upload(dev: Device, ring: StagingRing, a: Any, buf: Any, offset: int = 0) -> Ticket:
+    enc = dev.device.create_command_encoder()
+    t = ring.upload(enc, a, buf, offset)
+    assert_unmapped(t)
+    submit_wait(dev, enc)
+    t.complete()
+    return t
+
+
+def download(dev: Device, ring: StagingRing, buf: Any, offset: int, shape: Any, dtype: Any) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, offset, nbytes)
+    assert_unmapped(t)
+    submit_wait(dev, enc)
+    t.complete()
+    return t.read(shape, dtype)
+
+
+def round_trip(dev: Device, ring: StagingRing, a: np.ndarray, offset: int = 0) -> np.ndarray:
+    buf = new_buffer(dev, offset + a.nbytes)
+    upload(dev, ring, a, buf, offset)
+    return download(dev, ring, buf, offset, a.shape, a.dtype)
+
+
+def data(shape: Any, dtype: Any, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape, dtype=np.int64))
+    return rng.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((0,), np.uint8),
+        ((1,), np.uint8),
+        ((3,), np.float16),
+        ((), np.float64),
+        ((7,), np.int32),
+        ((5, 3), np.float64),
+        ((1001,), np.uint8),
+        ((2, 0, 3), np.float32),
+        ((9,), np.complex64),
+        ((CHUNK // 4,), np.float32),  # exactly one chunk
+        ((CHUNK + 1,), np.uint8),  # one chunk and one byte
+        ((3, 50_001), np.float32),  # ten chunks, odd size
+        (((5 << 20) + 5,), np.uint8),  # large enough for the copy threads
+    ],
+)
+def test_round_trip(dev: Device, ring: StagingRing, shape: tuple[int, ...], dtype: Any) -> None:
+    a = data(shape, dtype)
+    b = round_trip(dev, ring, a)
+    assert b.shape == a.shape and b.dtype == a.dtype
+    assert a.tobytes() == b.tobytes()
+    assert ring.stats()["in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2, 8])
+def test_round_trip_copy_threads(dev: Device, copy_threads: int) -> None:
+    with StagingRing(dev.device, copy_threads=copy_threads, chunk_bytes=1 << 20) as ring:
+        a = data((5 << 20) // 4 + 3, np.float32, seed=copy_threads)
+        assert a.tobytes() == round_trip(dev, ring, a).tobytes()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: data((64, 64), np.float32)[::2, 1::3],  # strided, fits one chunk
+        lambda: data((40, 30), np.int16).T,  # transposed
+        lambda: np.asfortranarray(data((33, 17), np.float64)),
+        lambda: data((300, 700), np.float32)[:, ::2],  # strided across several chunks
+        lambda: data((1000,), np.uint8)[::-1],  # negative stride
+    ],
+)
+def test_non_contiguous_input(dev: Device, ring: StagingRing, make: Any) -> None:
+    a = make()
+    assert not a.flags.c_contiguous
+    b = round_trip(dev, ring, a)
+    np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("offset", [4, 256, CHUNK + 12])
+def test_destination_offset(dev: Device, ring: StagingRing, offset: int) -> None:
+    a = data((CHUNK + 777,), np.uint8, seed=offset)  # two chunks, padded to 4
+    total = offset + pad4(a.nbytes) + 16
+    buf = new_buffer(dev, total)
+    sentinel = np.full(total, 0xAB, np.uint8)
+    dev.queue.write_buffer(buf, 0, sentinel)
+    upload(dev, ring, a, buf, offset)
+    whole = download(dev, ring, buf, 0, (total,), np.uint8)
+    assert (whole[:offset] == 0xAB).all()  # before the destination: untouched
+    np.testing.assert_array_equal(whole[offset:offset + a.nbytes], a)
+    assert (whole[offset + a.nbytes:offset + pad4(a.nbytes)] == 0).all()  # the pad is zeros
+    assert (whole[offset + pad4(a.nbytes):] == 0xAB).all()  # after the padded copy: untouched
+    np.testing.assert_array_equal(download(dev, ring, buf, offset, a.shape, a.dtype), a)
+
+
+def test_bad_ranges(dev: Device, ring: StagingRing) -> None:
+    buf = new_buffer(dev, 64)
+    enc = dev.device.create_command_encoder()
+    with pytest.raises(ValueError, match="dst_offset must be a non-negative multiple of 4, got 2"):
+        ring.upload(enc, np.zeros(4, np.uint8), buf, 2)
+    with pytest.raises(ValueError, match="upload: 68 bytes at dst_offset 0 overrun the 64-byte dst buffer"):
+        ring.upload(enc, np.zeros(65, np.uint8), buf)
+    with pytest.raises(ValueError, match="download: 64 bytes at src_offset 4 overrun the 64-byte src buffer"):
+        ring.download(enc, buf, 4, 61)
+    with pytest.raises(TypeError, match="objects"):
+        ring.upload(enc, np.array([object()]), buf)
+    assert ring.stats()["in_use_bytes"] == 0
+
+
+def test_reuse_without_growth(dev: Device, ring: StagingRing) -> None:
+    a = data((3 * CHUNK + 100,), np.uint8)  # four staging buffers each way
+    buf = new_buffer(dev, a.nbytes)
+    for _ in range(2):
+        upload(dev, ring, a, buf)
+        download(dev, ring, buf, 0, a.shape, a.dtype)
+    before = ring.stats()
+    for i in range(5):
+        b = data(a.shape, a.dtype, seed=i)
+        upload(dev, ring, b, buf)
+        np.testing.assert_array_equal(download(dev, ring, buf, 0, a.shape, a.dtype), b)
+    after = ring.stats()
+    assert after["staging_allocations"] == before["staging_allocations"]
+    assert after["staging_bytes"] == before["staging_bytes"]
+    assert after["staging_reuses"] == before["staging_reuses"] + 5 * 8
+    assert after["in_use_bytes"] == 0
+
+
+def test_free_upload_buffers_stay_mapped(dev: Device, ring: StagingRing) -> None:
+    """complete() re-maps upload staging for the next writer; the ring's pool holds them mapped."""
+    a = data((1000,), np.float32)
+    buf = new_buffer(dev, a.nbytes)
+    t = upload(dev, ring, a, buf)
+    (staging,) = t.buffers
+    assert staging.map_state in ("mapped", "pending")  # pending until the next acquire waits for it
+    enc = dev.device.create_command_encoder()
+    t2 = ring.upload(enc, a, buf)
+    assert t2.buffers == (staging,)
+    assert_unmapped(t2)
+    t2.discard()
+
+
+def test_discard(dev: Device, ring: StagingRing) -> None:
+    a = data((2 * CHUNK + 8,), np.uint8)
+    buf = new_buffer(dev, a.nbytes)
+    # A stage failed after recording: the encoder is dropped, never submitted.
+    enc = dev.device.create_command_encoder()
+    up = ring.upload(enc, a, buf)
+    down = ring.download(enc, buf, 0, a.nbytes)
+    assert_unmapped(up)
+    assert_unmapped(down)
+    assert ring.stats()["in_use_bytes"] > 0
+    up.discard()
+    down.discard()
+    down.discard()  # twice is harmless
+    del enc
+    stats = ring.stats()
+    assert stats["in_use_bytes"] == 0 and stats["free_buffers"] == 6
+    with pytest.raises(RuntimeError, match="already read or discarded"):
+        down.read(a.shape, a.dtype)
+    # The discarded buffers serve the next transfers (upload ones are mapped again on demand).
+    b = round_trip(dev, ring, a)
+    np.testing.assert_array_equal(b, a)
+    assert ring.stats()["staging_allocations"] == stats["staging_allocations"]
+
+
+def test_discard_after_complete(dev: Device, ring: StagingRing) -> None:
+    """A download whose result nobody wants: complete() started mapping; discard() unmaps."""
+    a = data((CHUNK + 4,), np.uint8)
+    buf = new_buffer(dev, a.nbytes)
+    upload(dev, ring, a, buf)
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, 0, a.nbytes)
+    submit_wait(dev, enc)
+    t.complete()
+    t.discard()
+    assert all(b.map_state == "unmapped" for b in t.buffers)
+    assert ring.stats()["in_use_bytes"] == 0
+    np.testing.assert_array_equal(download(dev, ring, buf, 0, a.shape, a.dtype), a)
+
+
+def test_read_checks(dev: Device, ring: StagingRing) -> None:
+    a = data((10, 10), np.float32)
+    buf = new_buffer(dev, a.nbytes)
+    up = upload(dev, ring, a, buf)
+    with pytest.raises(RuntimeError, match="read\\(\\) is for download tickets"):
+        up.read(a.shape, a.dtype)
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, 0, a.nbytes)
+    submit_wait(dev, enc)
+    with pytest.raises(ValueError, match=r"read: shape \(3,\) of float32 is 12 bytes, the download has 400 bytes"):
+        t.read(3, np.float32)
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous array of 400 bytes"):
+        t.read(a.shape, a.dtype, out=np.empty((10, 20), np.float32)[:, ::2])
+    out = np.empty((100,), np.float32)
+    assert t.read(100, np.float32, out=out) is out  # read without complete(): maps on demand
+    np.testing.assert_array_equal(out, a.reshape(-1))
+    with pytest.raises(RuntimeError, match="already read or discarded"):
+        t.read(100, np.float32)
+
+
+def test_complete_on_fence_thread(dev: Device, ring: StagingRing) -> None:
+    """The runtime's pattern: completion runs on the device's fence thread, read on a worker."""
+    a = data((5 * CHUNK // 8 + 1,), np.float64)
+    buf = new_buffer(dev, a.nbytes)
+    enc = dev.device.create_command_encoder()
+    up = ring.upload(enc, a, buf)
+    down = ring.download(enc, buf, 0, a.nbytes)
+    done = threading.Event()
+
+    def on_done() -> None:
+        ring.completed([up, down])
+        done.set()
+
+    dev.on_done(dev.submit([enc.finish()]), on_done)
+    assert done.wait(30)
+    assert up.released
+    np.testing.assert_array_equal(down.read(a.shape, a.dtype), a)
+
+
+def test_complete_on_event_loop_thread(dev: Device, ring: StagingRing) -> None:
+    """On a thread with a running loop the re-map goes through the copy threads (no loop-bound promise)."""
+    a = data((2 * CHUNK,), np.uint8)
+    buf = new_buffer(dev, a.nbytes)
+
+    async def main() -> np.ndarray:
+        for i in range(3):
+            b = data(a.shape, a.dtype, seed=i)
+            upload(dev, ring, b, buf)  # complete() runs here, on the loop thread
+            out = download(dev, ring, buf, 0, a.shape, a.dtype)
+            np.testing.assert_array_equal(out, b)
+        return out
+
+    asyncio.run(main())
+    assert ring.stats()["staging_reuses"] >= 8
+
+
+def test_concurrent_threads(dev: Device, ring: StagingRing) -> None:
+    errors: list[BaseException] = []
+    sizes = [1, 3, 1000, CHUNK, 3 * CHUNK + 5, (4 << 20) + 1]
+
+    def worker(k: int) -> None:
+        try:
+            for i, n in enumerate(sizes * 2):
+                a = data((n,), np.uint8, seed=100 * k + i)
+                buf = new_buffer(dev, n)
+                enc = dev.device.create_command_encoder()  # one encoder per thread and transfer
+                t = ring.upload(enc, a, buf)
+                assert_unmapped(t)
+                submit_wait(dev, enc)
+                t.complete()
+                enc = dev.device.create_command_encoder()
+                t = ring.download(enc, buf, 0, n)
+                assert_unmapped(t)
+                submit_wait(dev, enc)
+                t.complete()
+                np.testing.assert_array_equal(t.read(n, np.uint8), a)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    stats = ring.stats()
+    assert stats["in_use_bytes"] == 0
+    assert stats["staging_reuses"] > 0
+
+
+def test_pool_cap_trim_close(dev: Device) -> None:
+    ring = StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=2 * CHUNK)
+    a = data((4 * CHUNK,), np.uint8)
+    np.testing.assert_array_equal(round_trip(dev, ring, a), a)
+    stats = ring.stats()
+    assert stats["pooled_bytes"] <= 2 * CHUNK
+    assert stats["staging_destroyed"] == 6  # 8 buffers used, room for 2
+    assert stats["staging_bytes"] == stats["pooled_bytes"]
+    assert ring.trim() == 2 * CHUNK
+    assert ring.stats()["staging_bytes"] == 0
+    # close() with a ticket in flight: its buffers are destroyed when it completes.
+    buf = new_buffer(dev, a.nbytes)
+    enc = dev.device.create_command_encoder()
+    t = ring.upload(enc, a[:100], buf)
+    submit_wait(dev, enc)
+    ring.close()
+    t.complete()
+    assert ring.stats()["staging_bytes"] == 0
+    with pytest.raises(RuntimeClosedError, match="staging ring was used after close"):
+        ring.upload(dev.device.create_command_encoder(), a, buf)
+
+
+def test_bad_arguments(dev: Device) -> None:
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive multiple of 4096, got 1000"):
+        StagingRing(dev.device, chunk_bytes=1000)
+    too_big = (dev.limits["max-buffer-size"] // 4096 + 1) * 4096
+    with pytest.raises(ValueError, match=f"chunk_bytes {too_big} is above the adapter's max-buffer-size"):
+        StagingRing(dev.device, chunk_bytes=too_big)
+    with pytest.raises(ValueError, match="copy_threads must be at least 1, got 0"):
+        StagingRing(dev.device, copy_threads=0)
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((0,), np.uint8), ((3,), np.float16), ((7, 5), np.int32),
+                                              ((3, 50_001), np.float32)])
+def test_zero_copy_read(dev: Device, ring: StagingRing, shape: tuple[int, ...], dtype: Any) -> None:
+    """The array lives on the mapped staging buffer until it (and its views) are gone."""
+    a = data(shape, dtype)
+    buf = new_buffer(dev, a.nbytes)
+    upload(dev, ring, a, buf)
+    for i in range(2):
+        enc = dev.device.create_command_encoder()
+        t = ring.download(enc, buf, 0, a.nbytes, zero_copy=True)
+        assert_unmapped(t)
+        assert len(t.buffers) == (1 if a.nbytes else 0)  # one buffer even above chunk_bytes
+        submit_wait(dev, enc)
+        t.complete()
+        b = t.read(shape, dtype)
+        np.testing.assert_array_equal(b, a)
+        if not a.nbytes:
+            return
+        assert b.flags.writeable
+        (staging,) = t.buffers
+        assert staging.map_state == "mapped" and ring.stats()["zero_copy_bytes"] == staging.size
+        view = b.reshape(-1)[1:]
+        del b
+        gc.collect()
+        ring.stats()
+        assert staging.map_state == "mapped"  # the view keeps the mapping
+        np.testing.assert_array_equal(view, a.reshape(-1)[1:])
+        del view
+        gc.collect()
+        stats = ring.stats()  # the ring takes dead arrays' buffers back at its next call
+        assert staging.map_state == "unmapped"
+        assert stats["zero_copy_bytes"] == 0 and stats["in_use_bytes"] == 0
+        if i == 1:
+            assert stats["staging_reuses"] >= 1  # the second read reused the first one's buffer
+
+
+def test_zero_copy_array_outlives_ring(dev: Device) -> None:
+    ring = StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK)
+    a = data((5000,), np.int64)
+    buf = new_buffer(dev, a.nbytes)
+    upload(dev, ring, a, buf)
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, 0, a.nbytes, zero_copy=True)
+    submit_wait(dev, enc)
+    b = t.read(a.shape, a.dtype)
+    ring.close()
+    np.testing.assert_array_equal(b, a)  # still readable: the mapping lives with the array
+    (staging,) = t.buffers
+    del b
+    gc.collect()
+    assert staging.map_state == "unmapped"  # after close() the buffer is destroyed at once
+    assert ring.stats()["staging_bytes"] == 0
+
+
+def test_zero_copy_into_out_copies(dev: Device, ring: StagingRing) -> None:
+    a = data((1000,), np.float32)
+    buf = new_buffer(dev, a.nbytes)
+    upload(dev, ring, a, buf)
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, 0, a.nbytes, zero_copy=True)
+    submit_wait(dev, enc)
+    out = np.empty_like(a)
+    assert t.read(a.shape, a.dtype, out=out) is out  # with out= the data is copied after all
+    np.testing.assert_array_equal(out, a)
+    assert all(b.map_state == "unmapped" for b in t.buffers) and ring.stats()["in_use_bytes"] == 0
