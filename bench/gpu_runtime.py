@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 
+import anyio
 import numpy as np
 
 import hetero
@@ -43,7 +44,7 @@ async def fence_round_trip(rt: hetero.Runtime, n: int) -> list[float]:
         done = asyncio.Event()
         t0 = time.perf_counter()
         cb = dev.device.create_command_encoder().finish()
-        dev.enqueue(cb, lambda: call(done.set))
+        dev.enqueue(cb, lambda: call(done.set), flush=True)
         await done.wait()
         times.append(time.perf_counter() - t0)
     return times
@@ -103,9 +104,6 @@ def main() -> None:
     per = {}
     for batch in (1, 32):
         with hetero.Runtime(submit_batch=batch) as rt:
-            out = hetero.run  # noqa: F841 - keep the name for readers; runs go through rt below
-            import anyio
-
             anyio.run(lambda: rt.run(g, x=x))  # warm: device, pipeline
             best = float("inf")
             for _ in range(a.repeat):

@@ -123,6 +123,7 @@ class Device:
         self._batch: list[Any] = []
         self._batch_callbacks: list[Callable[[], None]] = []
         self._submit_lock = threading.Lock()
+        self._inflight = 0  # our submissions not yet completed
         self.submissions = 0
         self.lost: str | None = None
         self._lost_callbacks: list[Callable[[str], None]] = []
@@ -205,19 +206,24 @@ class Device:
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
                 flush: bool = False) -> None:
-        """Append a command buffer to the ordered batch; submit the batch when asked or full.
+        """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
         enqueued (and buffers it released reused) as soon as this returns.
         ``on_done`` runs on the fence thread once the batch holding this command
         buffer completed; pass ``flush=True`` when someone waits for it now.
+
+        Coalescing policy: while the GPU has nothing of ours in flight, submit at once
+        (it would idle otherwise); while a submission runs, collect command buffers
+        and submit them together when it completes, when ``max_batch`` are waiting,
+        when a fence is awaited, or when the recording workers go idle.
         """
         with self._submit_lock:
             self.check_alive()
             self._batch.append(command_buffer)
             if on_done is not None:
                 self._batch_callbacks.append(on_done)
-            if flush or len(self._batch) >= self.max_batch:
+            if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
                 self._flush_locked()
 
     def flush(self) -> None:
@@ -233,8 +239,17 @@ class Device:
             return  # submitting on a lost device aborts the process; runs were failed already
         index = self.submit(batch)
         self.submissions += 1
+        self._inflight += 1
+        self.on_done(index, self._retired)  # first: the next batch goes out before downloads run
         for cb in callbacks:
             self.on_done(index, cb)
+
+    def _retired(self) -> None:
+        """On the fence thread: a submission completed; send what was collected meanwhile."""
+        with self._submit_lock:
+            self._inflight -= 1
+            if self._batch and self._inflight == 0:
+                self._flush_locked()
 
     def wait(self, index: int) -> None:
         """Block the calling thread until submission ``index`` completed (never call on the loop)."""

@@ -20,6 +20,11 @@ __all__ = ["GPUContext", "map_values"]
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 _UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+# Downloads this large that only CPU stages read are handed over as views of the mapped
+# staging memory: copying out to fresh pages costs more than the GPU copy (measured on an
+# H200: 256 MiB in 48 GB/s zero-copy against 15 GB/s copied out). Graph outputs are always
+# copied, so a caller keeping results never pins staging memory.
+ZERO_COPY_MIN = 1 << 20
 
 
 def map_values(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
@@ -164,10 +169,16 @@ class GPUContext:
             self._encoder = self.device.create_command_encoder(label=self.stage)
         return self._encoder
 
-    def stage_download(self, t: Tensor) -> Tensor:
-        """Record a copy of ``t`` into host-readable staging memory (read after the fence)."""
+    def stage_download(self, t: Tensor, zero_copy: bool = False) -> Tensor:
+        """Record a copy of ``t`` into host-readable staging memory (read after the fence).
+
+        ``zero_copy``: the host array will be a view of the mapped staging memory
+        (no copy out; the staging buffer is recycled when the array is gone).
+        """
         if t.nbytes:
-            self.downloads.append((self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes), t))
+            ticket = self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes,
+                                             zero_copy=zero_copy and t.nbytes >= ZERO_COPY_MIN)
+            self.downloads.append((ticket, t))
         return t
 
     def read_downloads(self) -> dict[int, np.ndarray]:

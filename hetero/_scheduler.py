@@ -461,7 +461,8 @@ class Scheduler:
                 kwargs = {k: map_values(v, c.upload, np.ndarray) for k, v in kwargs.items()}
                 result = st.fn(ctx, *args, **kwargs)
                 if st.download:
-                    map_values(result, c.stage_download, Tensor)
+                    zero_copy = i not in run.plan.output_stages
+                    map_values(result, lambda t: c.stage_download(t, zero_copy), Tensor)
                 command_buffer = ctx.finish()
                 break
             except _Park as park:
