@@ -41,7 +41,7 @@ def test_info(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatc
 
 
 def test_info_respects_hetero_adapter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    summary = _device.list_adapters()[-1].summary
+    summary = _device.select_adapter().summary
     backend = summary.rsplit(" via ", 1)[-1]
     monkeypatch.setenv("HETERO_ADAPTER", backend.lower())
     assert _cli.main(["info"]) == 0
