@@ -13,6 +13,7 @@ import cProfile
 import json
 import pstats
 import time
+from typing import Callable
 
 import anyio
 import numpy as np
@@ -55,6 +56,25 @@ def main() -> None:
         p.end()
         e.finish()
 
+    def many(passes: bool, k_disp: int = 10, submit: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            e = d.create_command_encoder()
+            p = None
+            for _ in range(k_disp):
+                if p is None or passes:
+                    p = e.begin_compute_pass()
+                p.set_pipeline(k.pipeline)
+                p.set_bind_group(0, bg)
+                p.dispatch_workgroups(1)
+                if passes:
+                    p.end()
+            if not passes:
+                p.end()
+            cb = e.finish()
+            if submit:
+                dev.submit([cb])
+        return run
+
     def bind_group() -> None:
         d.create_bind_group(layout=layout, entries=[{"binding": 0, "resource": {"buffer": t.buffer, "offset": 0, "size": 256}}])
 
@@ -67,13 +87,19 @@ def main() -> None:
     def context_stage() -> None:
         c = hetero.GPUContext(dev, "s")
         c.dispatch(TINY, 1, t)
-        dev.enqueue(c.finish())
+        dev.enqueue(c.encoder.finish())
 
     rows = {}
     for name, fn in [("encoder+finish", encoder_only), ("encoder+pass+dispatch+finish", encoder_dispatch),
                      ("create_bind_group", bind_group), ("kernel cache lookup", kernel_lookup),
                      ("submit empty", submit_empty), ("GPUContext dispatch+enqueue", context_stage)]:
         rows[name] = per_iter(fn, a.n)
+    for name, fn in [("per dispatch: 10 passes, 1 encoder", many(True)),
+                     ("per dispatch: 10 passes, 1 encoder, submitted", many(True, submit=True)),
+                     ("per dispatch: 1 pass of 10, 1 encoder", many(False)),
+                     ("per dispatch: 1 pass of 100, 1 encoder, submitted", many(False, 100, True))]:
+        k_disp = 100 if "100" in name else 10
+        rows[name] = per_iter(fn, max(1, a.n // k_disp)) / k_disp
     dev.flush()
     g = chain_graph(200)
     x = np.zeros(64, np.float32)

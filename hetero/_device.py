@@ -97,6 +97,10 @@ class Kernel:
     entry_point: str
     label: str
     n_bindings: int
+    read_write: frozenset[int] = frozenset()  # @group(0) bindings declared var<storage, read_write>
+
+    def writes(self, binding: int) -> bool:
+        return binding in self.read_write
 
 
 class Device:
@@ -124,6 +128,7 @@ class Device:
         self._batch_callbacks: list[Callable[[], None]] = []
         self._submit_lock = threading.Lock()
         self._inflight = 0  # our submissions not yet completed
+        self.before_flush: list[Callable[[], None]] = []  # recorders holding open encoders
         self.submissions = 0
         self.lost: str | None = None
         self._lost_callbacks: list[Callable[[str], None]] = []
@@ -164,7 +169,7 @@ class Device:
                 if consts:
                     compute["constants"] = dict(consts)
                 pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
-                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl))
+                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl), _read_write_bindings(wgsl))
                 self._kernels[key] = k
         return k
 
@@ -227,7 +232,9 @@ class Device:
                 self._flush_locked()
 
     def flush(self) -> None:
-        """Submit whatever is batched."""
+        """Finish open shared encoders, then submit whatever is batched."""
+        for hook in self.before_flush:
+            hook()
         with self._submit_lock:
             if self._batch:
                 self._flush_locked()
@@ -320,6 +327,14 @@ class _LostWatcher(logging.Handler):
 
         # Probe off the thread that logged (it may be inside a wgpu call).
         threading.Thread(target=probe, name="hetero-lost-probe", daemon=True).start()
+
+
+def _read_write_bindings(wgsl: str) -> frozenset[int]:
+    """``@group(0)`` bindings declared ``var<storage, read_write>``."""
+    import re
+
+    pattern = r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)\s*var\s*<\s*storage\s*,\s*read_write\s*>"
+    return frozenset(int(m) for m in re.findall(pattern, wgsl))
 
 
 def _count_group0_bindings(wgsl: str) -> int:

@@ -14,6 +14,7 @@ import wgpu
 
 from ._device import Device, Kernel
 from ._memory import Block, MemoryWait
+from ._recorder import StageRecorder
 from ._tensor import Tensor
 
 __all__ = ["GPUContext", "map_values"]
@@ -54,13 +55,13 @@ class GPUContext:
     the others are temporaries, back in the pool as soon as the stage is submitted.
     """
 
-    def __init__(self, device: Device, stage: str, *, overcommit: bool = False) -> None:
+    def __init__(self, device: Device, stage: str, *, overcommit: bool = False, recorder: Any = None) -> None:
         self._dev = device
         self.stage = stage
         self.device = device.device  # the wgpu.GPUDevice, for work hetero does not wrap
         self.limits = device.limits
         self.features = device.features
-        self._encoder: Any = None
+        self._recorder = recorder if recorder is not None else StageRecorder(device)
         self._overcommit = overcommit
         self.workgroups = 0  # dispatched so far (decides whether the stage is coalesced)
         self.blocks: list[Block] = []  # pool blocks this context acquired (one reference each)
@@ -93,14 +94,18 @@ class GPUContext:
         return t
 
     def discard(self) -> None:
-        """The stage will not be submitted: give back everything it took."""
-        for ticket in self.uploads:
-            ticket.discard()
-        for ticket, _ in self.downloads:
-            ticket.discard()
-        self.uploads, self.downloads = [], []
+        """The stage will not run and nothing of it was submitted: give back everything it took."""
+        self.settle(ran=False)
         self.release_blocks()
-        self._encoder = None
+
+    def settle(self, ran: bool) -> None:
+        """Settle staging tickets: after the stage's commands ran (``ran``), or when they never will."""
+        uploads, downloads = self.uploads, self.downloads
+        self.uploads, self.downloads = [], []
+        for ticket in uploads:
+            ticket.complete() if ran else ticket.discard()
+        for ticket, _ in downloads:
+            ticket.discard()
 
     def release_blocks(self) -> None:
         """Drop this context's references to its blocks (after submission, or when discarded)."""
@@ -131,6 +136,7 @@ class GPUContext:
                 f"kernel {k.label!r} declares {k.n_bindings} binding(s) in @group(0), "
                 f"dispatch got {len(bindings)}"
             )
+        _check_aliasing(k, bindings)
         entries = [{"binding": i, "resource": self._resource(b, i, k.label)} for i, b in enumerate(bindings)]
         try:
             bind_group = self.device.create_bind_group(layout=k.pipeline.get_bind_group_layout(0), entries=entries)
@@ -164,10 +170,12 @@ class GPUContext:
     # -- recording ------------------------------------------------------------------
     @property
     def encoder(self) -> Any:
-        """This stage's command encoder (for recording work hetero does not wrap)."""
-        if self._encoder is None:
-            self._encoder = self.device.create_command_encoder(label=self.stage)
-        return self._encoder
+        """The command encoder this stage records into (for work hetero does not wrap).
+
+        With one GPU recording thread (the default) it is shared with neighbouring
+        stages: end every pass you begin, and do not finish it.
+        """
+        return self._recorder.encoder
 
     def stage_download(self, t: Tensor, zero_copy: bool = False) -> Tensor:
         """Record a copy of ``t`` into host-readable staging memory (read after the fence).
@@ -188,9 +196,21 @@ class GPUContext:
             out[id(t)] = ticket.read(t.shape, t.dtype)
         return out
 
-    def finish(self) -> Any:
-        """The recorded command buffer (an empty one flushes pending uploads)."""
-        return self.encoder.finish()
+
+def _check_aliasing(k: Kernel, bindings: tuple[Any, ...]) -> None:
+    """Refuse one buffer bound twice in a dispatch that writes it (a deferred WebGPU error)."""
+    seen: dict[int, int] = {}
+    for i, b in enumerate(bindings):
+        if not isinstance(b, Tensor):
+            continue
+        j = seen.setdefault(id(b.buffer), i)
+        if j != i and (k.writes(i) or k.writes(j)):
+            w = i if k.writes(i) else j
+            raise ValueError(
+                f"kernel {k.label!r}: bindings {j} and {i} are the same buffer and binding {w} is "
+                "read_write; WebGPU forbids a dispatch to write a buffer it also binds elsewhere: "
+                "pass a separate output tensor"
+            )
 
 
 def _explain_bind_error(label: str, bindings: tuple[Any, ...], err: Exception) -> str:

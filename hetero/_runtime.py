@@ -32,7 +32,7 @@ class Runtime:
     adapter.
     """
 
-    def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 2, submit_batch: int = 32,
+    def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
                  memory_budget: int | None = None, adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
@@ -48,7 +48,7 @@ class Runtime:
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
-        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device)
+        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device, submit_batch)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------

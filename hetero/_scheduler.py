@@ -49,6 +49,7 @@ import numpy as np
 
 from ._bridge import loop_caller
 from ._gpu import GPUContext, _Park, map_values
+from ._recorder import SharedRecorder, StageRecorder
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
 from ._tensor import Tensor
 from .errors import StageError
@@ -361,11 +362,14 @@ class Scheduler:
     """Owns the CPU pool and the GPU recording pool; routes ready stages to them."""
 
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
-                 device_if_open: Callable[[], Device | None]) -> None:
+                 device_if_open: Callable[[], Device | None], submit_batch: int = 32) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
+        self.submit_batch = submit_batch
+        self._shared: SharedRecorder | None = None
+        self._shared_dev: Device | None = None
         self._runs_lock = threading.Lock()
         self._active: dict[int, Run] = {}  # runs started and not ended, by sequence
         self._parked: dict[int, tuple[Run, int]] = {}  # stages waiting for memory
@@ -447,55 +451,58 @@ class Scheduler:
         i = st.index
         if not st.simple and i not in run.timed_started:
             run.begin_timed(st)
-        attempt = 0
-        while True:
-            attempt += 1
-            ctx: GPUContext | None = None
-            try:
-                dev = self._device()
-                dev.check_alive()
-                ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run))
-                c = ctx
-                args, kwargs = run.args_for(st, run.dev_values)
-                args = tuple(map_values(a, c.upload, np.ndarray) for a in args)
-                kwargs = {k: map_values(v, c.upload, np.ndarray) for k, v in kwargs.items()}
-                result = st.fn(ctx, *args, **kwargs)
-                if st.download:
-                    zero_copy = i not in run.plan.output_stages
-                    map_values(result, lambda t: c.stage_download(t, zero_copy), Tensor)
-                command_buffer = ctx.finish()
-                break
-            except _Park as park:
-                assert ctx is not None
-                ctx.discard()
-                self._park(run, i, park.wait.generation)
-                return
-            except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
-                if ctx is not None:
-                    ctx.discard()
-                if "device is lost" in str(e).lower():
-                    dev._probe_lost()  # fails every active run with DeviceLostError
-                if attempt > st.retries or run.stopped:
-                    if not st.simple:
-                        run.timed_started.pop(i, None)
-                    run.fail(st, e, attempt)
-                    return
-        # The value keeps the blocks of the tensors it holds until its last consumer is
-        # enqueued (and its download, if any, is done); everything else the stage took
-        # goes back to the pool once its command buffer is enqueued.
-        blocks = {id(b): b for b in _blocks_of(result)}
-        if not run.hold(i, list(blocks.values())):
-            ctx.discard()  # the run stopped meanwhile: enqueue nothing
-            return
-        uploads, needs_callback = ctx.uploads, st.fence or bool(ctx.uploads)
-        on_done = (lambda: self._gpu_completed(run, st, result, ctx, uploads)) if needs_callback else None
         try:
-            dev.enqueue(command_buffer, on_done, flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS)
-        except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
-            run.fail(st, e, attempt)
-            ctx.discard()
+            dev = self._device()
+            dev.check_alive()
+        except BaseException as e:  # noqa: BLE001 - e.g. no adapter
+            run.fail(st, e)
             return
-        ctx.release_blocks()
+        rec = self._recorder(dev)
+        with rec.lock:
+            attempt = 0
+            while True:
+                attempt += 1
+                ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run), recorder=rec)
+                try:
+                    args, kwargs = run.args_for(st, run.dev_values)
+                    args = tuple(map_values(a, ctx.upload, np.ndarray) for a in args)
+                    kwargs = {k: map_values(v, ctx.upload, np.ndarray) for k, v in kwargs.items()}
+                    result = st.fn(ctx, *args, **kwargs)
+                    if st.download:
+                        zero_copy = i not in run.plan.output_stages
+                        c = ctx
+                        map_values(result, lambda t: c.stage_download(t, zero_copy), Tensor)
+                    break
+                except _Park as park:
+                    self._abandon(rec, ctx)
+                    self._park(run, i, park.wait.generation)
+                    return
+                except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
+                    self._abandon(rec, ctx)
+                    if "device is lost" in str(e).lower():
+                        dev._probe_lost()  # fails every active run with DeviceLostError
+                    if attempt > st.retries or run.stopped:
+                        if not st.simple:
+                            run.timed_started.pop(i, None)
+                        run.fail(st, e, attempt)
+                        return
+            # The value keeps the blocks of the tensors it holds until its last consumer is
+            # recorded (and its download, if any, is done); everything else the stage took
+            # goes back to the pool now: whatever reuses it is recorded later, so runs later.
+            blocks = {id(b): b for b in _blocks_of(result)}
+            if not run.hold(i, list(blocks.values())):
+                self._abandon(rec, ctx)  # the run stopped meanwhile
+                return
+            uploads, needs_callback = ctx.uploads, st.fence or bool(ctx.uploads)
+            on_done = (lambda: self._gpu_completed(run, st, result, ctx, uploads)) if needs_callback else None
+            try:
+                rec.commit(on_done, lambda err: run.fail(st, err),
+                           flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS)
+            except BaseException as e:  # noqa: BLE001 - the stage's own encoder failed, or the device was lost
+                run.fail(st, e, attempt)
+                ctx.discard()
+                return
+            ctx.release_blocks()
         for d in st.gpu_deps:
             run.drop_hold(d)
         run.dev_values[i] = result
@@ -510,10 +517,27 @@ class Scheduler:
                 return
             run.stage_done()
 
+    def _recorder(self, dev: Device) -> SharedRecorder | StageRecorder:
+        """The shared encoder with one recording thread; an encoder per stage with several."""
+        if self.gpu.size > 1:
+            return StageRecorder(dev)
+        if self._shared is None or self._shared_dev is not dev:
+            self._shared = SharedRecorder(dev, self.submit_batch)
+            self._shared_dev = dev
+            dev.before_flush.append(self._shared.flush)
+        return self._shared
+
+    @staticmethod
+    def _abandon(rec: SharedRecorder | StageRecorder, ctx: GPUContext) -> None:
+        """A stage failed or parked: its blocks go back; its tickets settle once its commands ran."""
+        ctx.release_blocks()
+        rec.abandon(lambda: ctx.settle(ran=rec.shared))
+
     def _gpu_completed(self, run: Run, st: StagePlan, result: Any, ctx: GPUContext, uploads: list[Any]) -> None:
         """On the fence thread: the stage's GPU work finished; recycle staging, bring values to the host."""
         for ticket in uploads:
             ticket.complete()
+        ctx.uploads = []
         if not st.fence:
             return
         try:

@@ -266,7 +266,7 @@ async def test_work_enqueued_while_the_gpu_is_busy_shares_one_submission(shared_
         return cb
 
     before = dev.submissions
-    dev.enqueue(ctx.finish(), mark(0))  # the GPU is idle: this goes out at once
+    dev.enqueue(ctx.encoder.finish(), mark(0))  # the GPU is idle: this goes out at once
     for k in range(1, 21):  # recorded while the busy kernel runs
         dev.enqueue(dev.device.create_command_encoder().finish(), mark(k))
     assert await anyio.to_thread.run_sync(all_done.wait, 30)
@@ -355,3 +355,31 @@ async def test_device_loss_fails_runs_fast_instead_of_aborting() -> None:
         cpu_only = hetero.Graph("cpu")
         cpu_only.output(cpu_only.cpu(len, "abc", name="len"))
         assert await rt.run(cpu_only) == 3  # CPU graphs still run
+
+
+async def test_one_buffer_bound_for_reading_and_writing_is_refused(shared_rt: hetero.Runtime) -> None:
+    def alias(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
+        gpu.dispatch(SCALE, 1, t, t, params(1.0, t.size))
+        return t
+
+    g = hetero.Graph("alias")
+    g.output(g.gpu(alias, g.input("x"), name="alias"))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g, x=np.ones(4, np.float32))
+    assert str(e.value) == (
+        "gpu stage 'alias' failed: ValueError: kernel 'main': bindings 0 and 1 are the same buffer and binding 1 "
+        "is read_write; WebGPU forbids a dispatch to write a buffer it also binds elsewhere: pass a separate "
+        "output tensor"
+    )
+    # Nothing poisoned the shared encoder: the next runs work.
+    np.testing.assert_array_equal(await shared_rt.run(chain(3, "after_alias"), x=np.ones(2, np.float32)), [8, 8])
+
+
+async def test_shared_and_per_stage_recording_agree() -> None:
+    x = np.arange(10, dtype=np.float32)
+    outs = []
+    for threads in (1, 3):
+        async with hetero.Runtime(gpu_threads=threads) as rt:
+            outs.append(await rt.run(chain(12, f"rec{threads}"), x=x))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], x * 2.0**12)

@@ -1,0 +1,145 @@
+"""Where GPU stages record their commands: a shared encoder, or one encoder per stage.
+
+Measured on an H200 through Vulkan (``python -m bench.stage_cost``): a command
+buffer that holds a compute pass costs about 180 µs of host time to create, finish,
+submit and free, while each further dispatch in the same encoder costs 9-20 µs.
+Small GPU stages are therefore cheap only when many of them share one command
+encoder. Two recorders:
+
+* :class:`SharedRecorder` (one GPU recording thread, the default): every stage
+  appends its passes to one open encoder. The encoder is finished and enqueued
+  when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
+  ``max_stages`` stages, when a large stage was recorded, when the recording thread
+  goes idle, and before the buffer pool destroys memory. Consumers of a stage may
+  be recorded right after it: the one thread records them later, into the same
+  encoder or a later one, so queue order is kept.
+* :class:`StageRecorder` (several recording threads): one encoder per stage,
+  finished and enqueued when the stage is done. Needed when stages are recorded
+  concurrently, since the order of two threads' encoders is not known in advance.
+
+A stage that fails half-way leaves its commands in a shared encoder (a command
+encoder cannot drop commands). They still run; they only touch buffers the stage
+could reach, and its staging tickets are settled once they did. hetero checks
+what it can before recording (bindings, sizes, workgroup counts, buffers bound for
+reading and writing at once) so that no deferred validation error poisons an
+encoder shared with other stages; if one does, every stage recorded into it fails
+with an error that says so.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ._device import Device
+
+__all__ = ["SharedRecorder", "StageRecorder"]
+
+Callback = Callable[[], None]
+ErrorCallback = Callable[[BaseException], None]
+
+
+class StageRecorder:
+    """One command encoder per stage (for concurrent recording threads)."""
+
+    shared = False
+
+    def __init__(self, device: Device) -> None:
+        self._dev = device
+        self._encoder: Any = None
+        self.lock: AbstractContextManager[Any] = nullcontext()
+
+    @property
+    def encoder(self) -> Any:
+        if self._encoder is None:
+            self._encoder = self._dev.device.create_command_encoder()
+        return self._encoder
+
+    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
+        """The stage is recorded: finish its encoder and enqueue it (raises if that fails)."""
+        encoder, self._encoder = self.encoder, None
+        command_buffer = encoder.finish()
+        self._dev.enqueue(command_buffer, on_done, flush=flush)
+
+    def abandon(self, settle: Callback) -> None:
+        """The stage failed before commit: nothing of it will run, settle at once."""
+        self._encoder = None
+        settle()
+
+    def flush(self) -> None:
+        pass
+
+
+class SharedRecorder:
+    """One open command encoder shared by consecutive stages of one recording thread."""
+
+    shared = True
+
+    def __init__(self, device: Device, max_stages: int) -> None:
+        self._dev = device
+        self.max_stages = max_stages
+        self.lock = threading.RLock()  # held while a stage records, and to finish the encoder
+        self._encoder: Any = None
+        self._stages = 0
+        self._done: list[Callback] = []
+        self._errors: list[ErrorCallback] = []
+
+    @property
+    def encoder(self) -> Any:
+        with self.lock:
+            if self._encoder is None:
+                self._encoder = self._dev.device.create_command_encoder(label="hetero-shared")
+            return self._encoder
+
+    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
+        with self.lock:
+            self._stages += 1
+            if on_done is not None:
+                self._done.append(on_done)
+            self._errors.append(on_error)
+            if flush or self._stages >= self.max_stages:
+                self._finish(flush=True)
+
+    def abandon(self, settle: Callback) -> None:
+        """A failed stage's commands stay in the encoder: settle its tickets once they ran."""
+        with self.lock:
+            if self._encoder is None:
+                settle()
+            else:
+                self._done.append(settle)
+
+    def flush(self) -> None:
+        """Finish and enqueue the open encoder, if any (and submit)."""
+        with self.lock:
+            if self._encoder is not None:
+                self._finish(flush=True)
+
+    def _finish(self, *, flush: bool) -> None:
+        encoder, done, errors = self._encoder, self._done, self._errors
+        self._encoder, self._done, self._errors, self._stages = None, [], [], 0
+        if encoder is None:
+            for cb in done:
+                cb()
+            return
+        try:
+            command_buffer = encoder.finish()
+            self._dev.enqueue(command_buffer, _chain(done) if done else None, flush=flush)
+        except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
+            err = RuntimeError(
+                f"the command encoder shared by {len(errors)} stage(s) failed: {type(e).__name__}: {e}"
+            )
+            err.__cause__ = e
+            for on_error in errors:
+                on_error(err)
+            for cb in done:  # nothing was submitted: settle tickets and holds now
+                cb()
+
+
+def _chain(callbacks: list[Callback]) -> Callback:
+    def run_all() -> None:
+        for cb in callbacks:
+            cb()
+
+    return run_all
