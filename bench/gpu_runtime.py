@@ -80,11 +80,70 @@ def chain_graph(n: int) -> hetero.Graph:
     return g
 
 
+def roundtrip_graph() -> hetero.Graph:
+    """x (host) -> touch (gpu: one pass over the data) -> y (host): an upload and a download per run."""
+    def touch(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        groups = (t.size + 63) // 64
+        gpu.dispatch(TINY_2D, (min(groups, 65535), (groups + 65534) // 65535), t)
+        return t
+
+    g = hetero.Graph("roundtrip")
+    y = g.gpu(touch, g.input("x"))
+    g.output(y, g.cpu(lambda v: float(v[-1]), y, name="peek"))
+    return g
+
+
+TINY_2D = """
+@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x + gid.y * 65535u * 64u;
+    if (i < arrayLength(&x)) { x[i] = x[i] + 1.0; }
+}
+"""
+
+
+def graph_roundtrip(mib: int, repeat: int) -> None:
+    x = np.zeros(mib << 18, np.float32)
+    g = roundtrip_graph()
+    with hetero.Runtime() as rt:
+        out = anyio.run(lambda: rt.run(g, x=x))
+        assert out[1] == 1.0
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            anyio.run(lambda: rt.run(g, x=x))
+            best = min(best, time.perf_counter() - t0)
+    gbps = 2 * x.nbytes / best / 1e9
+    emit(figure="graph_roundtrip", mib=mib, impl="hetero run (upload + kernel + download)", GBps=round(gbps, 1))
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    h = torch.zeros(mib << 18, dtype=torch.float32).pin_memory()
+    back = torch.empty_like(h).pin_memory()
+    tbest = float("inf")
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        d = h.to("cuda", non_blocking=True)
+        d += 1
+        back.copy_(d, non_blocking=True)
+        torch.cuda.synchronize()
+        tbest = min(tbest, time.perf_counter() - t0)
+    tg = 2 * x.nbytes / tbest / 1e9
+    emit(figure="graph_roundtrip", mib=mib, impl="torch pinned (to + add + copy back)", GBps=round(tg, 1),
+         ratio_hetero_over_torch=round(gbps / tg, 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fences", type=int, default=2000)
     ap.add_argument("--stages", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--roundtrip-mib", type=int, default=256)
     a = ap.parse_args()
 
     with hetero.Runtime() as rt:
@@ -116,6 +175,8 @@ def main() -> None:
         emit(figure="tiny_gpu_stage_chain", submit_batch=batch, stages=a.stages,
              us_per_stage=round(per[batch], 2), submissions_total=subs)
     emit(figure="coalescing_gain", ratio=round(per[1] / per[32], 2))
+    if a.roundtrip_mib:
+        graph_roundtrip(a.roundtrip_mib, a.repeat)
 
 
 if __name__ == "__main__":
