@@ -145,11 +145,10 @@ class GPUContext:
         if groups[0] * groups[1] * groups[2] == 0:
             return  # an empty grid does nothing; the bindings were still checked
         self.workgroups += groups[0] * groups[1] * groups[2]
-        cpass = self.encoder.begin_compute_pass()
+        cpass = self._recorder.compute_pass()
         cpass.set_pipeline(k.pipeline)
         cpass.set_bind_group(0, bind_group)
         cpass.dispatch_workgroups(*groups)
-        cpass.end()
 
     def _resource(self, b: Any, i: int, label: str) -> dict[str, Any]:
         if isinstance(b, Tensor):

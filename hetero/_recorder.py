@@ -7,7 +7,9 @@ Small GPU stages are therefore cheap only when many of them share one command
 encoder. Two recorders:
 
 * :class:`SharedRecorder` (one GPU recording thread, the default): every stage
-  appends its passes to one open encoder. The encoder is finished and enqueued
+  appends its dispatches to one open encoder, into one open compute pass until a
+  copy needs the pass closed (a dispatch in an open pass costs ~5 µs, a pass of its
+  own ~18 µs). The encoder is finished and enqueued
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
   ``max_stages`` stages, when a large stage was recorded, when the recording thread
   goes idle, and before the buffer pool destroys memory. Consumers of a stage may
@@ -49,13 +51,25 @@ class StageRecorder:
     def __init__(self, device: Device) -> None:
         self._dev = device
         self._encoder: Any = None
+        self._pass: Any = None
         self.lock: AbstractContextManager[Any] = nullcontext()
 
     @property
     def encoder(self) -> Any:
+        """The encoder, with no pass open (ready for copies or a pass of the caller's)."""
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
         if self._encoder is None:
             self._encoder = self._dev.device.create_command_encoder()
         return self._encoder
+
+    def compute_pass(self) -> Any:
+        """The open compute pass; consecutive dispatches share it (each dispatch is its own
+        usage scope, so WebGPU still orders their storage writes)."""
+        if self._pass is None:
+            self._pass = self.encoder.begin_compute_pass()
+        return self._pass
 
     def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
         """The stage is recorded: finish its encoder and enqueue it (raises if that fails)."""
@@ -65,7 +79,7 @@ class StageRecorder:
 
     def abandon(self, settle: Callback) -> None:
         """The stage failed before commit: nothing of it will run, settle at once."""
-        self._encoder = None
+        self._encoder = self._pass = None
         settle()
 
     def flush(self) -> None:
@@ -82,16 +96,28 @@ class SharedRecorder:
         self.max_stages = max_stages
         self.lock = threading.RLock()  # held while a stage records, and to finish the encoder
         self._encoder: Any = None
+        self._pass: Any = None
         self._stages = 0
         self._done: list[Callback] = []
         self._errors: list[ErrorCallback] = []
 
     @property
     def encoder(self) -> Any:
+        """The open encoder, with no pass open (ready for copies or a pass of the caller's)."""
         with self.lock:
+            if self._pass is not None:
+                self._pass.end()
+                self._pass = None
             if self._encoder is None:
                 self._encoder = self._dev.device.create_command_encoder(label="hetero-shared")
             return self._encoder
+
+    def compute_pass(self) -> Any:
+        """The open compute pass, shared by consecutive dispatches of consecutive stages."""
+        with self.lock:
+            if self._pass is None:
+                self._pass = self.encoder.begin_compute_pass()
+            return self._pass
 
     def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
         with self.lock:
@@ -117,6 +143,11 @@ class SharedRecorder:
                 self._finish(flush=True)
 
     def _finish(self, *, flush: bool) -> None:
+        if self._pass is not None:
+            try:
+                self._pass.end()
+            finally:
+                self._pass = None
         encoder, done, errors = self._encoder, self._done, self._errors
         self._encoder, self._done, self._errors, self._stages = None, [], [], 0
         if encoder is None:
