@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import wgpu
 
+from ._split import PRELUDE, CostModel, wants_grid
 from .errors import DeviceLostError, NoAdapterError
 
 __all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
@@ -98,6 +99,8 @@ class Kernel:
     label: str
     n_bindings: int
     read_write: frozenset[int] = frozenset()  # @group(0) bindings declared var<storage, read_write>
+    grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see _split)
+    key: Any = None  # the cache key, also the cost model's key
 
     def writes(self, binding: int) -> bool:
         return binding in self.read_write
@@ -106,7 +109,8 @@ class Kernel:
 class Device:
     """One WebGPU device: its queue, its pipeline cache and its fence thread."""
 
-    def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None) -> None:
+    def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None,
+                 gpu_budget_ms: float = 100.0) -> None:
         self.adapter = adapter if adapter is not None else select_adapter()
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
         limits = {k: v for k, v in self.adapter.limits.items()}
@@ -143,6 +147,8 @@ class Device:
         from ._memory import BufferPool
         from ._transfer import StagingRing
 
+        self.budget_ns = gpu_budget_ms * 1e6  # GPU time one submission may hold (see _split)
+        self.cost = CostModel()
         self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush)
         self.ring = StagingRing(self.device)
 
@@ -164,12 +170,19 @@ class Device:
             k = self._kernels.get(key)
             if k is None:
                 label = label or entry_point
-                module = self.device.create_shader_module(label=label, code=wgsl)
+                grid = wants_grid(wgsl)
+                module = self.device.create_shader_module(label=label, code=PRELUDE + wgsl if grid else wgsl)
                 compute: dict[str, Any] = {"module": module, "entry_point": entry_point}
                 if consts:
                     compute["constants"] = dict(consts)
                 pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
-                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl), _read_write_bindings(wgsl))
+                if grid:
+                    try:
+                        pipeline.get_bind_group_layout(1)
+                    except Exception:
+                        grid = False  # the helpers are named but never used by the entry point
+                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl), _read_write_bindings(wgsl),
+                           grid, key)
                 self._kernels[key] = k
         return k
 

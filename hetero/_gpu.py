@@ -15,6 +15,7 @@ import wgpu
 from ._device import Device, Kernel
 from ._memory import Block, MemoryWait
 from ._recorder import StageRecorder
+from ._split import DispatchInfo, grid_uniform
 from ._tensor import Tensor
 
 __all__ = ["GPUContext", "map_values"]
@@ -123,14 +124,20 @@ class GPUContext:
         """
         return self._dev.kernel(wgsl, entry_point, label, constants)
 
-    def dispatch(self, kernel: Kernel | str, workgroups: int | tuple[int, ...], *bindings: Any) -> None:
-        """Record one dispatch of ``kernel`` over ``workgroups`` (x, y, z).
+    def dispatch(self, kernel: Kernel | str, workgroups: int | tuple[int, ...], *bindings: Any) -> DispatchInfo:
+        """Record one dispatch of ``kernel`` over ``workgroups`` (x, y, z); say how it was carried out.
 
         ``bindings`` follow the ``@binding`` order of ``@group(0)``: a Tensor binds as a
         storage buffer; a numpy array or bytes is uploaded as a uniform buffer.
+
+        Kernels that use hetero's grid helpers (``hetero_workgroup_id``; see
+        ``hetero._split``) may have any number of workgroups along x: the dispatch is
+        split into sub-dispatches and, past the GPU-time budget, into several
+        submissions. Other kernels get at most the adapter's per-dimension limit.
         """
         k = self.kernel(kernel) if isinstance(kernel, str) else kernel
-        groups = _workgroups(workgroups, self.limits["max-compute-workgroups-per-dimension"], k.label)
+        limit = self.limits["max-compute-workgroups-per-dimension"]
+        groups = _workgroups(workgroups, limit, k.label, split_x=k.grid)
         if len(bindings) != k.n_bindings:
             raise ValueError(
                 f"kernel {k.label!r} declares {k.n_bindings} binding(s) in @group(0), "
@@ -142,13 +149,39 @@ class GPUContext:
             bind_group = self.device.create_bind_group(layout=k.pipeline.get_bind_group_layout(0), entries=entries)
         except Exception as e:
             raise ValueError(_explain_bind_error(k.label, bindings, e)) from e
-        if groups[0] * groups[1] * groups[2] == 0:
-            return  # an empty grid does nothing; the bindings were still checked
-        self.workgroups += groups[0] * groups[1] * groups[2]
-        cpass = self._recorder.compute_pass()
-        cpass.set_pipeline(k.pipeline)
-        cpass.set_bind_group(0, bind_group)
-        cpass.dispatch_workgroups(*groups)
+        total = groups[0] * groups[1] * groups[2]
+        cost, rec = self._dev.cost, self._recorder
+        if total == 0:
+            return DispatchInfo(k.label, groups, 0, 0, 0, 0.0)  # nothing to do; the bindings were checked
+        self.workgroups += total
+        if not k.grid:
+            est = cost.estimate_ns(k.key, total)
+            ended = rec.reserve(est)
+            cpass = rec.compute_pass()
+            cpass.set_pipeline(k.pipeline)
+            cpass.set_bind_group(0, bind_group)
+            cpass.dispatch_workgroups(*groups)
+            rec.note(k.key, total, est)
+            return DispatchInfo(k.label, groups, 1, groups[0], ended, est / 1e6)
+        per_x = groups[1] * groups[2]
+        chunk = cost.chunk(k.key, self._dev.budget_ns, per_x, limit)
+        layout1 = k.pipeline.get_bind_group_layout(1)
+        ended = n = 0
+        for x0 in range(0, groups[0], chunk):
+            w = min(chunk, groups[0] - x0)
+            est = cost.estimate_ns(k.key, w * per_x)
+            ended += rec.reserve(est)
+            grid = self.device.create_buffer_with_data(data=grid_uniform((x0, 0, 0), groups), usage=_UNIFORM)
+            bg1 = self.device.create_bind_group(layout=layout1, entries=[
+                {"binding": 0, "resource": {"buffer": grid, "offset": 0, "size": 32}}])
+            cpass = rec.compute_pass()
+            cpass.set_pipeline(k.pipeline)
+            cpass.set_bind_group(0, bind_group)
+            cpass.set_bind_group(1, bg1)
+            cpass.dispatch_workgroups(w, groups[1], groups[2])
+            rec.note(k.key, w * per_x, est)
+            n += 1
+        return DispatchInfo(k.label, groups, n, chunk, ended, cost.estimate_ns(k.key, total) / 1e6)
 
     def _resource(self, b: Any, i: int, label: str) -> dict[str, Any]:
         if isinstance(b, Tensor):
@@ -247,16 +280,19 @@ def _uniform_size(nbytes: int) -> int:
     return max(16, (nbytes + 15) & ~15)  # uniform structs are 16-byte aligned
 
 
-def _workgroups(workgroups: Any, limit: int, label: str) -> tuple[int, int, int]:
+def _workgroups(workgroups: Any, limit: int, label: str, *, split_x: bool = False) -> tuple[int, int, int]:
     groups = (workgroups,) if isinstance(workgroups, (int, np.integer)) else tuple(workgroups)
     if not 1 <= len(groups) <= 3 or not all(isinstance(g, (int, np.integer)) for g in groups):
         raise ValueError(f"kernel {label!r}: workgroups must be an int or 1 to 3 ints, got {workgroups!r}")
     for axis, g in zip("xyz", groups):
         if g < 0:
             raise ValueError(f"kernel {label!r}: workgroup count {g} in {axis} is negative")
-        if g > limit:
+        if g > limit and not (split_x and axis == "x"):
+            hint = ("use hetero_workgroup_id() in the kernel so that hetero can split x (see hetero._split)"
+                    if not split_x else "only x is split: keep y and z within the limit")
             raise ValueError(
                 f"kernel {label!r}: {g} workgroups in {axis} exceed the adapter's limit of {limit} "
-                "per dimension; spread the grid over y and z"
+                f"per dimension; {hint}"
             )
-    return (int(groups[0]), *(int(g) for g in groups[1:]), *([1] * (3 - len(groups))))  # type: ignore[return-value]
+    padded = [int(g) for g in groups] + [1] * (3 - len(groups))
+    return padded[0], padded[1], padded[2]

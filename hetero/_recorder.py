@@ -31,6 +31,7 @@ with an error that says so.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -43,7 +44,53 @@ Callback = Callable[[], None]
 ErrorCallback = Callable[[BaseException], None]
 
 
-class StageRecorder:
+class _Budget:
+    """Estimated GPU time of the open encoder, and what it holds (for calibration)."""
+
+    _dev: Device
+
+    def _reset_budget(self) -> None:
+        self.est_ns = 0.0
+        self._work: dict[Any, int] = {}
+
+    def note(self, key: Any, workgroups: int, est_ns: float) -> None:
+        """A dispatch of ``workgroups`` of kernel ``key`` was recorded."""
+        self.est_ns += est_ns
+        self._work[key] = self._work.get(key, 0) + workgroups
+
+    def reserve(self, est_ns: float) -> int:
+        """Before recording ``est_ns`` more: end the submission first if the budget would be
+        exceeded (and it holds anything). Returns the number of submissions ended (0 or 1)."""
+        if self.est_ns > 0 and self.est_ns + est_ns > self._dev.budget_ns:
+            self.split()
+            return 1
+        return 0
+
+    def split(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _calibration(self) -> Callback | None:
+        """A completion callback that refines the cost model from this submission's wall time."""
+        if len(self._work) != 1 or self.est_ns <= 0:
+            return None
+        (key, workgroups), = self._work.items()
+        cost, t0 = self._dev.cost, time.perf_counter_ns()
+
+        def observe() -> None:
+            ns = time.perf_counter_ns() - t0 - _FENCE_OVERHEAD_NS
+            if ns >= _MIN_CALIBRATION_NS:  # shorter ones are all overhead
+                cost.observe(key, workgroups, ns, source="wall")
+
+        return observe
+
+
+# Submissions shorter than this say nothing about a kernel's cost; the round trip of an
+# empty submission (~0.1-0.2 ms) is subtracted from longer ones.
+_MIN_CALIBRATION_NS = 2_000_000
+_FENCE_OVERHEAD_NS = 200_000
+
+
+class StageRecorder(_Budget):
     """One command encoder per stage (for concurrent recording threads)."""
 
     shared = False
@@ -53,6 +100,7 @@ class StageRecorder:
         self._encoder: Any = None
         self._pass: Any = None
         self.lock: AbstractContextManager[Any] = nullcontext()
+        self._reset_budget()
 
     @property
     def encoder(self) -> Any:
@@ -73,9 +121,19 @@ class StageRecorder:
 
     def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
         """The stage is recorded: finish its encoder and enqueue it (raises if that fails)."""
+        calibrate = self._calibration()
         encoder, self._encoder = self.encoder, None
+        self._reset_budget()
         command_buffer = encoder.finish()
-        self._dev.enqueue(command_buffer, on_done, flush=flush)
+        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, on_done) if c is not None]) or None,
+                          flush=flush)
+
+    def split(self) -> None:
+        """The GPU-time budget is reached mid-stage: submit what the stage recorded so far."""
+        calibrate = self._calibration()
+        encoder, self._encoder = self.encoder, None
+        self._reset_budget()
+        self._dev.enqueue(encoder.finish(), calibrate, flush=True)
 
     def abandon(self, settle: Callback) -> None:
         """The stage failed before commit: nothing of it will run, settle at once."""
@@ -86,7 +144,7 @@ class StageRecorder:
         pass
 
 
-class SharedRecorder:
+class SharedRecorder(_Budget):
     """One open command encoder shared by consecutive stages of one recording thread."""
 
     shared = True
@@ -100,6 +158,7 @@ class SharedRecorder:
         self._stages = 0
         self._done: list[Callback] = []
         self._errors: list[ErrorCallback] = []
+        self._reset_budget()
 
     @property
     def encoder(self) -> Any:
@@ -142,12 +201,18 @@ class SharedRecorder:
             if self._encoder is not None:
                 self._finish(flush=True)
 
+    def split(self) -> None:
+        """The GPU-time budget is reached: submit the open encoder now."""
+        self.flush()
+
     def _finish(self, *, flush: bool) -> None:
         if self._pass is not None:
             try:
                 self._pass.end()
             finally:
                 self._pass = None
+        calibrate = self._calibration()
+        self._reset_budget()
         encoder, done, errors = self._encoder, self._done, self._errors
         self._encoder, self._done, self._errors, self._stages = None, [], [], 0
         if encoder is None:
@@ -156,7 +221,7 @@ class SharedRecorder:
             return
         try:
             command_buffer = encoder.finish()
-            self._dev.enqueue(command_buffer, _chain(done) if done else None, flush=flush)
+            self._dev.enqueue(command_buffer, _chain(([calibrate] if calibrate else []) + done), flush=flush)
         except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
             err = RuntimeError(
                 f"the command encoder shared by {len(errors)} stage(s) failed: {type(e).__name__}: {e}"
@@ -168,7 +233,12 @@ class SharedRecorder:
                 cb()
 
 
-def _chain(callbacks: list[Callback]) -> Callback:
+def _chain(callbacks: list[Callback]) -> Callback | None:
+    if not callbacks:
+        return None
+    if len(callbacks) == 1:
+        return callbacks[0]
+
     def run_all() -> None:
         for cb in callbacks:
             cb()

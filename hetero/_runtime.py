@@ -27,13 +27,15 @@ class Runtime:
     how many small GPU stages may share one queue submission (1 turns coalescing off);
     ``memory_budget`` caps the device memory (bytes) the buffer pool holds: past it,
     younger runs wait for memory while the oldest one proceeds (default: see
-    ``hetero._memory.default_budget``).
+    ``hetero._memory.default_budget``); ``gpu_budget_ms`` is the GPU time one
+    submission may hold before work is split across submissions (see ``hetero._split``;
+    drivers reset a device whose submission runs for seconds).
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
 
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
-                 memory_budget: int | None = None, adapter: Any = None) -> None:
+                 memory_budget: int | None = None, gpu_budget_ms: float = 100.0, adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
         if not isinstance(gpu_threads, int) or gpu_threads < 1:
@@ -45,6 +47,9 @@ class Runtime:
                                           or memory_budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
         self._memory_budget = memory_budget
+        if isinstance(gpu_budget_ms, bool) or not isinstance(gpu_budget_ms, (int, float)) or not gpu_budget_ms > 0:
+            raise ValueError(f"gpu_budget_ms must be a positive number of milliseconds, got {gpu_budget_ms!r}")
+        self._gpu_budget_ms = float(gpu_budget_ms)
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
@@ -87,7 +92,8 @@ class Runtime:
             with self._device_lock:
                 if self._device is None:
                     self._check_open()
-                    dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget)
+                    dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget,
+                                 gpu_budget_ms=self._gpu_budget_ms)
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev
