@@ -10,6 +10,8 @@ from ._device import Kernel
 from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
 from ._runtime import Runtime, run
+from ._memory import MemoryStats
+from ._split import DispatchInfo
 from ._tensor import Tensor
 from .errors import (
     DeviceLostError,
@@ -18,6 +20,7 @@ from .errors import (
     HeteroError,
     InputError,
     NoAdapterError,
+    OutOfMemoryError,
     RuntimeClosedError,
     StageError,
 )
@@ -26,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeviceLostError",
+    "DispatchInfo",
     "GPUContext",
     "GPUError",
     "Graph",
@@ -34,8 +38,10 @@ __all__ = [
     "Input",
     "InputError",
     "Kernel",
+    "MemoryStats",
     "NoAdapterError",
     "Node",
+    "OutOfMemoryError",
     "Runtime",
     "RuntimeClosedError",
     "StageError",

@@ -96,14 +96,13 @@ from typing import Any, Callable
 
 import wgpu
 
-from .errors import GPUError, RuntimeClosedError
+from .errors import OutOfMemoryError, RuntimeClosedError
 
 __all__ = [
     "Block",
     "BufferPool",
     "MemoryStats",
     "MemoryWait",
-    "OutOfMemoryError",
     "default_budget",
     "format_bytes",
     "size_class",
@@ -121,10 +120,6 @@ MIN_CLASS = 256
 BUDGET_CAP = 8 * GiB
 _MAPPABLE = int(wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.MAP_WRITE)
 _NO_SLAB = _MAPPABLE | int(wgpu.BufferUsage.STORAGE)  # see "Size classes" above
-
-
-class OutOfMemoryError(GPUError):
-    """A buffer can never fit in the memory budget (or the device refused to allocate it)."""
 
 
 class MemoryWait(Exception):

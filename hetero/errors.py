@@ -8,6 +8,7 @@
     ├── StageError              a stage failed; names the stage, __cause__ is the original error
     ├── GPUError                the GPU side cannot do what was asked
     │   ├── NoAdapterError      no WebGPU adapter matches (says what to install or set)
+    │   ├── OutOfMemoryError    a buffer can never fit the memory budget, or the device refused it
     │   └── DeviceLostError     the device was lost; runs fail fast instead of aborting
     └── RuntimeClosedError      the runtime was used after close()
 
@@ -24,6 +25,7 @@ __all__ = [
     "HeteroError",
     "InputError",
     "NoAdapterError",
+    "OutOfMemoryError",
     "RuntimeClosedError",
     "StageError",
 ]
@@ -55,6 +57,10 @@ class GPUError(HeteroError):
 
 class NoAdapterError(GPUError):
     """No WebGPU adapter was found, or none matches ``HETERO_ADAPTER``."""
+
+
+class OutOfMemoryError(GPUError):
+    """A buffer can never fit in the memory budget (or the device refused to allocate it)."""
 
 
 class DeviceLostError(GPUError):
