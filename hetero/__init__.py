@@ -12,6 +12,7 @@ from ._graph import Graph, Input, Node
 from ._runtime import Runtime, run
 from ._memory import MemoryStats
 from ._split import DispatchInfo
+from ._stats import RunStats, StageStats
 from ._tensor import Tensor
 from .errors import (
     DeviceLostError,
@@ -42,9 +43,11 @@ __all__ = [
     "NoAdapterError",
     "Node",
     "OutOfMemoryError",
+    "RunStats",
     "Runtime",
     "RuntimeClosedError",
     "StageError",
+    "StageStats",
     "Tensor",
     "run",
 ]

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -130,6 +131,7 @@ class Device:
         self.max_batch = max_batch
         self._batch: list[Any] = []
         self._batch_callbacks: list[Callable[[], None]] = []
+        self._batch_submitted: list[Callable[[int], None]] = []
         self._submit_lock = threading.Lock()
         self._inflight = 0  # our submissions not yet completed
         self.before_flush: list[Callable[[], None]] = []  # recorders holding open encoders
@@ -223,13 +225,14 @@ class Device:
         return int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
-                flush: bool = False) -> None:
+                flush: bool = False, on_submit: Callable[[int], None] | None = None) -> None:
         """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
         enqueued (and buffers it released reused) as soon as this returns.
         ``on_done`` runs on the fence thread once the batch holding this command
         buffer completed; pass ``flush=True`` when someone waits for it now.
+        ``on_submit(t_ns)`` runs right after the batch holding it was submitted.
 
         Coalescing policy: while the GPU has nothing of ours in flight, submit at once
         (it would idle otherwise); while a submission runs, collect command buffers
@@ -241,6 +244,8 @@ class Device:
             self._batch.append(command_buffer)
             if on_done is not None:
                 self._batch_callbacks.append(on_done)
+            if on_submit is not None:
+                self._batch_submitted.append(on_submit)
             if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
                 self._flush_locked()
 
@@ -253,11 +258,15 @@ class Device:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
-        batch, callbacks = self._batch, self._batch_callbacks
-        self._batch, self._batch_callbacks = [], []
+        batch, callbacks, submitted = self._batch, self._batch_callbacks, self._batch_submitted
+        self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
         if self.lost is not None:
             return  # submitting on a lost device aborts the process; runs were failed already
         index = self.submit(batch)
+        if submitted:
+            now = time.perf_counter_ns()
+            for on_submit in submitted:
+                on_submit(now)
         self.submissions += 1
         self._inflight += 1
         self.on_done(index, self._retired)  # first: the next batch goes out before downloads run

@@ -42,6 +42,7 @@ __all__ = ["SharedRecorder", "StageRecorder"]
 
 Callback = Callable[[], None]
 ErrorCallback = Callable[[BaseException], None]
+SubmitCallback = Callable[[int], None]
 
 
 class _Budget:
@@ -119,14 +120,15 @@ class StageRecorder(_Budget):
             self._pass = self.encoder.begin_compute_pass()
         return self._pass
 
-    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
+    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool,
+               on_submit: SubmitCallback | None = None) -> None:
         """The stage is recorded: finish its encoder and enqueue it (raises if that fails)."""
         calibrate = self._calibration()
         encoder, self._encoder = self.encoder, None
         self._reset_budget()
         command_buffer = encoder.finish()
-        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, on_done) if c is not None]) or None,
-                          flush=flush)
+        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, on_done) if c is not None]),
+                          flush=flush, on_submit=on_submit)
 
     def split(self) -> None:
         """The GPU-time budget is reached mid-stage: submit what the stage recorded so far."""
@@ -158,6 +160,7 @@ class SharedRecorder(_Budget):
         self._stages = 0
         self._done: list[Callback] = []
         self._errors: list[ErrorCallback] = []
+        self._submitted: list[SubmitCallback] = []
         self._reset_budget()
 
     @property
@@ -178,11 +181,14 @@ class SharedRecorder(_Budget):
                 self._pass = self.encoder.begin_compute_pass()
             return self._pass
 
-    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool) -> None:
+    def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool,
+               on_submit: SubmitCallback | None = None) -> None:
         with self.lock:
             self._stages += 1
             if on_done is not None:
                 self._done.append(on_done)
+            if on_submit is not None:
+                self._submitted.append(on_submit)
             self._errors.append(on_error)
             if flush or self._stages >= self.max_stages:
                 self._finish(flush=True)
@@ -213,15 +219,16 @@ class SharedRecorder(_Budget):
                 self._pass = None
         calibrate = self._calibration()
         self._reset_budget()
-        encoder, done, errors = self._encoder, self._done, self._errors
-        self._encoder, self._done, self._errors, self._stages = None, [], [], 0
+        encoder, done, errors, submitted = self._encoder, self._done, self._errors, self._submitted
+        self._encoder, self._done, self._errors, self._submitted, self._stages = None, [], [], [], 0
         if encoder is None:
             for cb in done:
                 cb()
             return
         try:
             command_buffer = encoder.finish()
-            self._dev.enqueue(command_buffer, _chain(([calibrate] if calibrate else []) + done), flush=flush)
+            self._dev.enqueue(command_buffer, _chain(([calibrate] if calibrate else []) + done), flush=flush,
+                              on_submit=_chain_submitted(submitted))
         except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
             err = RuntimeError(
                 f"the command encoder shared by {len(errors)} stage(s) failed: {type(e).__name__}: {e}"
@@ -242,5 +249,16 @@ def _chain(callbacks: list[Callback]) -> Callback | None:
     def run_all() -> None:
         for cb in callbacks:
             cb()
+
+    return run_all
+
+
+def _chain_submitted(callbacks: list[SubmitCallback]) -> SubmitCallback | None:
+    if not callbacks:
+        return None
+
+    def run_all(t_ns: int) -> None:
+        for cb in callbacks:
+            cb(t_ns)
 
     return run_all

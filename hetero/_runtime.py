@@ -14,6 +14,7 @@ from ._device import Device
 from ._memory import MemoryStats
 from ._graph import Graph
 from ._scheduler import Run, Scheduler
+from ._stats import RunStats
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
 __all__ = ["Runtime", "run"]
@@ -55,6 +56,7 @@ class Runtime:
         self._device_lock = threading.Lock()
         self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device, submit_batch)
         self._closed = False
+        self._last_run: Run | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def __aenter__(self) -> Runtime:
@@ -142,11 +144,18 @@ class Runtime:
             self._device.check_alive()  # fail fast: nothing can run on a lost device
         run = self._sched.new_run(plan, dict(inputs))
         run.start()
+        self._last_run = run
         return run
 
     async def run(self, graph: Graph, /, **inputs: Any) -> Any:
         """Run ``graph`` once with the given inputs; return its output (a tuple for several)."""
         return await self._start(graph, inputs).wait()
+
+    def stats(self) -> RunStats:
+        """Per-stage timings of the last run started (wall instants; GPU time where measured)."""
+        if self._last_run is None:
+            raise HeteroError("no run yet: stats() describes the last run of this Runtime")
+        return self._last_run.stats()
 
     async def map(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
                   max_in_flight: int = 4) -> AsyncIterator[Any]:

@@ -51,6 +51,7 @@ from ._bridge import loop_caller
 from ._gpu import GPUContext, _Park, map_values
 from ._recorder import SharedRecorder, StageRecorder
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
+from ._stats import RunStats, Timeline
 from ._tensor import Tensor
 from .errors import StageError
 
@@ -156,6 +157,7 @@ class Run:
         self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else 0 for s in plan.stages]
         self.held: dict[int, list[Any]] = {}
         self.recording = 0  # GPU stages of this run being recorded right now
+        self.tl = Timeline(n)
         self.cleaned = False
         self._event: anyio.Event | None = None
         self._call: Callable[[Callable[[], Any]], None] | None = None
@@ -271,6 +273,11 @@ class Run:
         self.sched.run_ended(self)
         self._wake()
 
+    def stats(self) -> RunStats:
+        stages = self.plan.stages
+        return self.tl.snapshot(self.plan.name, [st.name for st in stages], [st.kind for st in stages],
+                                ok=self.done and self.error is None)
+
     def outputs(self) -> Any:
         outs = []
         for kind, ref in self.plan.outputs:
@@ -309,6 +316,7 @@ class Run:
             self.done = True
             clean = self.recording == 0
         self.finished_at = time.monotonic()
+        self.tl.end = time.perf_counter_ns()
         if clean:
             self.cleanup()
         self._wake()
@@ -382,7 +390,9 @@ class Scheduler:
         """Queue ready stages on the pool of their kind."""
         stages = run.plan.stages
         cpu_jobs, gpu_jobs = [], []
+        queued, now = run.tl.queued, time.perf_counter_ns()
         for i in ready:
+            queued[i] = now
             st = stages[i]
             key = (run.seq, -st.priority)
             if st.kind == "cpu":
@@ -399,12 +409,14 @@ class Scheduler:
         """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready."""
         stages = run.plan.stages
         values = run.values
+        tl = run.tl
         while True:
             if run.stopped:
                 return
             st = stages[i]
             value = _NO_VALUE
             attempt = 0
+            tl.started[i] = time.perf_counter_ns()
             if not st.simple:
                 run.begin_timed(st)
             while True:
@@ -419,6 +431,7 @@ class Scheduler:
                             run.timed_started.pop(i, None)
                         run.fail(st, e, attempt)
                         return
+            tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
             if not st.simple and not run.end_timed(st):
                 return
             values[i] = value
@@ -432,6 +445,7 @@ class Scheduler:
                 return
             # Consumers come sorted by priority: continue with the first on this thread.
             i = ready_cpu[0]
+            tl.queued[i] = tl.completed[st.index]
             if len(ready_cpu) > 1:
                 self.dispatch(run, ready_cpu[1:])
 
@@ -449,6 +463,8 @@ class Scheduler:
 
     def _record_gpu(self, run: Run, st: StagePlan) -> None:
         i = st.index
+        tl = run.tl
+        tl.started[i] = time.perf_counter_ns()
         if not st.simple and i not in run.timed_started:
             run.begin_timed(st)
         try:
@@ -493,11 +509,20 @@ class Scheduler:
             if not run.hold(i, list(blocks.values())):
                 self._abandon(rec, ctx)  # the run stopped meanwhile
                 return
-            uploads, needs_callback = ctx.uploads, st.fence or bool(ctx.uploads)
-            on_done = (lambda: self._gpu_completed(run, st, result, ctx, uploads)) if needs_callback else None
+            tl.recorded[i] = time.perf_counter_ns()
+            uploads = ctx.uploads
+
+            def on_done() -> None:
+                tl.completed[i] = time.perf_counter_ns()
+                if st.fence or uploads:
+                    self._gpu_completed(run, st, result, ctx, uploads)
+
+            def on_submit(t_ns: int) -> None:
+                tl.submitted[i] = t_ns
+
             try:
                 rec.commit(on_done, lambda err: run.fail(st, err),
-                           flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS)
+                           flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS, on_submit=on_submit)
             except BaseException as e:  # noqa: BLE001 - the stage's own encoder failed, or the device was lost
                 run.fail(st, e, attempt)
                 ctx.discard()

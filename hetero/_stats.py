@@ -1,0 +1,82 @@
+"""Per-stage timings of a run: wall-clock events, and GPU time where the adapter measures it.
+
+Wall time and GPU time are never mixed: ``queued``, ``started``, ``recorded``,
+``submitted`` and ``completed`` are host wall-clock instants (seconds from the run's
+start); ``gpu_ms`` is GPU execution time from timestamp queries, ``None`` when the
+adapter has no ``timestamp-query`` or the stage was not timed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = ["RunStats", "StageStats", "Timeline"]
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage of the last run. Instants are seconds from the run's start; None if it never got there."""
+
+    name: str
+    kind: str  # "cpu" | "gpu"
+    queued: float | None  # became ready
+    started: float | None  # a worker began it
+    recorded: float | None  # its function returned (for GPU stages: its commands were recorded)
+    submitted: float | None  # GPU stages: the submission holding its commands was handed to the queue
+    completed: float | None  # its value was available where needed (GPU: its submission completed)
+    gpu_ms: float | None = None  # GPU execution time from timestamp queries
+
+    @property
+    def wall_ms(self) -> float | None:
+        """Wall time from start to completion."""
+        if self.started is None or self.completed is None:
+            return None
+        return (self.completed - self.started) * 1e3
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """The per-stage record of one run (``Runtime.stats()``)."""
+
+    graph: str
+    ok: bool
+    wall_ms: float
+    stages: tuple[StageStats, ...]
+
+    def stage(self, name: str) -> StageStats:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"run of graph {self.graph!r} has no stage {name!r}")
+
+
+class Timeline:
+    """Mutable instants (perf_counter_ns, 0 = not yet) filled in by the workers of one run."""
+
+    __slots__ = ("completed", "end", "gpu_ns", "queued", "recorded", "started", "submitted", "t0")
+
+    def __init__(self, n: int) -> None:
+        self.t0 = time.perf_counter_ns()
+        self.end = 0
+        self.queued = [0] * n
+        self.started = [0] * n
+        self.recorded = [0] * n
+        self.submitted = [0] * n
+        self.completed = [0] * n
+        self.gpu_ns: list[int | None] = [None] * n
+
+    def snapshot(self, graph: str, names: list[str], kinds: list[str], ok: bool) -> RunStats:
+        t0 = self.t0
+
+        def rel(ns: int) -> float | None:
+            return (ns - t0) / 1e9 if ns else None
+
+        stages = tuple(
+            StageStats(names[i], kinds[i], rel(self.queued[i]), rel(self.started[i]), rel(self.recorded[i]),
+                       rel(self.submitted[i]), rel(self.completed[i]),
+                       None if self.gpu_ns[i] is None else self.gpu_ns[i] / 1e6)  # type: ignore[operator]
+            for i in range(len(names))
+        )
+        end = self.end or time.perf_counter_ns()
+        return RunStats(graph, ok, (end - t0) / 1e6, stages)
