@@ -1,0 +1,237 @@
+"""The trace recorder: output follows the trace-event rules Perfetto and chrome://tracing expect."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetero._trace import GPU_QUEUE, Tracer
+
+NUMBER = (int, float)
+
+
+def check_trace(data: dict[str, Any]) -> dict[int, str]:
+    """Assert the Trace Event Format rules; return the thread names by tid."""
+    assert set(data) >= {"traceEvents", "displayTimeUnit", "otherData"}
+    assert data["displayTimeUnit"] in ("ms", "ns")
+    events = data["traceEvents"]
+    assert isinstance(events, list)
+    names: dict[int, str] = {}
+    processes: dict[int, str] = {}
+    used: set[tuple[int, int]] = set()
+    flows: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for ev in events:
+        assert isinstance(ev, dict)
+        for key in ("ph", "name", "pid", "tid", "ts"):
+            assert key in ev, (key, ev)
+        assert isinstance(ev["name"], str) and isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
+        assert isinstance(ev["ts"], NUMBER)
+        ph = ev["ph"]
+        assert ph in ("X", "i", "C", "M", "s", "f"), ev
+        if ph == "M":
+            assert ev["name"] in ("process_name", "thread_name", "thread_sort_index"), ev
+            if ev["name"] == "thread_name":
+                assert isinstance(ev["args"]["name"], str) and ev["args"]["name"]
+                assert ev["tid"] not in names, f"thread {ev['tid']} named twice"
+                names[ev["tid"]] = ev["args"]["name"]
+            elif ev["name"] == "process_name":
+                processes[ev["pid"]] = ev["args"]["name"]
+            else:
+                assert isinstance(ev["args"]["sort_index"], int)
+            continue
+        used.add((ev["pid"], ev["tid"]))
+        if ph == "X":
+            assert isinstance(ev["dur"], NUMBER) and ev["dur"] >= 0, ev
+        elif ph == "i":
+            assert ev["s"] in ("t", "p", "g")
+        elif ph == "C":
+            assert ev["args"] and all(isinstance(v, NUMBER) and not isinstance(v, bool) for v in ev["args"].values())
+        else:
+            assert "id" in ev and "cat" in ev
+            flows.setdefault((ev["cat"], ev["name"], ev["id"]), []).append(ev)  # how Perfetto pairs them
+        if "args" in ev:
+            assert isinstance(ev["args"], dict)
+    for pid, tid in used:
+        assert pid in processes, f"process {pid} has no process_name"
+        assert tid in names, f"track {tid} has no thread_name"
+    for flow, pair in flows.items():
+        assert sorted(e["ph"] for e in pair) == ["f", "s"], (flow, pair)
+    return names
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def test_events_of_every_kind(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "t.json")
+    now = time.perf_counter_ns()
+    tr.name_thread("event loop")
+    tr.span("plan", "sched", now, now + 5_000, args={"stages": 3})
+    tr.instant("run start", "sched", now + 1_000)
+    tr.counter("buffer pool", now + 2_000, {"in_use": 4096, "pooled": 65536})
+    with tr.cpu_span("normalise", args={"run": 0}) as extra:
+        extra["bytes"] = 64
+    tr.gpu_span("affine", now + 10_000, now + 30_000, {"workgroups": 4})
+    assert tr.write() == str(tmp_path / "t.json")
+    data = load(tmp_path / "t.json")
+    names = check_trace(data)
+    events = [e for e in data["traceEvents"] if e["ph"] != "M"]
+    by_name = {e["name"]: e for e in events}
+    assert by_name["plan"]["dur"] == pytest.approx(5.0) and by_name["plan"]["args"] == {"stages": 3}
+    assert by_name["plan"]["ts"] >= 0  # microseconds from the tracer's origin
+    assert by_name["run start"]["ts"] == pytest.approx(by_name["plan"]["ts"] + 1.0)
+    assert by_name["buffer pool"]["args"] == {"in_use": 4096.0, "pooled": 65536.0}
+    assert by_name["normalise"]["args"] == {"run": 0, "bytes": 64} and by_name["normalise"]["cat"] == "cpu"
+    assert by_name["affine"]["dur"] == pytest.approx(20.0) and by_name["affine"]["cat"] == "gpu"
+    assert names[by_name["plan"]["tid"]] == "event loop"
+    assert names[by_name["affine"]["tid"]] == GPU_QUEUE
+    assert by_name["affine"]["tid"] != by_name["plan"]["tid"]
+    assert data["otherData"]["origin_perf_counter_ns"] == tr.origin_ns
+    # the GPU queue sorts after the threads
+    order = {e["tid"]: e["args"]["sort_index"] for e in data["traceEvents"] if e["name"] == "thread_sort_index"}
+    assert order[by_name["affine"]["tid"]] > order[by_name["plan"]["tid"]]
+
+
+def test_negative_durations_are_clamped_and_errors_noted(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "t.json")
+    now = time.perf_counter_ns()
+    tr.span("backwards", "cpu", now, now - 1000)
+    with pytest.raises(ZeroDivisionError):
+        with tr.cpu_span("fails"):
+            1 / 0
+    data = load(tr.write())
+    check_trace(data)
+    by_name = {e["name"]: e for e in data["traceEvents"]}
+    assert by_name["backwards"]["dur"] == 0
+    assert by_name["fails"]["args"]["error"] == "ZeroDivisionError: division by zero"
+
+
+def test_recording_never_raises(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "t.json")
+    tr.counter("pool", None, {"in_use": "lots"})  # type: ignore[dict-item]  # not a number
+    tr.span("bad args", "cpu", 0, 1, args=[1, 2])  # type: ignore[arg-type]
+    tr.instant("bad", args=42)  # type: ignore[arg-type]
+    assert tr.errors == 3
+    data = load(tr.write())
+    check_trace(data)
+    assert data["otherData"]["recording_errors"] == 3
+
+
+def test_many_threads(tmp_path: Path) -> None:
+    """Eight named threads record concurrently: each gets its own track and every event lands."""
+    tr = Tracer(tmp_path / "t.json")
+    n_threads, per_thread = 8, 500
+    barrier = threading.Barrier(n_threads)
+
+    def work(k: int) -> None:
+        barrier.wait()
+        for j in range(per_thread):
+            t0 = time.perf_counter_ns()
+            tr.span(f"stage-{k}", "cpu", t0, time.perf_counter_ns(), args={"j": j})
+            if j % 100 == 0:
+                tr.gpu_span(f"gpu-{k}", t0, t0 + 10)
+                tr.counter("pool", None, {"in_use": j})
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"hetero-cpu-{k}") for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    data = load(tr.write())
+    names = check_trace(data)
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X" and e["name"].startswith("stage-")]
+    assert len(spans) == n_threads * per_thread
+    for k in range(n_threads):
+        tids = {e["tid"] for e in spans if e["name"] == f"stage-{k}"}
+        assert len(tids) == 1 and names[tids.pop()] == f"hetero-cpu-{k}"
+        js = [e["args"]["j"] for e in spans if e["name"] == f"stage-{k}"]
+        assert js == list(range(per_thread))  # one thread's events stay in its order
+    gpu_tids = {e["tid"] for e in data["traceEvents"] if e["name"].startswith("gpu-")}
+    assert len(gpu_tids) == 1 and names[gpu_tids.pop()] == GPU_QUEUE
+    assert len(names) == n_threads + 1
+
+
+def test_a_new_thread_gets_a_new_track(tmp_path: Path) -> None:
+    """Threads that ran one after another (the OS may reuse their idents) stay apart."""
+    tr = Tracer(tmp_path / "t.json")
+    for k in range(3):
+        t = threading.Thread(target=lambda: tr.instant("hello"), name=f"hetero-gpu-{k}")
+        t.start()
+        t.join()
+    names = check_trace(load(tr.write()))
+    assert sorted(names.values()) == ["hetero-gpu-0", "hetero-gpu-1", "hetero-gpu-2"]
+
+
+def test_flow_from_a_submission_to_its_gpu_span(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "t.json")
+    now = time.perf_counter_ns()
+    flow = tr.new_flow()
+    assert tr.new_flow() != flow
+    tr.span("record affine", "gpu-record", now, now + 4_000, flow_out=flow)
+    tr.gpu_span("affine", now + 10_000, now + 12_000, flow_in=flow)
+    data = load(tr.write())
+    check_trace(data)
+    evs = {e["ph"]: e for e in data["traceEvents"] if e["ph"] in ("s", "f", "X")}
+    spans = {e["name"]: e for e in data["traceEvents"] if e["ph"] == "X"}
+    s, f = evs["s"], evs["f"]
+    assert s["id"] == f["id"] == flow and s["cat"] == f["cat"] and s["name"] == f["name"]
+    assert f["bp"] == "e"
+    for ev, span in ((s, spans["record affine"]), (f, spans["affine"])):
+        assert ev["tid"] == span["tid"]
+        assert span["ts"] < ev["ts"] < span["ts"] + span["dur"]  # bound to the enclosing slice
+
+
+def test_writing_again_rewrites_the_whole_file(tmp_path: Path) -> None:
+    """One file per tracer: each write holds every event so far, metadata once."""
+    path = tmp_path / "trace.json"
+    tr = Tracer(path)
+    now = time.perf_counter_ns()
+    tr.span("run 0", "run", now, now + 1000)
+    tr.write()
+    first = load(path)
+    check_trace(first)
+    tr.span("run 1", "run", now + 2000, now + 3000)
+    tr.write()
+    second = load(path)
+    check_trace(second)  # thread_name once per track, despite two writes
+    names = [e["name"] for e in second["traceEvents"] if e["ph"] == "X"]
+    assert names == ["run 0", "run 1"]
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # no temporary files left
+    # maybe_write throttles rewrites at run ends
+    assert not tr.maybe_write(min_interval=60)
+    assert tr.maybe_write(min_interval=0)
+    # close writes a last time; later events are ignored; closing again does nothing
+    tr.span("run 2", "run", now + 4000, now + 5000)
+    assert tr.close()
+    tr.span("after close", "run", now, now)
+    assert not tr.close()
+    names = [e["name"] for e in load(path)["traceEvents"] if e["ph"] == "X"]
+    assert names == ["run 0", "run 1", "run 2"]
+
+
+def test_event_cap_counts_drops(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "t.json", max_events=10)
+    for i in range(15):
+        tr.instant(f"e{i}")
+    data = load(tr.write())
+    check_trace(data)
+    assert sum(e["ph"] == "i" for e in data["traceEvents"]) == 10
+    assert data["otherData"]["dropped_events"] == 5
+
+
+def test_unwritable_path(tmp_path: Path) -> None:
+    tr = Tracer(tmp_path / "missing-dir" / "t.json")
+    tr.instant("x")
+    with pytest.raises(OSError):
+        tr.write()
+    assert not tr.maybe_write(min_interval=0)  # logged and counted, not raised
+    assert not tr.close()
