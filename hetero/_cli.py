@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="elements per array (default: %(default)s)")
     demo.add_argument("--runs", type=_positive_int, default=8, metavar="R",
                       help="inputs to stream through Runtime.map (default: %(default)s)")
+    demo.add_argument("--trace", metavar="T.json", default=None,
+                      help="write a Chrome/Perfetto trace of the runs to this file (open it in ui.perfetto.dev)")
     demo.set_defaults(func=cmd_demo)
     return p
 
@@ -361,7 +363,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
 
     async def go() -> None:
-        async with hetero.Runtime() as rt:
+        async with hetero.Runtime(trace=args.trace) as rt:
             device = await anyio.to_thread.run_sync(rt.device)  # creating the device blocks
             report["adapter"] = device.summary["summary"]
             t0 = time.perf_counter()

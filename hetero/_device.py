@@ -26,6 +26,8 @@ from typing import Any, Callable
 import wgpu
 
 from ._split import PRELUDE, CostModel, wants_grid
+from ._timing import GPUTimer
+from ._trace import Tracer
 from .errors import DeviceLostError, NoAdapterError
 
 __all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
@@ -37,7 +39,8 @@ INSTALL_HINT = (
     "'apt-get install -y mesa-vulkan-drivers', or install your GPU's Vulkan driver"
 )
 # Optional features hetero asks for when the adapter has them.
-WANTED_FEATURES = ("timestamp-query", "subgroup", "shader-f16")
+WANTED_FEATURES = ("timestamp-query", "timestamp-query-inside-encoders", "timestamp-query-inside-passes",
+                   "subgroup", "shader-f16")
 
 
 def _quiet_loader() -> None:
@@ -111,7 +114,8 @@ class Device:
     """One WebGPU device: its queue, its pipeline cache and its fence thread."""
 
     def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None,
-                 gpu_budget_ms: float = 100.0) -> None:
+                 gpu_budget_ms: float = 100.0, tracer: Tracer | None = None) -> None:
+        self.tracer = tracer
         self.adapter = adapter if adapter is not None else select_adapter()
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
         limits = {k: v for k, v in self.adapter.limits.items()}
@@ -151,6 +155,11 @@ class Device:
 
         self.budget_ns = gpu_budget_ms * 1e6  # GPU time one submission may hold (see _split)
         self.cost = CostModel()
+        # GPU timestamps: per stage (and per dispatch of splittable kernels) where the
+        # device can write them inside passes; the clock is aligned to the host once.
+        self.timer = GPUTimer(self.device)
+        if self.timer.strategy == "inside-passes":
+            self.timer.align(submit=self.submit)
         self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush)
         self.ring = StagingRing(self.device)
 
@@ -299,7 +308,12 @@ class Device:
                     return
                 index, callback = self._fences.popleft()
             try:
-                self.wait(index)
+                if self.tracer is not None:
+                    t0 = time.perf_counter_ns()
+                    self.wait(index)
+                    self.tracer.span(f"fence #{index}", "fence", t0, time.perf_counter_ns())
+                else:
+                    self.wait(index)
             except Exception as e:  # pragma: no cover - wgpu-native reports loss this way
                 self.lost = repr(e)
             try:
@@ -315,6 +329,7 @@ class Device:
             self._fence_cv.notify()
         self._fence_thread.join(timeout=5)
         self.ring.close()
+        self.timer.close()
         self.pool.close()
         self._kernels.clear()
 

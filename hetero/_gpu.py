@@ -7,6 +7,7 @@ the scheduler submits the stage's command buffer after the function returns.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -91,7 +92,11 @@ class GPUContext:
             raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
+            t0 = time.perf_counter_ns()
             self.uploads.append(self._dev.ring.upload(self.encoder, a, t.buffer, t.offset))
+            tracer = self._dev.tracer
+            if tracer is not None:
+                tracer.span("upload", "transfer", t0, time.perf_counter_ns(), args={"bytes": a.nbytes})
         return t
 
     def discard(self) -> None:
@@ -178,7 +183,9 @@ class GPUContext:
             cpass.set_pipeline(k.pipeline)
             cpass.set_bind_group(0, bind_group)
             cpass.set_bind_group(1, bg1)
+            span = rec.begin_span(k.label, ("dispatch", k.key, w * per_x))  # calibrates the cost model
             cpass.dispatch_workgroups(w, groups[1], groups[2])
+            rec.end_span(span)
             rec.note(k.key, w * per_x, est)
             n += 1
         return DispatchInfo(k.label, groups, n, chunk, ended, cost.estimate_ns(k.key, total) / 1e6)

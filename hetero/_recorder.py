@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ._device import Device
+    from ._timing import TimerFrame
 
 __all__ = ["SharedRecorder", "StageRecorder"]
 
@@ -46,9 +47,62 @@ SubmitCallback = Callable[[int], None]
 
 
 class _Budget:
-    """Estimated GPU time of the open encoder, and what it holds (for calibration)."""
+    """Estimated GPU time of the open encoder, what it holds (for calibration), its timestamps."""
 
     _dev: Device
+    _frame: TimerFrame | None
+    _pass: Any
+
+    def _init_timing(self) -> None:
+        timer = self._dev.timer
+        self._frame = timer.frame() if timer.strategy == "inside-passes" else None
+        self._epoch = 0  # bumped whenever the frame is resolved: older handles are void
+
+    def begin_span(self, label: str, meta: Any) -> tuple[int, int]:
+        """Start a GPU timestamp span at the current position (a void handle when not timing)."""
+        if self._frame is None:
+            return (-1, -1)
+        return (self._epoch, self._frame.begin(self._target(), label, meta))
+
+    def end_span(self, handle: tuple[int, int]) -> None:
+        """End a span; a no-op if its encoder was submitted meanwhile (it was closed there)."""
+        epoch, h = handle
+        if self._frame is not None and h >= 0 and epoch == self._epoch:
+            self._frame.end(self._target(), h)
+
+    def _target(self) -> Any:
+        raise NotImplementedError
+
+    def _resolve_timing(self, encoder: Any) -> Callback | None:
+        """Before ``encoder.finish()``: resolve its timestamps; the callback reads them after the fence."""
+        if self._frame is None or self._frame.empty:
+            return None
+        self._epoch += 1
+        ticket = self._frame.resolve(encoder)
+        if ticket is None:
+            return None
+        dev = self._dev
+
+        def read() -> None:
+            timer, tracer = dev.timer, dev.tracer
+            spans = timer.read(ticket)
+            for span in spans:
+                kind, *rest = span.meta
+                if kind == "stage":
+                    timeline, i = rest
+                    timeline.gpu_ns[i] = (timeline.gpu_ns[i] or 0) + span.end_ns - span.start_ns
+                elif kind == "dispatch":
+                    key, workgroups = rest
+                    dev.cost.observe(key, workgroups, span.end_ns - span.start_ns, source="timestamp")
+            if tracer is not None:
+                for span in timer.to_host(spans):
+                    if span.meta[0] == "stage":
+                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, {"stage": span.label})
+                    else:
+                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, {"workgroups": span.meta[2]},
+                                        queue="GPU dispatches")
+
+        return read
 
     def _reset_budget(self) -> None:
         self.est_ns = 0.0
@@ -102,6 +156,10 @@ class StageRecorder(_Budget):
         self._pass: Any = None
         self.lock: AbstractContextManager[Any] = nullcontext()
         self._reset_budget()
+        self._init_timing()
+
+    def _target(self) -> Any:
+        return self._pass if self._pass is not None else self.encoder
 
     @property
     def encoder(self) -> Any:
@@ -126,8 +184,9 @@ class StageRecorder(_Budget):
         calibrate = self._calibration()
         encoder, self._encoder = self.encoder, None
         self._reset_budget()
+        timing = self._resolve_timing(encoder)
         command_buffer = encoder.finish()
-        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, on_done) if c is not None]),
+        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, timing, on_done) if c is not None]),
                           flush=flush, on_submit=on_submit)
 
     def split(self) -> None:
@@ -135,11 +194,14 @@ class StageRecorder(_Budget):
         calibrate = self._calibration()
         encoder, self._encoder = self.encoder, None
         self._reset_budget()
-        self._dev.enqueue(encoder.finish(), calibrate, flush=True)
+        timing = self._resolve_timing(encoder)
+        self._dev.enqueue(encoder.finish(), _chain([c for c in (calibrate, timing) if c is not None]), flush=True)
 
     def abandon(self, settle: Callback) -> None:
         """The stage failed before commit: nothing of it will run, settle at once."""
         self._encoder = self._pass = None
+        if self._frame is not None:
+            self._frame.discard()
         settle()
 
     def flush(self) -> None:
@@ -162,6 +224,10 @@ class SharedRecorder(_Budget):
         self._errors: list[ErrorCallback] = []
         self._submitted: list[SubmitCallback] = []
         self._reset_budget()
+        self._init_timing()
+
+    def _target(self) -> Any:
+        return self._pass if self._pass is not None else self.encoder
 
     @property
     def encoder(self) -> Any:
@@ -219,6 +285,9 @@ class SharedRecorder(_Budget):
                 self._pass = None
         calibrate = self._calibration()
         self._reset_budget()
+        timing = self._resolve_timing(self._encoder) if self._encoder is not None else None
+        if timing is not None:
+            calibrate = _chain([c for c in (calibrate, timing) if c is not None])
         encoder, done, errors, submitted = self._encoder, self._done, self._errors, self._submitted
         self._encoder, self._done, self._errors, self._submitted, self._stages = None, [], [], [], 0
         if encoder is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from ._memory import MemoryStats
 from ._graph import Graph
 from ._scheduler import Run, Scheduler
 from ._stats import RunStats
+from ._trace import Tracer
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
 __all__ = ["Runtime", "run"]
@@ -30,13 +32,17 @@ class Runtime:
     younger runs wait for memory while the oldest one proceeds (default: see
     ``hetero._memory.default_budget``); ``gpu_budget_ms`` is the GPU time one
     submission may hold before work is split across submissions (see ``hetero._split``;
-    drivers reset a device whose submission runs for seconds).
+    drivers reset a device whose submission runs for seconds). ``trace`` is a path: one
+    Chrome/Perfetto trace-event JSON file with CPU worker spans, GPU recording spans,
+    GPU stage and dispatch spans (timestamps aligned to the wall clock), fence waits,
+    transfers and buffer-pool counters, rewritten after each run and at close.
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
 
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
-                 memory_budget: int | None = None, gpu_budget_ms: float = 100.0, adapter: Any = None) -> None:
+                 memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
+                 trace: str | os.PathLike[str] | None = None, adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
         if not isinstance(gpu_threads, int) or gpu_threads < 1:
@@ -54,7 +60,9 @@ class Runtime:
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
-        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device, submit_batch)
+        self._tracer = Tracer(trace) if trace is not None else None
+        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device, submit_batch,
+                                tracer=self._tracer)
         self._closed = False
         self._last_run: Run | None = None
 
@@ -79,6 +87,8 @@ class Runtime:
         self._sched.close()
         if self._device is not None:
             self._device.close()
+        if self._tracer is not None:
+            self._tracer.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -95,7 +105,7 @@ class Runtime:
                 if self._device is None:
                     self._check_open()
                     dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget,
-                                 gpu_budget_ms=self._gpu_budget_ms)
+                                 gpu_budget_ms=self._gpu_budget_ms, tracer=self._tracer)
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev
@@ -149,7 +159,13 @@ class Runtime:
 
     async def run(self, graph: Graph, /, **inputs: Any) -> Any:
         """Run ``graph`` once with the given inputs; return its output (a tuple for several)."""
-        return await self._start(graph, inputs).wait()
+        try:
+            return await self._start(graph, inputs).wait()
+        finally:
+            if self._tracer is not None:
+                tracer = self._tracer
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(tracer.maybe_write)
 
     def stats(self) -> RunStats:
         """Per-stage timings of the last run started (wall instants; GPU time where measured)."""

@@ -57,6 +57,7 @@ from .errors import StageError
 
 if TYPE_CHECKING:
     from ._device import Device
+    from ._trace import Tracer
 
 __all__ = ["Run", "Scheduler", "WorkerPool"]
 
@@ -168,6 +169,10 @@ class Run:
         self._call = loop_caller()
         self._event = anyio.Event()
         self.sched.run_started(self)
+        tracer = self.sched.tracer
+        if tracer is not None:
+            tracer.name_thread("event loop")
+            tracer.instant(f"run {self.seq} of {self.plan.name!r} starts", "run")
         if not self.plan.stages:
             self._finish()
             return
@@ -370,12 +375,14 @@ class Scheduler:
     """Owns the CPU pool and the GPU recording pool; routes ready stages to them."""
 
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
-                 device_if_open: Callable[[], Device | None], submit_batch: int = 32) -> None:
+                 device_if_open: Callable[[], Device | None], submit_batch: int = 32,
+                 tracer: Tracer | None = None) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
         self.submit_batch = submit_batch
+        self.tracer = tracer
         self._shared: SharedRecorder | None = None
         self._shared_dev: Device | None = None
         self._runs_lock = threading.Lock()
@@ -432,6 +439,8 @@ class Scheduler:
                         run.fail(st, e, attempt)
                         return
             tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
+            if self.tracer is not None:
+                self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args={"run": run.seq})
             if not st.simple and not run.end_timed(st):
                 return
             values[i] = value
@@ -479,6 +488,7 @@ class Scheduler:
             while True:
                 attempt += 1
                 ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run), recorder=rec)
+                span = rec.begin_span(st.name, ("stage", tl, i))
                 try:
                     args, kwargs = run.args_for(st, run.dev_values)
                     args = tuple(map_values(a, ctx.upload, np.ndarray) for a in args)
@@ -488,12 +498,15 @@ class Scheduler:
                         zero_copy = i not in run.plan.output_stages
                         c = ctx
                         map_values(result, lambda t: c.stage_download(t, zero_copy), Tensor)
+                    rec.end_span(span)
                     break
                 except _Park as park:
+                    rec.end_span(span)
                     self._abandon(rec, ctx)
                     self._park(run, i, park.wait.generation)
                     return
                 except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
+                    rec.end_span(span)
                     self._abandon(rec, ctx)
                     if "device is lost" in str(e).lower():
                         dev._probe_lost()  # fails every active run with DeviceLostError
@@ -510,6 +523,8 @@ class Scheduler:
                 self._abandon(rec, ctx)  # the run stopped meanwhile
                 return
             tl.recorded[i] = time.perf_counter_ns()
+            if self.tracer is not None:
+                self.tracer.span(st.name, "gpu-record", tl.started[i], tl.recorded[i], args={"run": run.seq})
             uploads = ctx.uploads
 
             def on_done() -> None:
@@ -569,7 +584,14 @@ class Scheduler:
             if run.stopped:
                 return
             try:
+                t0 = time.perf_counter_ns()
                 host = ctx.read_downloads()
+                tracer = self.tracer
+                if tracer is not None:
+                    stats = ctx._dev.pool.stats()
+                    tracer.span("download", "transfer", t0, time.perf_counter_ns(),
+                                args={"bytes": sum(t.nbytes for _, t in ctx.downloads)})
+                    tracer.counter("gpu memory", None, {"in_use": stats.in_use_bytes, "pooled": stats.pooled_bytes})
                 run.values[st.index] = map_values(result, lambda t: host.get(id(t), t), Tensor) if host else result
             except BaseException as e:  # noqa: BLE001
                 run.fail(st, e)

@@ -112,3 +112,12 @@ def test_python_dash_m() -> None:
     done = subprocess.run([sys.executable, "-m", "hetero", "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert done.stdout.startswith("hetero ")
+
+
+def test_demo_writes_a_trace(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    path = tmp_path / "demo.json"
+    assert _cli.main(["demo", "--size", "1000", "--runs", "2", "--trace", str(path)]) == 0
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e.get("cat") == "gpu-record" for e in events) and any(e.get("cat") == "cpu" for e in events)

@@ -60,8 +60,10 @@ async def test_small_budget_splits_into_several_submissions_with_the_same_result
     # 1 ms at the default 2 µs per workgroup: 500 workgroups per sub-dispatch and submission.
     assert info.chunk == int(1e6 / DEFAULT_NS_PER_WORKGROUP)
     assert info.sub_dispatches == -(-20_000 // info.chunk)
-    assert info.submissions == info.sub_dispatches - 1
-    assert subs >= info.sub_dispatches
+    # Each sub-dispatch is estimated at the budget, so submissions end between them; once
+    # timestamps of the first ones arrive the estimate may shrink and fewer end.
+    assert 1 <= info.submissions <= info.sub_dispatches - 1
+    assert subs >= info.submissions + 1
 
 
 async def test_kernels_without_the_grid_helpers_are_refused_with_a_hint(shared_rt: hetero.Runtime) -> None:
@@ -122,5 +124,6 @@ async def test_long_submissions_calibrate_the_cost_model() -> None:
         dev = rt.device()
         (k,) = [k for k in dev._kernels.values() if k.grid]
         np.testing.assert_array_equal(out, np.arange(n, dtype=np.uint32))
-        assert dev.cost.source(k.key) == "wall"
+        # GPU timestamps where the adapter writes them inside passes (lavapipe does), else fence wall time.
+        assert dev.cost.source(k.key) == ("timestamp" if dev.timer.strategy == "inside-passes" else "wall")
         assert dev.cost.ns_per_workgroup(k.key) != DEFAULT_NS_PER_WORKGROUP

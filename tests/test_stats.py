@@ -74,3 +74,33 @@ def test_stats_before_any_run() -> None:
     with hetero.Runtime() as rt:
         with pytest.raises(hetero.HeteroError, match="no run yet"):
             rt.stats()
+
+
+async def test_runtime_trace_holds_cpu_gpu_fence_transfer_and_memory_events(tmp_path) -> None:
+    """One trace file: CPU worker spans, GPU recording, GPU stage spans on the queue track, fences."""
+    from tests.test_trace import check_trace, load
+
+    path = tmp_path / "run.trace.json"
+    g = hetero.Graph("traced")
+    d = g.gpu(double, g.cpu(lambda v: v.astype(np.float32), g.input("x"), name="prep"))
+    g.output(g.cpu(lambda a: float(a.sum()), d, name="total"))
+    async with hetero.Runtime(trace=path) as rt:
+        for _ in range(2):
+            await rt.run(g, x=np.ones(100))
+        timed = rt.device().timer.strategy == "inside-passes"
+    data = load(path)
+    tracks = check_trace(data)  # the trace-event rules Perfetto's importer applies
+    names = set(tracks.values())
+    assert "GPU queue" in names and "event loop" in names
+    assert any(n.startswith("hetero-cpu") for n in names) and any(n.startswith("hetero-gpu") for n in names)
+    assert any(n.startswith("hetero-fence") for n in names)
+    events = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    cats = {e["cat"] for e in events}
+    assert {"cpu", "gpu-record", "fence", "transfer"} <= cats
+    by_name = {(e["cat"], e["name"]) for e in events}
+    assert ("cpu", "prep") in by_name and ("gpu-record", "double") in by_name
+    if timed:  # lavapipe writes timestamps inside passes: the stage appears on the GPU queue track
+        gpu = [e for e in events if e["cat"] == "gpu" and e["name"] == "double"]
+        assert len(gpu) == 2 and all(tracks[e["tid"]] == "GPU queue" for e in gpu)
+        assert rt.stats().stage("double").gpu_ms is not None
+    assert any(e["ph"] == "C" and e["name"] == "gpu memory" for e in data["traceEvents"])
