@@ -26,6 +26,8 @@ from .errors import (
     StageError,
 )
 
+from . import ops  # noqa: E402  (the op namespace: hetero.ops.sum, ...)
+
 __version__ = "0.1.0"
 
 __all__ = [

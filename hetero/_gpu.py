@@ -68,7 +68,7 @@ class GPUContext:
         self.workgroups = 0  # dispatched so far (decides whether the stage is coalesced)
         self.blocks: list[Block] = []  # pool blocks this context acquired (one reference each)
         self.uploads: list[Any] = []  # staging tickets of this stage's uploads
-        self.downloads: list[tuple[Any, Tensor]] = []  # staging tickets of values going to the host
+        self.downloads: list[tuple[Any, Tensor]] = []  # (staging ticket or None if empty, tensor) to the host
 
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
@@ -111,7 +111,8 @@ class GPUContext:
         for ticket in uploads:
             ticket.complete() if ran else ticket.discard()
         for ticket, _ in downloads:
-            ticket.discard()
+            if ticket is not None:
+                ticket.discard()
 
     def release_blocks(self) -> None:
         """Drop this context's references to its blocks (after submission, or when discarded)."""
@@ -222,17 +223,18 @@ class GPUContext:
         ``zero_copy``: the host array will be a view of the mapped staging memory
         (no copy out; the staging buffer is recycled when the array is gone).
         """
+        ticket = None
         if t.nbytes:
             ticket = self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes,
                                              zero_copy=zero_copy and t.nbytes >= ZERO_COPY_MIN)
-            self.downloads.append((ticket, t))
+        self.downloads.append((ticket, t))  # a zero-size tensor needs no copy, still arrives as an array
         return t
 
     def read_downloads(self) -> dict[int, np.ndarray]:
         """After the fence: the host copies of the staged tensors, by ``id(tensor)``."""
         out: dict[int, np.ndarray] = {}
         for ticket, t in self.downloads:
-            out[id(t)] = ticket.read(t.shape, t.dtype)
+            out[id(t)] = ticket.read(t.shape, t.dtype) if ticket is not None else np.empty(t.shape, t.dtype)
         return out
 
 

@@ -598,7 +598,8 @@ class Scheduler:
                 return
         finally:
             for ticket, _ in ctx.downloads:
-                ticket.discard()  # no-op for tickets already read
+                if ticket is not None:
+                    ticket.discard()  # no-op for tickets already read
             run.drop_hold(st.index)
         if not st.simple and not run.end_timed(st):
             return

@@ -206,3 +206,15 @@ def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETERO_ADAPTER", "no-such-gpu-xyz")
     with pytest.raises(hetero.NoAdapterError, match="no adapter matches HETERO_ADAPTER='no-such-gpu-xyz'; available: "):
         select_adapter()
+
+
+async def test_zero_size_results_arrive_as_empty_arrays(shared_rt: hetero.Runtime) -> None:
+    def empty(gpu: hetero.GPUContext) -> Tensor:
+        return gpu.empty((0, 3), np.float32)
+
+    g = hetero.Graph("empty_out")
+    e = g.gpu(empty)
+    g.output(e, g.cpu(lambda a: a.shape, e, name="shape"))
+    out, shape = await shared_rt.run(g)
+    assert isinstance(out, np.ndarray) and out.shape == (0, 3) and out.dtype == np.float32
+    assert shape == (0, 3)
