@@ -6,6 +6,32 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 
 from __future__ import annotations
 
+
+def _map_source_checkout() -> None:
+    """Import ``kernels/`` and ``pipelines/`` as ``hetero.kernels``/``hetero.pipelines`` from a checkout.
+
+    Installed (also editable), the build backend maps these top-level folders into the
+    package. Run straight from a source tree (``PYTHONPATH=.``), nothing does: map them here.
+    """
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for sub in ("kernels", "pipelines"):
+        name = f"{__name__}.{sub}"
+        init = root / sub / "__init__.py"
+        if name in sys.modules or not init.is_file() or importlib.util.find_spec(name) is not None:
+            continue
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        globals()[sub] = module
+        spec.loader.exec_module(module)
+
+
 from ._device import Kernel
 from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
@@ -26,6 +52,7 @@ from .errors import (
     StageError,
 )
 
+_map_source_checkout()
 from . import ops  # noqa: E402  (the op namespace: hetero.ops.sum, ...)
 
 __version__ = "0.1.0"
