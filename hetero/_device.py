@@ -114,7 +114,7 @@ class Device:
     """One WebGPU device: its queue, its pipeline cache and its fence thread."""
 
     def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None,
-                 gpu_budget_ms: float = 100.0, tracer: Tracer | None = None) -> None:
+                 gpu_budget_ms: float = 100.0, tracer: Tracer | None = None, gpu_timing: bool = False) -> None:
         self.tracer = tracer
         self.adapter = adapter if adapter is not None else select_adapter()
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
@@ -158,6 +158,9 @@ class Device:
         # GPU timestamps: per stage (and per dispatch of splittable kernels) where the
         # device can write them inside passes; the clock is aligned to the host once.
         self.timer = GPUTimer(self.device)
+        # Timestamps around every stage cost a resolve and a readback per submission (a
+        # third more host time for tiny stages on the H200): on when asked or tracing.
+        self.stage_timing = (gpu_timing or tracer is not None) and self.timer.strategy == "inside-passes"
         if self.timer.strategy == "inside-passes":
             self.timer.align(submit=self.submit)
         self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush)

@@ -58,6 +58,12 @@ class _Budget:
         self._frame = timer.frame() if timer.strategy == "inside-passes" else None
         self._epoch = 0  # bumped whenever the frame is resolved: older handles are void
 
+    def begin_stage_span(self, label: str, meta: Any) -> tuple[int, int]:
+        """Like :meth:`begin_span`, for a whole stage: only when per-stage GPU timing is on."""
+        if not self._dev.stage_timing:
+            return (-1, -1)
+        return self.begin_span(label, meta)
+
     def begin_span(self, label: str, meta: Any) -> tuple[int, int]:
         """Start a GPU timestamp span at the current position (a void handle when not timing)."""
         if self._frame is None:

@@ -36,13 +36,16 @@ class Runtime:
     Chrome/Perfetto trace-event JSON file with CPU worker spans, GPU recording spans,
     GPU stage and dispatch spans (timestamps aligned to the wall clock), fence waits,
     transfers and buffer-pool counters, rewritten after each run and at close.
+    ``gpu_timing`` writes GPU timestamps around every GPU stage, for ``stats()``'s
+    ``gpu_ms`` (on whenever tracing; it costs a readback per submission).
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
 
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
-                 trace: str | os.PathLike[str] | None = None, adapter: Any = None) -> None:
+                 trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
+                 adapter: Any = None) -> None:
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
         if not isinstance(gpu_threads, int) or gpu_threads < 1:
@@ -57,6 +60,7 @@ class Runtime:
         if isinstance(gpu_budget_ms, bool) or not isinstance(gpu_budget_ms, (int, float)) or not gpu_budget_ms > 0:
             raise ValueError(f"gpu_budget_ms must be a positive number of milliseconds, got {gpu_budget_ms!r}")
         self._gpu_budget_ms = float(gpu_budget_ms)
+        self._gpu_timing = bool(gpu_timing)
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
@@ -105,7 +109,8 @@ class Runtime:
                 if self._device is None:
                     self._check_open()
                     dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget,
-                                 gpu_budget_ms=self._gpu_budget_ms, tracer=self._tracer)
+                                 gpu_budget_ms=self._gpu_budget_ms, tracer=self._tracer,
+                                 gpu_timing=self._gpu_timing)
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev

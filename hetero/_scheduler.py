@@ -488,7 +488,7 @@ class Scheduler:
             while True:
                 attempt += 1
                 ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run), recorder=rec)
-                span = rec.begin_span(st.name, ("stage", tl, i))
+                span = rec.begin_stage_span(st.name, ("stage", tl, i))
                 try:
                     args, kwargs = run.args_for(st, run.dev_values)
                     args = tuple(map_values(a, ctx.upload, np.ndarray) for a in args)

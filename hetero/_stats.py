@@ -2,8 +2,9 @@
 
 Wall time and GPU time are never mixed: ``queued``, ``started``, ``recorded``,
 ``submitted`` and ``completed`` are host wall-clock instants (seconds from the run's
-start); ``gpu_ms`` is GPU execution time from timestamp queries, ``None`` when the
-adapter has no ``timestamp-query`` or the stage was not timed.
+start); ``gpu_ms`` is GPU execution time from timestamp queries, ``None`` unless the
+runtime times stages (``Runtime(gpu_timing=True)`` or ``trace=``) on an adapter that
+writes timestamps inside passes.
 """
 
 from __future__ import annotations

@@ -104,3 +104,16 @@ async def test_runtime_trace_holds_cpu_gpu_fence_transfer_and_memory_events(tmp_
         assert len(gpu) == 2 and all(tracks[e["tid"]] == "GPU queue" for e in gpu)
         assert rt.stats().stage("double").gpu_ms is not None
     assert any(e["ph"] == "C" and e["name"] == "gpu memory" for e in data["traceEvents"])
+
+
+async def test_gpu_time_per_stage_when_asked() -> None:
+    g = hetero.Graph("gpu_timed")
+    g.output(g.gpu(double, g.input("x")))
+    for timing in (False, True):
+        async with hetero.Runtime(gpu_timing=timing) as rt:
+            await rt.run(g, x=np.ones(1000, np.float32))
+            s = rt.stats().stage("double")
+            measured = timing and rt.device().timer.strategy == "inside-passes"
+            assert (s.gpu_ms is not None) == measured
+            if measured:
+                assert s.gpu_ms is not None and 0 <= s.gpu_ms < rt.stats().wall_ms
