@@ -152,7 +152,6 @@ class Run:
         self.stopped = False  # failed, cancelled or done: start nothing more
         self.done = False
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
-        self.finished_at = 0.0
         # Device memory: a GPU value's blocks are held while holds[i] > 0 (one per GPU
         # consumer still to be enqueued, one for its download, one while it is recorded).
         self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else 0 for s in plan.stages]
@@ -320,7 +319,6 @@ class Run:
             self.stopped = True
             self.done = True
             clean = self.recording == 0
-        self.finished_at = time.monotonic()
         self.tl.end = time.perf_counter_ns()
         if clean:
             self.cleanup()
@@ -421,7 +419,6 @@ class Scheduler:
             if run.stopped:
                 return
             st = stages[i]
-            value = _NO_VALUE
             attempt = 0
             tl.started[i] = time.perf_counter_ns()
             if not st.simple:
@@ -660,7 +657,6 @@ class Scheduler:
         self.gpu.close()
 
 
-_NO_VALUE = object()
 
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
