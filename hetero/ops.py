@@ -7,10 +7,33 @@ Each op takes the stage's ``gpu`` context first, records its GPU work into the s
 Reductions (:mod:`hetero.kernels.reduce`): :func:`sum`, :func:`mean`, :func:`max`,
 :func:`min`, :func:`argmax`, :func:`argmin` over the whole tensor (``axis=None``) or one
 axis of a 2-D tensor.
+
+Neural-network kernels (:mod:`hetero.kernels.nn`): :func:`softmax` (last axis, stable,
+optional additive mask), :func:`layernorm` (optionally fused with a residual add),
+:func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
+:func:`transpose`, :func:`embedding` (row gather) and :func:`attention` (fused scaled
+dot-product attention with a padding mask).
 """
 
 from __future__ import annotations
 
+from hetero.kernels.nn import add, add_bias, attention, embedding, erf, gelu, layernorm, softmax, transpose
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
-__all__ = ["argmax", "argmin", "max", "mean", "min", "sum"]
+__all__ = [
+    "add",
+    "add_bias",
+    "argmax",
+    "argmin",
+    "attention",
+    "embedding",
+    "erf",
+    "gelu",
+    "layernorm",
+    "max",
+    "mean",
+    "min",
+    "softmax",
+    "sum",
+    "transpose",
+]

@@ -33,3 +33,11 @@ def _is_module(obj: object) -> bool:
     import types
 
     return isinstance(obj, types.ModuleType)
+
+
+def test_ops_namespace_lists_its_ops() -> None:
+    import hetero.ops
+
+    assert sorted(hetero.ops.__all__) == hetero.ops.__all__
+    for name in hetero.ops.__all__:
+        assert callable(getattr(hetero.ops, name))

@@ -1,0 +1,1067 @@
+"""Neural-network kernels a BERT encoder needs besides matmul, for GPU stages.
+
+Every op takes the stage's ``gpu`` context first, records its dispatch into the stage
+(no host round trip) and returns a new float32 :class:`hetero.Tensor` (``transpose`` and
+``embedding`` keep their input's 4-byte dtype). Inputs are Tensors or numpy arrays
+(uploaded first); every check runs before anything is uploaded, allocated or recorded,
+and errors name the op, the shapes and the rule. Zero-size results are returned
+without a dispatch.
+
+==============================  ==========================================================
+op                              what
+==============================  ==========================================================
+``softmax(x, mask=None)``       along the last axis; optional additive ``mask`` per row group
+``layernorm(x, g, b, eps,``     over the last axis; ``residual``: layernorm(x + residual),
+``residual=None)``              BERT's "add & norm" in one kernel
+``gelu(x, bias=None)``          erf form 0.5*x*(1 + erf(x/sqrt 2)); ``bias`` fused (last axis)
+``erf(x)``                      float32 erf (the function gelu is built on)
+``add(x, y)``, ``add_bias``     same-shape sum; bias broadcast along the last axis
+``transpose(x, axes)``          any permutation that reduces to <= 4 axes (see below)
+``embedding(table, ids)``       gather rows of a [V, H] table -> ids.shape + (H,)
+``attention(q, k, v, mask,``    fused scaled dot-product attention, online softmax,
+``scale, layout)``              [B, H, S, D] (or [B, S, H, D] with ``layout="bshd"``)
+==============================  ==========================================================
+
+Grids. Every kernel finds its workgroup with ``hetero_workgroup_id``, so any number of
+workgroups is fine: hetero splits large grids into sub-dispatches (and, past the GPU-time
+budget, submissions) along x (see ``hetero._split``).
+
+Row kernels (softmax, layernorm). A workgroup has 256 threads; ``TPR`` threads (a power
+of two) share a row and a workgroup holds ``256 / TPR`` rows, so short rows do not leave
+threads idle. ``TPR`` is the smallest power of two that gives each thread at most
+:data:`ROW_ITEMS` values (4), capped at 256: n = 128 -> 32 threads a row, 8 rows a
+workgroup; n = 384 -> 128 threads, 2 rows; n = 1536 -> 256 threads, 6 values each.
+Thread ``j`` of a row reads elements ``j, j + TPR, ...`` (coalesced) and keeps them in
+registers, up to :data:`ROW_CACHE_MAX` (16) a thread, i.e. rows up to 4096 are read
+once. Longer rows loop over global memory (three reads). Row sums and maxima meet in
+workgroup memory (a tree over the row's threads). Layernorm takes the mean first and
+then the mean of squared deviations from the values held in registers (two-pass
+variance, no cancellation), both of the values shifted by the row's first value (so a
+large common offset costs no accuracy in the mean either); softmax subtracts the row
+maximum first.
+
+Softmax numerics follow ``exp(x - max) / sum`` in numpy (scipy.special.softmax and
+torch.softmax agree): entries of -inf get exactly 0; a row holding NaN or +inf, or only
+-inf, is all NaN. ``mask`` is added to ``x`` before the maximum; its shape is
+``x.shape[:k] + (n,)`` or that with ones up to ``x``'s rank (``(B, n)`` or
+``(B, 1, 1, n)`` for scores ``(B, H, S, n)``): one mask row serves a group of
+consecutive rows.
+
+GELU and erf. WGSL has no erf, and ``1 + erf(x / sqrt 2)`` cancels for negative x
+(in float32 even with a correctly rounded erf: 4% error at x = -5, 0 instead of -6e-9 at
+-6), so gelu computes x * Phi(x) with the
+normal CDF Phi taken from erfc where that is small: ``erfc(z) = u * exp(-z*z + c(u))``,
+``u = 1 / (1 + z/2)``, with the degree-9 polynomial ``c`` of Numerical Recipes' erfcc
+(relative error 1.2e-7 in exact arithmetic). ``-z*z`` is split exactly into a large and
+a small part (bit-masked 12-bit halves, no reliance on a fused fma) and exp runs a
+Cody-Waite range reduction on the two parts, so the result keeps its relative accuracy
+down to underflow whatever the hardware's exp accuracy. The exact step is fenced off by
+OR-ing a zero the compiler cannot know into its bits: lavapipe's compiler otherwise
+reassociates it with its neighbours (measured: 4e-6 instead of 4.5e-7). For |z| < 1 erf is an odd
+degree-13 polynomial fitted to math.erf. Measured against float64 math.erf/erfc
+(``python -m bench.nn`` on lavapipe; a float32 emulation in numpy agrees): gelu relative
+error 4.5e-7 at most over [-14, 14] (the textbook float32 formula reaches 100% there);
+erf absolute error 1.3e-7 (relative 1.7e-7) over [-6, 6]. gelu(NaN) = NaN,
+gelu(+inf) = +inf, gelu(-inf) = 0 (the limit; the textbook formula gives NaN).
+
+Attention (``attention``). One fused kernel, as FlashAttention does it: a workgroup
+takes one (batch, head) and a block of ``BQ`` query rows (64; fewer for short
+sequences), one thread per query row holding its scaled query and its output
+accumulator in registers (2 * D floats). Keys and values pass through workgroup memory
+in tiles of ``BK`` keys (at most 16 KiB: 56 keys at D = 32, 24 at D = 64, 8 at D = 128)
+loaded cooperatively, and every thread walks the tile with an online softmax (running
+maximum and sum, rescaling the accumulator when the maximum rises; scores in log2 units
+so it is exp2). The [S, S] score matrix never exists in memory: MiniLM's shape
+([128, 12, 128, 32]) would otherwise write and read 100 MB of scores twice. D <= 128 is
+the design point (registers); larger D works but spills. The ``mask`` ([B, Sk] or
+[B, 1, 1, Sk]; nonzero = real token) follows HF BERT's extended attention mask
+``(1 - mask) * finfo(float32).min``: padded keys get weight exactly 0, and a row whose
+keys are all padding gets equal weights over all keys (the mean of ``v``, as HF
+computes), never NaN.
+
+Embedding ids out of range ([0, V)) cannot raise on the GPU: their output rows are
+zeros (negative int32 ids too), which is easier to spot than a clamped real row. Ids
+given as a numpy array are checked on the host, and out-of-range ones raise.
+
+Tuning and test hooks (module attributes, read at each call): :data:`ROW_ITEMS`,
+:data:`ROW_CACHE_MAX`, :data:`ATTN_BQ`, :data:`ATTN_BK`, :data:`ATTN_SMEM_BYTES`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from functools import lru_cache
+from string import Template
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from hetero._tensor import Tensor
+
+if TYPE_CHECKING:
+    from hetero._device import Kernel
+    from hetero._gpu import GPUContext
+
+__all__ = ["add", "add_bias", "attention", "embedding", "erf", "gelu", "layernorm", "softmax", "transpose"]
+
+# -- tuning and test hooks ---------------------------------------------------------------
+WORKGROUP = 256
+ROW_ITEMS = 4
+"""Values per thread a row kernel aims for when choosing threads per row."""
+ROW_CACHE_MAX = 16
+"""Most values a thread keeps in registers; longer rows (> 256 * this) loop over memory."""
+ATTN_BQ: int | None = None
+"""Query rows (= threads) per attention workgroup; None: 64, fewer for short sequences."""
+ATTN_BK: int | None = None
+"""Keys per attention tile; None: what fits in :data:`ATTN_SMEM_BYTES`, at most 64."""
+ATTN_SMEM_BYTES = 16384
+"""Workgroup memory an attention tile aims for (also capped by the adapter's limit)."""
+
+_F32 = np.dtype(np.float32)
+_WORD_DTYPES = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32))
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32))
+
+# -- WGSL: shared numerics -------------------------------------------------------------------
+_MATH = """
+const NN_FLT_MAX: f32 = 3.40282347e38;
+fn nn_is_nan(v: f32) -> bool { return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u; }
+fn nn_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
+fn nn_inf() -> f32 { return bitcast<f32>(0x7f800000u); }
+
+// A zero the compiler cannot know (kernels set it from their uniform): OR-ing it into
+// a value's bits stops optimisers from reassociating exact steps with their neighbours
+// (lavapipe's compiler turns (a - k*c1) + (b + k*c2) into (a + b) + k*(c2 - c1),
+// which loses the exactness the range reduction below depends on: 4e-6 instead of 5e-7).
+var<private> nn_zero: u32;
+fn nn_keep(v: f32) -> f32 { return bitcast<f32>(bitcast<u32>(v) | nn_zero); }
+
+// exp(a + b) for a large, exactly known a and a small correction b: Cody-Waite range
+// reduction (ln 2 in a 9-bit head and a tail, so k * head and a - k * head are exact)
+// keeps the relative error at a few ulp for any a, unlike exp() of a rounded sum.
+fn nn_exp_parts(a: f32, b: f32) -> f32 {
+    let kf = floor((a + b) * 1.44269504 + 0.5);
+    let r = nn_keep(a - kf * 0.693359375) + (b + kf * 2.12194440e-4);
+    var q = 1.98412698e-4;          // Taylor series of exp(r), |r| < 0.36: error < 3e-9
+    q = q * r + 1.38888889e-3;
+    q = q * r + 8.33333333e-3;
+    q = q * r + 4.16666667e-2;
+    q = q * r + 1.66666667e-1;
+    q = q * r + 0.5;
+    q = q * r + 1.0;
+    q = q * r + 1.0;
+    return ldexp(q, max(i32(kf), -160));
+}
+
+// x * x = hi + lo, hi exact: x split into 12-bit halves by masking bits (so no
+// compiler can turn it into something else, and no fused fma is needed).
+fn nn_square_parts(x: f32) -> vec2<f32> {
+    let xh = bitcast<f32>(bitcast<u32>(x) & 0xfffff000u);
+    let xl = x - xh;
+    return vec2<f32>(xh * xh, (2.0 * xh) * xl + xl * xl);
+}
+
+// erfc(z) for z >= 0, given z*z = zz.x + zz.y: u * exp(-z*z + c(u)), u = 1 / (1 + z/2),
+// c from Numerical Recipes' erfcc (relative error 1.2e-7 in exact arithmetic).
+fn nn_erfc_core(z: f32, zz: vec2<f32>) -> f32 {
+    let u = 1.0 / (1.0 + 0.5 * z);
+    var c = 0.17087277;
+    c = c * u - 0.82215223;
+    c = c * u + 1.48851587;
+    c = c * u - 1.13520398;
+    c = c * u + 0.27886807;
+    c = c * u - 0.18628806;
+    c = c * u + 0.09678418;
+    c = c * u + 0.37409196;
+    c = c * u + 1.00002368;
+    c = c * u - 1.26551223;
+    return u * nn_exp_parts(-zz.x, c - zz.y);
+}
+
+// erf(z) / z for z*z = s in [0, 1]: least-squares fit on Chebyshev nodes (error 1.2e-9).
+fn nn_erf_small(s: f32) -> f32 {
+    var p = 7.88249745e-05;
+    p = p * s - 8.01885501e-04;
+    p = p * s + 5.18931216e-03;
+    p = p * s - 2.68543288e-02;
+    p = p * s + 1.12835974e-01;
+    p = p * s - 3.76126260e-01;
+    p = p * s + 1.12837911e+00;
+    return p;
+}
+
+fn nn_erf(z: f32) -> f32 {
+    if (nn_is_nan(z)) { return z; }
+    let a = abs(z);
+    if (a < 1.0) { return z * nn_erf_small(z * z); }
+    var r = 1.0;
+    if (a < 4.5) { r = 1.0 - nn_erfc_core(a, nn_square_parts(a)); }  // erfc(4.5) < 2e-10
+    return select(r, -r, z < 0.0);
+}
+
+// The standard normal CDF Phi(x) = erfc(-x / sqrt 2) / 2, relatively accurate for x < 0.
+fn nn_phi(x: f32) -> f32 {
+    if (x >= 0.0 && x < 1.41421356) {
+        let z = x * 0.707106781;
+        return 0.5 + 0.5 * (z * nn_erf_small(z * z));
+    }
+    if (x >= 10.0) { return 1.0; }   // 1 - Phi(10) = 7.6e-24
+    let a = abs(x);
+    let sq = nn_square_parts(a);
+    let e = 0.5 * nn_erfc_core(a * 0.707106781, 0.5 * sq);  // z*z = x*x / 2, still exact
+    return select(1.0 - e, e, x < 0.0);
+}
+
+fn nn_gelu(x: f32) -> f32 {
+    if (nn_is_nan(x)) { return x; }
+    if (x < -14.0) { return 0.0; }   // |gelu| < 1e-43 (and the limit 0 at -inf)
+    return x * nn_phi(x);
+}
+"""
+
+# -- WGSL: elementwise -------------------------------------------------------------------------
+_ELEMENTWISE = Template("""
+alias T = $T;
+struct Params { n: u32, nb: u32, zero: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> x: array<T>;
+$SECOND
+@group(0) @binding($OUT) var<storage, read_write> dst: array<T>;
+@group(0) @binding($PARAMS) var<uniform> p: Params;
+$MATH
+fn gelu4(v: vec4<f32>) -> vec4<f32> { return vec4<f32>(nn_gelu(v.x), nn_gelu(v.y), nn_gelu(v.z), nn_gelu(v.w)); }
+fn erf4(v: vec4<f32>) -> vec4<f32> { return vec4<f32>(nn_erf(v.x), nn_erf(v.y), nn_erf(v.z), nn_erf(v.w)); }
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    nn_zero = p.zero;
+    let i = hetero_workgroup_id(wid).x * 256u + li;
+    if (i >= p.n) { return; }
+    dst[i] = $EXPR;
+}
+""")
+
+# -- WGSL: row kernels ---------------------------------------------------------------------------
+_ROW_COMMON = """
+const TPR: u32 = ${TPR}u;   // threads per row
+const RPW: u32 = ${RPW}u;   // rows per workgroup
+const K: u32 = ${K}u;       // values per thread kept in registers
+var<workgroup> red: array<f32, 256>;
+
+// Sum / max of one value per thread over the TPR threads of each row (a tree in
+// workgroup memory); every thread gets its row's result. Uniform control flow only.
+fn row_sum(li: u32, v: f32) -> f32 {
+    let lane = li % TPR;
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = TPR / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) { red[li] = red[li] + red[li + s]; }
+        workgroupBarrier();
+    }
+    let r = red[li - lane];
+    workgroupBarrier();
+    return r;
+}
+fn row_max(li: u32, v: f32) -> f32 {
+    let lane = li % TPR;
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = TPR / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) { red[li] = max(red[li], red[li + s]); }
+        workgroupBarrier();
+    }
+    let r = red[li - lane];
+    workgroupBarrier();
+    return r;
+}
+"""
+
+_SOFTMAX = Template(_ROW_COMMON + """
+struct Params { rows: u32, n: u32, mask_div: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+$MASK_DECL
+@group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
+@group(0) @binding($PARAMS) var<uniform> p: Params;
+$MATH
+
+// x (+ mask), with NaN mapped to +inf: either makes the row's maximum +inf, and the row NaN.
+fn val(row: u32, i: u32, mrow: u32) -> f32 {
+    var v = x[row * p.n + i];
+    $MASK_ADD
+    return select(v, nn_inf(), nn_is_nan(v));
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % TPR;
+    let row = hetero_workgroup_id(wid).x * RPW + li / TPR;
+    let live = row < p.rows;
+    let n = p.n;
+    let neg_inf = -nn_inf();
+    let mrow = (row / p.mask_div) * n;   // first mask element of this row's group
+$BODY
+}
+""")
+
+_SOFTMAX_CACHED = """
+    var v: array<f32, K>;
+    var m = neg_inf;
+    for (var j = 0u; j < K; j++) {
+        let i = lane + j * TPR;
+        var t = neg_inf;
+        if (live && i < n) { t = val(row, i, mrow); }
+        v[j] = t;
+        m = max(m, t);
+    }
+    let mx = row_max(li, m);
+    // +-inf: a NaN or +inf in the row, or nothing but -inf: numpy's exp(x - max) is NaN there
+    let bad = (bitcast<u32>(mx) & 0x7fffffffu) == 0x7f800000u;
+    var s = 0.0;
+    for (var j = 0u; j < K; j++) {
+        var e = 0.0;
+        if (live && !bad && lane + j * TPR < n) { e = exp(v[j] - mx); }
+        v[j] = e;
+        s += e;
+    }
+    let tot = row_sum(li, s);
+    if (live) {
+        for (var j = 0u; j < K; j++) {
+            let i = lane + j * TPR;
+            if (i < n) { y[row * n + i] = select(v[j] / tot, nn_nan(), bad); }
+        }
+    }
+"""
+
+_SOFTMAX_LOOP = """
+    var m = neg_inf;
+    if (live) { for (var i = lane; i < n; i += TPR) { m = max(m, val(row, i, mrow)); } }
+    let mx = row_max(li, m);
+    let bad = (bitcast<u32>(mx) & 0x7fffffffu) == 0x7f800000u;
+    var s = 0.0;
+    if (live && !bad) { for (var i = lane; i < n; i += TPR) { s += exp(val(row, i, mrow) - mx); } }
+    let tot = row_sum(li, s);
+    if (live) {
+        for (var i = lane; i < n; i += TPR) {
+            y[row * n + i] = select(exp(val(row, i, mrow) - mx) / tot, nn_nan(), bad);
+        }
+    }
+"""
+
+_LAYERNORM = Template(_ROW_COMMON + """
+struct Params { rows: u32, n: u32, eps: f32, pad: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+$RES_DECL
+@group(0) @binding($G) var<storage, read> gamma: array<f32>;
+@group(0) @binding($B) var<storage, read> beta: array<f32>;
+@group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
+@group(0) @binding($PARAMS) var<uniform> p: Params;
+
+fn val(k: u32) -> f32 { return $VAL; }
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % TPR;
+    let row = hetero_workgroup_id(wid).x * RPW + li / TPR;
+    let live = row < p.rows;
+    let n = p.n;
+    let base = row * n;
+    let nf = f32(n);
+    // Shifted data: sums of v - v[0] keep the mean exact-ish for rows with a large offset
+    // (a float32 sum of 384 values near 1e4 alone would be off by ~1e-3).
+    var shift = 0.0;
+    if (live) { shift = val(base); }
+$BODY
+}
+""")
+
+_LAYERNORM_CACHED = """
+    var v: array<f32, K>;
+    var s = 0.0;
+    for (var j = 0u; j < K; j++) {
+        let i = lane + j * TPR;
+        var t = 0.0;
+        if (live && i < n) { t = val(base + i) - shift; }
+        v[j] = t;
+        s += t;
+    }
+    let mean = row_sum(li, s) / nf;   // of the shifted values
+    var q = 0.0;
+    for (var j = 0u; j < K; j++) {
+        if (lane + j * TPR < n) {
+            let d = v[j] - mean;
+            v[j] = d;
+            q += d * d;
+        }
+    }
+    let rstd = inverseSqrt(row_sum(li, q) / nf + p.eps);
+    if (live) {
+        for (var j = 0u; j < K; j++) {
+            let i = lane + j * TPR;
+            if (i < n) { y[base + i] = (v[j] * rstd) * gamma[i] + beta[i]; }
+        }
+    }
+"""
+
+_LAYERNORM_LOOP = """
+    var s = 0.0;
+    if (live) { for (var i = lane; i < n; i += TPR) { s += val(base + i) - shift; } }
+    let mean = row_sum(li, s) / nf;
+    var q = 0.0;
+    if (live) {
+        for (var i = lane; i < n; i += TPR) {
+            let d = (val(base + i) - shift) - mean;
+            q += d * d;
+        }
+    }
+    let rstd = inverseSqrt(row_sum(li, q) / nf + p.eps);
+    if (live) {
+        for (var i = lane; i < n; i += TPR) {
+            y[base + i] = (((val(base + i) - shift) - mean) * rstd) * gamma[i] + beta[i];
+        }
+    }
+"""
+
+# -- WGSL: data movement --------------------------------------------------------------------------
+_TRANSPOSE = Template("""
+alias T = $T;
+struct Params { n: u32, pad0: u32, pad1: u32, pad2: u32, dims: vec4<u32>, strides: vec4<u32> }
+@group(0) @binding(0) var<storage, read> x: array<T>;
+@group(0) @binding(1) var<storage, read_write> y: array<T>;
+@group(0) @binding(2) var<uniform> p: Params;
+
+// Thread i writes output element i (coalesced); dims are the output's (outermost
+// first), strides the input's for each output axis.
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = hetero_workgroup_id(wid).x * 256u + li;
+    if (i >= p.n) { return; }
+    var r = i;
+    let c3 = r % p.dims.w;
+    r = r / p.dims.w;
+    let c2 = r % p.dims.z;
+    r = r / p.dims.z;
+    let c1 = r % p.dims.y;
+    r = r / p.dims.y;
+    y[i] = x[r * p.strides.x + c1 * p.strides.y + c2 * p.strides.z + c3 * p.strides.w];
+}
+""")
+
+_EMBEDDING = Template("""
+alias T = $T;
+struct Params { n: u32, h: u32, vocab: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> table: array<T>;
+@group(0) @binding(1) var<storage, read> ids: array<u32>;
+@group(0) @binding(2) var<storage, read_write> y: array<T>;
+@group(0) @binding(3) var<uniform> p: Params;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = hetero_workgroup_id(wid).x * 256u + li;
+    if (i >= p.n) { return; }
+    let row = i / p.h;
+    let id = ids[row];  // int32 ids as u32: negative ones are >= 2**31, out of range too
+    var v = T(0);
+    if (id < p.vocab) { v = table[id * p.h + (i - row * p.h)]; }
+    y[i] = v;
+}
+""")
+
+# -- WGSL: attention ------------------------------------------------------------------------------
+_ATTENTION = Template("""
+const BQ: u32 = ${BQ}u;   // query rows per workgroup, one per thread
+const BK: u32 = ${BK}u;   // keys per tile in workgroup memory
+const D4: u32 = ${D4}u;   // head dimension in vec4s (zero-padded)
+struct Params {
+    sq: u32, sk: u32, h: u32, nqb: u32,
+    d: u32, qs_b: u32, qs_h: u32, qs_s: u32,    // strides of q and out, in elements
+    ks_b: u32, ks_h: u32, ks_s: u32, pad0: u32, // strides of k and v
+    scale: f32, pad1: u32, pad2: u32, pad3: u32, // softmax scale times log2(e)
+}
+@group(0) @binding(0) var<storage, read> q: array<$T>;
+@group(0) @binding(1) var<storage, read> k: array<$T>;
+@group(0) @binding(2) var<storage, read> v: array<$T>;
+@group(0) @binding(3) var<storage, read_write> o: array<$T>;
+@group(0) @binding(4) var<uniform> p: Params;
+$MASK_DECL
+const NN_FLT_MAX: f32 = 3.40282347e38;
+
+var<workgroup> tk: array<vec4<f32>, BK * D4>;
+var<workgroup> tv: array<vec4<f32>, BK * D4>;
+var<workgroup> tm: array<u32, BK>;   // 1: a real key, 0: padding
+
+fn ld_q(base: u32, c: u32) -> vec4<f32> { $LD_Q }
+fn ld_k(base: u32, c: u32) -> vec4<f32> { $LD_K }
+fn ld_v(base: u32, c: u32) -> vec4<f32> { $LD_V }
+fn key_real(b: u32, key: u32) -> u32 { $KEY_REAL }
+
+@compute @workgroup_size(BQ)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let w = hetero_workgroup_id(wid).x;
+    let qb = w % p.nqb;
+    let bh = w / p.nqb;
+    let b = bh / p.h;
+    let hh = bh % p.h;
+    let qi = qb * BQ + li;
+    let live = qi < p.sq;
+    let qbase = b * p.qs_b + hh * p.qs_h + qi * p.qs_s;
+    let kbase = b * p.ks_b + hh * p.ks_h;
+
+    var qv: array<vec4<f32>, D4>;
+    var acc: array<vec4<f32>, D4>;
+    for (var c = 0u; c < D4; c++) {
+        acc[c] = vec4<f32>(0.0);
+        qv[c] = vec4<f32>(0.0);
+        if (live) { qv[c] = ld_q(qbase, c) * p.scale; }
+    }
+    // Running maximum (log2 units) and sum. Scores of padded keys are finfo.min, as in HF:
+    // they count (with weight 1 each) only while no real key was seen.
+    var m = -NN_FLT_MAX;
+    var l = 0.0;
+    for (var t0 = 0u; t0 < p.sk; t0 += BK) {
+        workgroupBarrier();   // the previous tile is consumed
+        for (var e = li; e < BK * D4; e += BQ) {
+            let key = t0 + e / D4;
+            let c = e % D4;
+            var kk = vec4<f32>(0.0);
+            var vv = vec4<f32>(0.0);
+            if (key < p.sk) {
+                let kb = kbase + key * p.ks_s;
+                kk = ld_k(kb, c);
+                vv = ld_v(kb, c);
+            }
+            tk[e] = kk;
+            tv[e] = vv;
+        }
+        for (var j = li; j < BK; j += BQ) {
+            tm[j] = select(0u, key_real(b, t0 + j), t0 + j < p.sk);
+        }
+        workgroupBarrier();
+        let cnt = min(BK, p.sk - t0);
+        if (live) {
+            for (var j = 0u; j < cnt; j++) {
+                if (tm[j] == 0u) {
+                    if (m == -NN_FLT_MAX) {
+                        l += 1.0;
+                        for (var c = 0u; c < D4; c++) { acc[c] += tv[j * D4 + c]; }
+                    }
+                    continue;
+                }
+                var s4 = vec4<f32>(0.0);
+                for (var c = 0u; c < D4; c++) { s4 += qv[c] * tk[j * D4 + c]; }
+                let s = (s4.x + s4.y) + (s4.z + s4.w);
+                if (s > m) {
+                    let alpha = select(exp2(m - s), 0.0, m == -NN_FLT_MAX);
+                    l *= alpha;
+                    for (var c = 0u; c < D4; c++) { acc[c] *= alpha; }
+                    m = s;
+                }
+                let pj = exp2(s - m);
+                l += pj;
+                for (var c = 0u; c < D4; c++) { acc[c] += pj * tv[j * D4 + c]; }
+            }
+        }
+    }
+    if (live) {
+        let inv = 1.0 / l;
+        for (var c = 0u; c < D4; c++) { $STORE }
+    }
+}
+""")
+
+_LD_VEC = "return {buf}[(base >> 2u) + c];"
+_LD_SCALAR = """let d0 = c * 4u;
+    var r = vec4<f32>(0.0);
+    for (var i = 0u; i < 4u; i++) {{ if (d0 + i < p.d) {{ r[i] = {buf}[base + d0 + i]; }} }}
+    return r;"""
+_ST_VEC = "o[(qbase >> 2u) + c] = acc[c] * inv;"
+_ST_SCALAR = """let r = acc[c] * inv;
+            for (var i = 0u; i < 4u; i++) { if (c * 4u + i < p.d) { o[qbase + c * 4u + i] = r[i]; } }"""
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _kind(op: str, name: str, x: Any) -> None:
+    if not isinstance(x, (Tensor, np.ndarray)):
+        raise TypeError(f"{op}: {name} must be a hetero.Tensor (or a numpy array), got {type(x).__name__}")
+
+
+def _f32(op: str, name: str, x: Any) -> tuple[int, ...]:
+    """Check that ``x`` is a float32 Tensor or array; its shape."""
+    _kind(op, name, x)
+    shape = tuple(int(s) for s in x.shape)
+    if x.dtype != _F32:
+        raise TypeError(f"{op}: {name} must be float32, got {x.dtype.name} (shape {shape}); "
+                        "cast with .astype(np.float32)")
+    return shape
+
+
+def _dev(gpu: GPUContext, x: Any) -> Tensor:
+    """The Tensor for a checked input (numpy arrays are uploaded)."""
+    if isinstance(x, np.ndarray):
+        return gpu.upload(x if x.flags.c_contiguous else x.copy(order="C"))
+    return x
+
+
+def _size(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _fits(gpu: GPUContext, op: str, what: str, shape: Sequence[int], itemsize: int = 4) -> None:
+    limit = int(gpu.limits["max-storage-buffer-binding-size"])
+    nbytes = _size(shape) * itemsize
+    if nbytes > limit:
+        raise ValueError(f"{op}: {what} of shape {tuple(shape)} is {nbytes} bytes, more than the adapter's "
+                         f"max-storage-buffer-binding-size of {limit} bytes; split the work into smaller tensors")
+
+
+def _groups(n: int, per: int) -> int:
+    return -(-n // per)
+
+
+def _compile(gpu: GPUContext, label: str, wgsl: str) -> Kernel:
+    return gpu.kernel(wgsl, "main", label=label)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _row_plan(n: int) -> tuple[int, int, bool]:
+    """(threads per row, values per thread, cached) for rows of ``n`` elements."""
+    tpr = min(WORKGROUP, _pow2_ceil(_groups(max(n, 1), ROW_ITEMS)))
+    k = _groups(max(n, 1), tpr)
+    if k <= ROW_CACHE_MAX:
+        return tpr, k, True
+    return WORKGROUP, 1, False
+
+
+# -- elementwise ----------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _elementwise_wgsl(expr: str, vec: bool, second: str | None) -> str:
+    t = "vec4<f32>" if vec else "f32"
+    decl = f"@group(0) @binding(1) var<storage, read> {second}: array<T>;" if second else ""
+    out = 2 if second else 1
+    e = expr.replace("G(", "gelu4(" if vec else "nn_gelu(").replace("E(", "erf4(" if vec else "nn_erf(")
+    return _ELEMENTWISE.substitute(T=t, SECOND=decl, OUT=out, PARAMS=out + 1, EXPR=e, MATH=_MATH)
+
+
+def _elementwise(gpu: GPUContext, op: str, expr: str, x: Tensor, second: Tensor | None, shape: tuple[int, ...],
+                 nb: int = 0, second_name: str | None = None) -> Tensor:
+    """y = expr over ``x`` (and ``second``: ``y`` or ``b``), vec4 when every length allows."""
+    n = _size(shape)
+    vec = n % 4 == 0 and nb % 4 == 0
+    out = gpu.empty(shape, np.float32)  # the callers checked the inputs (and _fits) before uploading
+    if n == 0:
+        return out
+    w = 4 if vec else 1
+    k = _compile(gpu, f"nn.{op}.{'vec4' if vec else 'scalar'}", _elementwise_wgsl(expr, vec, second_name))
+    params = struct.pack("<4I", n // w, max(nb // w, 1), 0, 0)
+    bindings: list[Any] = [x] + ([second] if second is not None else []) + [out, params]
+    gpu.dispatch(k, _groups(n // w, WORKGROUP), *bindings)
+    return out
+
+
+def _bias_shape(op: str, shape: tuple[int, ...], bshape: tuple[int, ...]) -> None:
+    if len(shape) == 0 or bshape != shape[-1:]:
+        last = f"({shape[-1]},)" if shape else "nothing (x is 0-d)"
+        raise ValueError(f"{op}: bias of shape {bshape} does not match the last axis of x of shape {shape}; "
+                         f"bias must have shape {last}")
+
+
+def gelu(gpu: GPUContext, x: Tensor | np.ndarray, *, bias: Tensor | np.ndarray | None = None) -> Tensor:
+    """GELU, erf form as BERT uses it: 0.5 * x * (1 + erf(x / sqrt(2))), computed as x * Phi(x).
+
+    ``bias`` (shape ``(x.shape[-1],)``) is added first, in the same kernel: the
+    ``gelu(x @ W + b)`` of BERT's intermediate layer. Relative error 4.5e-7 at most against
+    a float64 reference (see the module docstring); gelu(-inf) = 0.
+    """
+    shape = _f32("gelu", "x", x)
+    _fits(gpu, "gelu", "x", shape)
+    if bias is None:
+        return _elementwise(gpu, "gelu", "G(x[i])", _dev(gpu, x), None, shape)
+    bshape = _f32("gelu", "bias", bias)
+    _bias_shape("gelu", shape, bshape)
+    return _elementwise(gpu, "gelu_bias", "G(x[i] + b[i % p.nb])", _dev(gpu, x), _dev(gpu, bias), shape,
+                        nb=bshape[0], second_name="b")
+
+
+def erf(gpu: GPUContext, x: Tensor | np.ndarray) -> Tensor:
+    """The error function, elementwise (absolute error 1.3e-7 at most against math.erf)."""
+    shape = _f32("erf", "x", x)
+    _fits(gpu, "erf", "x", shape)
+    return _elementwise(gpu, "erf", "E(x[i])", _dev(gpu, x), None, shape)
+
+
+def add(gpu: GPUContext, x: Tensor | np.ndarray, y: Tensor | np.ndarray) -> Tensor:
+    """x + y for two float32 tensors of the same shape (no broadcasting: see ``add_bias``)."""
+    shape = _f32("add", "x", x)
+    yshape = _f32("add", "y", y)
+    if yshape != shape:
+        raise ValueError(f"add: x of shape {shape} and y of shape {yshape} differ; add needs equal shapes "
+                         "(use add_bias to broadcast a vector along the last axis)")
+    _fits(gpu, "add", "x", shape)
+    return _elementwise(gpu, "add", "x[i] + y[i]", _dev(gpu, x), _dev(gpu, y), shape, second_name="y")
+
+
+def add_bias(gpu: GPUContext, x: Tensor | np.ndarray, bias: Tensor | np.ndarray) -> Tensor:
+    """x + bias, ``bias`` of shape ``(x.shape[-1],)`` broadcast along the last axis."""
+    shape = _f32("add_bias", "x", x)
+    bshape = _f32("add_bias", "bias", bias)
+    _bias_shape("add_bias", shape, bshape)
+    _fits(gpu, "add_bias", "x", shape)
+    return _elementwise(gpu, "add_bias", "x[i] + b[i % p.nb]", _dev(gpu, x), _dev(gpu, bias), shape,
+                        nb=bshape[0], second_name="b")
+
+
+# -- softmax and layernorm ---------------------------------------------------------------------------
+def _mask_groups(shape: tuple[int, ...], mshape: tuple[int, ...]) -> int | None:
+    """Mask rows if ``mshape`` is x.shape[:k] + (n,) or that with ones up to x's rank, else None."""
+    n, lead = shape[-1], shape[:-1]
+    if not mshape or mshape[-1] != n:
+        return None
+    mlead = mshape[:-1]
+    if len(mlead) > len(lead):
+        return None
+    k = len(mlead)
+    while k > 0 and mlead[k - 1] == 1 and len(mlead) == len(lead) and lead[k - 1] != 1:
+        k -= 1
+    if mlead[:k] != lead[:k] or any(d != 1 for d in mlead[k:]):
+        return None
+    return _size(lead[:k])
+
+
+def softmax(gpu: GPUContext, x: Tensor | np.ndarray, *, mask: Tensor | np.ndarray | None = None) -> Tensor:
+    """Softmax along the last axis of ``x`` (any rank >= 1), numerically stable.
+
+    ``mask`` (float32, additive; e.g. 0 and -1e4, finfo.min or -inf) is added to ``x``
+    first. Its shape is ``x.shape[:k] + (n,)`` for some k, or that padded with ones to
+    ``x``'s rank: scores ``(B, H, S, n)`` take a ``(B, n)`` or ``(B, 1, 1, n)`` mask.
+    A row holding NaN or +inf, or only -inf, comes out NaN, as numpy's
+    ``exp(x - max) / sum`` gives.
+    """
+    shape = _f32("softmax", "x", x)
+    if len(shape) == 0:
+        raise ValueError("softmax: x is 0-d (shape ()); softmax needs at least one axis")
+    n = shape[-1]
+    rows = _size(shape[:-1])
+    groups = 0
+    if mask is not None:
+        mshape = _f32("softmax", "mask", mask)
+        g = _mask_groups(shape, mshape)
+        if g is None:
+            eg = list(dict.fromkeys([(n,), shape[:1] + (n,), shape[:1] + (1,) * max(len(shape) - 2, 0) + (n,)]))
+            eg = [e for e in eg if len(e) <= len(shape)]
+            raise ValueError(f"softmax: mask of shape {mshape} does not broadcast per row group over x of shape "
+                             f"{shape}; the mask must be x.shape[:k] + ({n},) for some k, or that with ones "
+                             f"up to x's rank, e.g. {' or '.join(map(str, eg))}")
+        groups = g
+    _fits(gpu, "softmax", "x", shape)
+    xt = _dev(gpu, x)
+    mt = _dev(gpu, mask) if mask is not None else None
+    out = gpu.empty(shape, np.float32)
+    if rows * n == 0:
+        return out
+    tpr, k, cached = _row_plan(n)
+    rpw = WORKGROUP // tpr
+    wgsl = _softmax_wgsl(tpr, k, cached, mt is not None)
+    kern = _compile(gpu, f"nn.softmax.tpr{tpr}.k{k if cached else 'loop'}{'.mask' if mt is not None else ''}", wgsl)
+    params = struct.pack("<4I", rows, n, max(rows // max(groups, 1), 1), 0)
+    bindings: list[Any] = [xt] + ([mt] if mt is not None else []) + [out, params]
+    gpu.dispatch(kern, _groups(rows, rpw), *bindings)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _softmax_wgsl(tpr: int, k: int, cached: bool, masked: bool) -> str:
+    decl = "@group(0) @binding(1) var<storage, read> mask: array<f32>;" if masked else ""
+    add = "v = v + mask[mrow + i];" if masked else ""
+    out = 2 if masked else 1
+    body = _SOFTMAX_CACHED if cached else _SOFTMAX_LOOP
+    return _SOFTMAX.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, MASK_DECL=decl, MASK_ADD=add, OUT=out,
+                               PARAMS=out + 1, MATH=_MATH, BODY=body)
+
+
+def layernorm(gpu: GPUContext, x: Tensor | np.ndarray, gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray,
+              *, eps: float = 1e-5, residual: Tensor | np.ndarray | None = None) -> Tensor:
+    """Layer normalisation over the last axis: (v - mean) / sqrt(var + eps) * gamma + beta.
+
+    ``v`` is ``x``, or ``x + residual`` (same shape) with ``residual``: BERT's
+    "add & norm" in one kernel. The variance is the mean of squared deviations from the
+    mean (two passes over values held in registers; no E[x^2] - E[x]^2 cancellation).
+    BERT's LayerNorm uses eps=1e-12.
+    """
+    shape = _f32("layernorm", "x", x)
+    if len(shape) == 0:
+        raise ValueError("layernorm: x is 0-d (shape ()); layernorm needs at least one axis")
+    n = shape[-1]
+    for name, t in (("gamma", gamma), ("beta", beta)):
+        s = _f32("layernorm", name, t)
+        if s != (n,):
+            raise ValueError(f"layernorm: {name} of shape {s} does not match the last axis of x of shape "
+                             f"{shape}; gamma and beta must have shape ({n},)")
+    if residual is not None:
+        rshape = _f32("layernorm", "residual", residual)
+        if rshape != shape:
+            raise ValueError(f"layernorm: residual of shape {rshape} differs from x of shape {shape}; "
+                             "they must be equal")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+        raise ValueError(f"layernorm: eps must be a finite number >= 0, got {eps!r}")
+    _fits(gpu, "layernorm", "x", shape)
+    xt = _dev(gpu, x)
+    rt = _dev(gpu, residual) if residual is not None else None
+    gt, bt = _dev(gpu, gamma), _dev(gpu, beta)
+    out = gpu.empty(shape, np.float32)
+    rows = _size(shape[:-1])
+    if rows * n == 0:
+        return out
+    tpr, k, cached = _row_plan(n)
+    wgsl = _layernorm_wgsl(tpr, k, cached, rt is not None)
+    label = f"nn.layernorm.tpr{tpr}.k{k if cached else 'loop'}{'.residual' if rt is not None else ''}"
+    kern = _compile(gpu, label, wgsl)
+    params = struct.pack("<2If I", rows, n, float(eps), 0)
+    bindings: list[Any] = [xt] + ([rt] if rt is not None else []) + [gt, bt, out, params]
+    gpu.dispatch(kern, _groups(rows, WORKGROUP // tpr), *bindings)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _layernorm_wgsl(tpr: int, k: int, cached: bool, residual: bool) -> str:
+    b = 2 if residual else 1
+    decl = "@group(0) @binding(1) var<storage, read> res: array<f32>;" if residual else ""
+    val = "x[k] + res[k]" if residual else "x[k]"
+    body = _LAYERNORM_CACHED if cached else _LAYERNORM_LOOP
+    return _LAYERNORM.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, RES_DECL=decl, G=b, B=b + 1, OUT=b + 2,
+                                 PARAMS=b + 3, VAL=val, BODY=body)
+
+
+# -- transpose and embedding ------------------------------------------------------------------------
+def _word(op: str, name: str, x: Any) -> tuple[int, ...]:
+    _kind(op, name, x)
+    shape = tuple(int(s) for s in x.shape)
+    if np.dtype(x.dtype) not in _WORD_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, int32 or uint32, got {np.dtype(x.dtype).name} "
+                        f"(shape {shape})")
+    return shape
+
+
+def _merged_perm(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Output dims and matching input strides (elements), with size-1 axes dropped and axes
+    that stay adjacent merged: (B, S, H, D) by (0, 2, 1, 3) stays 4-D, (0, 1, 2, 3) is 1-D."""
+    keep = [a for a in axes if shape[a] != 1]
+    groups: list[list[int]] = []
+    for a in keep:
+        if groups and groups[-1][-1] + 1 == a:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    order = sorted(range(len(groups)), key=lambda i: groups[i][0])  # input order of the groups
+    size = [_size([shape[a] for a in g]) for g in groups]
+    stride = [0] * len(groups)
+    s = 1
+    for i in reversed(order):
+        stride[i] = s
+        s *= size[i]
+    return size, stride
+
+
+def transpose(gpu: GPUContext, x: Tensor | np.ndarray, axes: Sequence[int]) -> Tensor:
+    """Permute the axes of ``x`` (like ``numpy.transpose(x, axes)``) into a new contiguous Tensor.
+
+    Any rank; after dropping size-1 axes and merging axes that stay adjacent the
+    permutation must have at most 4 axes (every permutation of a 4-D tensor does).
+    float32, int32 and uint32 tensors. When the last axis stays last and its length is
+    a multiple of 4 (attention's [B, S, H, D] <-> [B, H, S, D]), whole vec4s move.
+    """
+    shape = _word("transpose", "x", x)
+    try:
+        ax = tuple(int(a) for a in axes)
+    except TypeError:
+        raise TypeError(f"transpose: axes must be a sequence of ints, got {axes!r}") from None
+    nd = len(shape)
+    norm = tuple(a % nd if nd and -nd <= a < nd else -1 for a in ax)
+    if len(ax) != nd or sorted(norm) != list(range(nd)):
+        raise ValueError(f"transpose: axes {ax} are not a permutation of the {nd} axes of x of shape {shape}")
+    out_shape = tuple(shape[a] for a in norm)
+    size, stride = _merged_perm(shape, norm)
+    if len(size) > 4:
+        raise ValueError(f"transpose: axes {ax} of x of shape {shape} reduce to a {len(size)}-axis permutation "
+                         "(after dropping size-1 axes and merging axes that stay adjacent); at most 4 are supported")
+    _fits(gpu, "transpose", "x", shape)
+    xt = _dev(gpu, x)
+    out = gpu.empty(out_shape, xt.dtype)
+    n = _size(shape)
+    if n == 0:
+        return out
+    # Whole vec4s when the innermost merged axis stays innermost and holds a multiple of 4.
+    vec = bool(size) and stride[-1] == 1 and size[-1] % 4 == 0
+    if vec:
+        size[-1] //= 4
+        stride = [s // 4 if s != 1 else 1 for s in stride]
+    size = [1] * (4 - len(size)) + size
+    stride = [0] * (4 - len(stride)) + stride
+    w = 4 if vec else 1
+    t = "vec4<u32>" if vec else "u32"
+    kern = _compile(gpu, f"nn.transpose.{'vec4' if vec else 'scalar'}", _TRANSPOSE.substitute(T=t))
+    params = struct.pack("<12I", n // w, 0, 0, 0, *size, *stride)
+    gpu.dispatch(kern, _groups(n // w, WORKGROUP), xt, out, params)
+    return out
+
+
+def embedding(gpu: GPUContext, table: Tensor | np.ndarray, ids: Tensor | np.ndarray | Sequence[int]) -> Tensor:
+    """Rows of ``table`` ([V, H]) picked by ``ids`` (any shape) -> ``ids.shape + (H,)``.
+
+    ``ids`` are int32 or uint32 (a numpy array of any integer dtype is checked and
+    converted on the host). Ids given as numpy must lie in [0, V), else ValueError; a
+    Tensor's ids cannot be checked before the GPU reads them: out-of-range ids (negative
+    int32 ones too) give rows of zeros.
+    """
+    tshape = _word("embedding", "table", table)
+    if len(tshape) != 2:
+        raise ValueError(f"embedding: table must be 2-D [vocab, hidden], got shape {tshape}")
+    vocab, hidden = tshape
+    if isinstance(ids, (list, tuple)):
+        ids = np.asarray(ids)
+    if not isinstance(ids, (Tensor, np.ndarray)):
+        raise TypeError(f"embedding: ids must be a hetero.Tensor (or a numpy array or list of ints), "
+                        f"got {type(ids).__name__}")
+    ishape = tuple(int(s) for s in ids.shape)
+    idt = np.dtype(ids.dtype)
+    if isinstance(ids, np.ndarray):
+        if idt.kind not in "iu":
+            raise TypeError(f"embedding: ids must be integers, got {idt.name} (shape {ishape})")
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab:
+                bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= vocab))[0])
+                pos = tuple(int(i) for i in np.unravel_index(bad, ishape))
+                raise ValueError(f"embedding: id {int(ids.reshape(-1)[bad])} at index {pos} of ids of shape "
+                                 f"{ishape} is out of range for a table of {vocab} rows; ids must lie in "
+                                 f"[0, {vocab})")
+    elif idt not in _ID_DTYPES:
+        raise TypeError(f"embedding: ids must be int32 or uint32, got {idt.name} (shape {ishape}); "
+                        "cast on the host, e.g. ids.astype(np.int32)")
+    out_shape = ishape + (hidden,)
+    _fits(gpu, "embedding", "the result", out_shape)
+    if vocab == 0 and _size(out_shape):
+        raise ValueError(f"embedding: table of shape {tshape} has no rows; ids of shape {ishape} "
+                         "cannot pick any")
+    tt = _dev(gpu, table)
+    it = gpu.upload(np.array(ids, dtype=np.int32, order="C")) if isinstance(ids, np.ndarray) else ids
+    out = gpu.empty(out_shape, tt.dtype)
+    n = _size(out_shape)
+    if n == 0:
+        return out
+    vec = hidden % 4 == 0
+    w = 4 if vec else 1
+    t = "vec4<u32>" if vec else "u32"
+    kern = _compile(gpu, f"nn.embedding.{'vec4' if vec else 'scalar'}", _EMBEDDING.substitute(T=t))
+    params = struct.pack("<4I", n // w, hidden // w, vocab, 0)
+    gpu.dispatch(kern, _groups(n // w, WORKGROUP), tt, it, out, params)
+    return out
+
+
+# -- attention ------------------------------------------------------------------------------------
+def _attn_tiles(gpu: GPUContext, sq: int, sk: int, d4: int) -> tuple[int, int]:
+    bq = ATTN_BQ if ATTN_BQ is not None else min(64, max(16, _pow2_ceil(sq)))
+    per_key = 32 * d4 + 4  # a vec4 row of k and of v, and a mask word
+    limit = int(gpu.limits["max-compute-workgroup-storage-size"])
+    if ATTN_BK is not None:
+        bk = ATTN_BK
+    else:
+        fit = min(ATTN_SMEM_BYTES, limit) // per_key
+        bk = min(64, fit // 8 * 8 if fit >= 8 else fit, max(8, _pow2_ceil(sk)))
+    if bk < 1 or bk * per_key > limit:
+        raise ValueError(f"attention: head dimension {d4 * 4} needs {per_key} bytes of workgroup memory per key; "
+                         f"the adapter's max-compute-workgroup-storage-size of {limit} bytes holds too few")
+    return bq, bk
+
+
+def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v: Tensor | np.ndarray, *,
+              mask: Tensor | np.ndarray | None = None, scale: float | None = None, layout: str = "bhsd") -> Tensor:
+    """softmax(q @ k^T * scale + mask) @ v in one fused kernel (online softmax).
+
+    ``q``: [B, H, Sq, D]; ``k``, ``v``: [B, H, Sk, D]; the result is shaped like ``q``.
+    ``layout="bshd"`` takes and returns [B, S, H, D] instead (the layout a [B, S, H*D]
+    projection has), with no transposes. ``scale`` defaults to 1/sqrt(D). ``mask``:
+    [B, Sk] or [B, 1, 1, Sk], nonzero for real tokens and 0 for padding (float32, int32
+    or uint32; numpy bool or integers are converted): padded keys are excluded like HF
+    BERT's ``(1 - mask) * finfo(float32).min``, and a query whose keys are all padding
+    gets the mean of ``v`` (HF's result too), never NaN.
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"attention: layout must be 'bhsd' ([B, H, S, D]) or 'bshd' ([B, S, H, D]), got {layout!r}")
+    qs, ks, vs = (_f32("attention", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    names = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
+    for name, s in (("q", qs), ("k", ks), ("v", vs)):
+        if len(s) != 4:
+            raise ValueError(f"attention: {name} must be 4-D {names}, got shape {s}")
+    hx, sx = (1, 2) if layout == "bhsd" else (2, 1)
+    if ks != vs:
+        raise ValueError(f"attention: k of shape {ks} and v of shape {vs} differ; they must be equal")
+    if (qs[0], qs[hx], qs[3]) != (ks[0], ks[hx], ks[3]):
+        raise ValueError(f"attention: q of shape {qs} and k of shape {ks} disagree on batch, heads or head "
+                         f"dimension; with layout {layout!r} both are {names}")
+    bsz, heads, sq, d = qs[0], qs[hx], qs[sx], qs[3]
+    sk = ks[sx]
+    if sk == 0 and _size(qs):
+        raise ValueError(f"attention: k of shape {ks} has no keys; attention needs at least one")
+    if scale is None:
+        sc = 1.0 / math.sqrt(d) if d else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(scale)):
+        raise ValueError(f"attention: scale must be a finite number, got {scale!r}")
+    else:
+        sc = float(scale)
+    mt: Any = None
+    if mask is not None:
+        _kind("attention", "mask", mask)
+        mshape = tuple(int(s) for s in mask.shape)
+        if mshape not in ((bsz, sk), (bsz, 1, 1, sk)):
+            raise ValueError(f"attention: mask of shape {mshape} does not fit keys of shape {ks}; a padding mask "
+                             f"is [B, Sk] = {(bsz, sk)} or [B, 1, 1, Sk] = {(bsz, 1, 1, sk)}")
+        mdt = np.dtype(mask.dtype)
+        if isinstance(mask, np.ndarray):
+            if mdt.kind not in "biuf":
+                raise TypeError(f"attention: mask must be numeric or bool, got {mdt.name} (shape {mshape})")
+            mask = (mask != 0).astype(np.uint32)
+        elif mdt not in _WORD_DTYPES:
+            raise TypeError(f"attention: mask must be float32, int32 or uint32, got {mdt.name} (shape {mshape})")
+        mt = mask
+    for name, s in (("q", qs), ("k", ks)):
+        _fits(gpu, "attention", name, s)
+    d4 = _groups(d, 4)
+    bq, bk = _attn_tiles(gpu, sq, sk, d4)
+    qt, kt, vt = _dev(gpu, q), _dev(gpu, k), _dev(gpu, v)
+    mtt = _dev(gpu, mt) if mt is not None else None
+    out = gpu.empty(qs, np.float32)
+    if _size(qs) == 0:
+        return out
+    if layout == "bhsd":
+        qstr, kstr = (heads * sq * d, sq * d, d), (heads * sk * d, sk * d, d)
+    else:
+        qstr, kstr = (sq * heads * d, d, heads * d), (sk * heads * d, d, heads * d)
+    vec = d % 4 == 0
+    float_mask = mtt is not None and mtt.dtype == _F32
+    wgsl = _attention_wgsl(bq, bk, d4, vec, None if mtt is None else float_mask)
+    label = f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
+    kern = _compile(gpu, label, wgsl)
+    nqb = _groups(sq, bq)
+    params = struct.pack("<11IIf3I", sq, sk, heads, nqb, d, *qstr, *kstr, 0, sc * math.log2(math.e), 0, 0, 0)
+    bindings: list[Any] = [qt, kt, vt, out, params] + ([mtt] if mtt is not None else [])
+    gpu.dispatch(kern, bsz * heads * nqb, *bindings)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _attention_wgsl(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None) -> str:
+    t = "vec4<f32>" if vec else "f32"
+    ld = _LD_VEC if vec else _LD_SCALAR
+    if float_mask is None:
+        decl, real = "", "return 1u;"
+    else:
+        decl = "@group(0) @binding(5) var<storage, read> mask: array<u32>;"
+        bits = "mask[b * p.sk + key]"
+        real = (f"return select(0u, 1u, ({bits} & 0x7fffffffu) != 0u);" if float_mask
+                else f"return select(0u, 1u, {bits} != 0u);")
+    return _ATTENTION.substitute(BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
+                                 LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
+                                 STORE=_ST_VEC if vec else _ST_SCALAR)

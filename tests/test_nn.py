@@ -1,0 +1,477 @@
+"""BERT's non-matmul kernels (``hetero.kernels.nn``) against numpy on a real device (lavapipe in CI)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pytest
+
+import hetero
+import hetero.kernels.nn as nn
+from hetero import StageError, Tensor
+
+pytestmark = pytest.mark.anyio
+
+ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])  # heavy: once is enough
+F32_MIN = float(np.finfo(np.float32).min)
+NAN, INF = float("nan"), float("inf")
+
+
+def rand(shape: Any, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def op_graph(fn: Callable[..., Any], n_inputs: int, **kw: Any) -> hetero.Graph:
+    """
+    ::
+
+        a0, a1, ... -> <op> (gpu) -> (numpy result)
+
+    Keyword arguments that are strings ``"@ai"`` name graph inputs; the rest are constants.
+    """
+    g = hetero.Graph(f"nn-{fn.__name__}")
+    inputs = [g.input(f"a{i}") for i in range(n_inputs)]
+    named: dict[str, Any] = {k: inputs[int(v[2:])] if isinstance(v, str) and v.startswith("@a") else v
+                             for k, v in kw.items()}
+    used = {int(v[2:]) for v in kw.values() if isinstance(v, str) and v.startswith("@a")}
+    args = [a for i, a in enumerate(inputs) if i not in used]
+    g.output(g.gpu(fn, *args, name=fn.__name__, **named))
+    return g
+
+
+async def run_many(rt: hetero.Runtime, g: hetero.Graph, cases: Sequence[tuple[np.ndarray, ...]]) -> list[Any]:
+    return [r async for r in rt.map(g, ({f"a{i}": a for i, a in enumerate(c)} for c in cases), max_in_flight=4)]
+
+
+class Spy:
+    """A GPUContext stand-in that keeps every dispatch's kernel label and DispatchInfo."""
+
+    def __init__(self, gpu: hetero.GPUContext) -> None:
+        self._gpu = gpu
+        self.infos: list[hetero.DispatchInfo] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gpu, name)
+
+    def dispatch(self, kernel: Any, workgroups: Any, *bindings: Any) -> Any:
+        info = self._gpu.dispatch(kernel, workgroups, *bindings)
+        self.infos.append(info)
+        return info
+
+
+# -- numpy references (float64) ---------------------------------------------------------------
+def softmax_ref(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    v = x.astype(np.float64)
+    if mask is not None:
+        m = mask.astype(np.float64)
+        m = m.reshape(m.shape[:-1] + (1,) * (v.ndim - m.ndim) + m.shape[-1:]) if m.ndim < v.ndim else m
+        v = v + m
+    with np.errstate(all="ignore"):
+        e = np.exp(v - v.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+
+def layernorm_ref(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float,
+                  res: np.ndarray | None = None) -> np.ndarray:
+    v = x.astype(np.float64) + (0.0 if res is None else res.astype(np.float64))
+    mu = v.mean(axis=-1, keepdims=True)
+    return (v - mu) / np.sqrt(((v - mu) ** 2).mean(axis=-1, keepdims=True) + eps) * g + b
+
+
+def gelu_ref(x: np.ndarray) -> np.ndarray:
+    return np.array([0.5 * v * math.erfc(-v / math.sqrt(2.0)) if math.isfinite(v) else
+                     (v if v != -INF else 0.0) for v in x.astype(np.float64).ravel()]).reshape(x.shape)
+
+
+def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
+                  scale: float | None = None) -> np.ndarray:
+    """HF BERT: scores + (1 - mask) * finfo(float32).min, softmax, @ v."""
+    s = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2)
+    s *= 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if mask is not None:
+        s = s + ((1.0 - (mask.reshape(mask.shape[0], -1) != 0)) * F32_MIN)[:, None, None, :]
+    return softmax_ref(s) @ v.astype(np.float64)
+
+
+# -- softmax ------------------------------------------------------------------------------------
+SOFTMAX_SHAPES = [(1,), (7,), (3, 1), (5, 7), (4, 128), (2, 3, 33), (2, 384), (3, 1536), (2, 4100), (1, 2, 3, 5)]
+
+
+async def test_softmax_matches_numpy(shared_rt: hetero.Runtime) -> None:
+    arrays = [rand(s, seed=i, scale=4.0) for i, s in enumerate(SOFTMAX_SHAPES)]
+    for a, got in zip(arrays, await run_many(shared_rt, op_graph(nn.softmax, 1), [(a,) for a in arrays])):
+        assert got.shape == a.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, softmax_ref(a), rtol=2e-6, atol=1e-7, err_msg=str(a.shape))
+    for shape in ((0, 5), (3, 0)):
+        got = await shared_rt.run(op_graph(nn.softmax, 1), a0=np.zeros(shape, np.float32))
+        assert got.shape == shape
+
+
+@pytest.mark.parametrize("cache_max", [16, 1])  # 1: rows longer than 256 loop over memory
+async def test_softmax_large_values_infinities_and_nan_like_numpy(shared_rt: hetero.Runtime, cache_max: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nn, "ROW_CACHE_MAX", cache_max)
+    x = rand((8, 300), seed=1, scale=3.0)
+    x[0, 7] = 1e4                      # one huge score: ~one-hot
+    x[1, :] += 1e4                     # large offset: only differences matter
+    x[2, ::3] = -1e4                   # masked entries the -10000 way
+    x[3, ::2] = -INF                   # masked with -inf: exactly 0
+    x[4, :] = -INF                     # nothing but -inf: NaN (numpy: -inf - -inf)
+    x[5, 11] = INF                     # +inf: NaN row (inf - inf)
+    x[6, 299] = NAN                    # NaN: NaN row
+    x[7, :] = F32_MIN                  # finfo.min everywhere: uniform
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = softmax_ref(x)
+    got = await shared_rt.run(op_graph(nn.softmax, 1), a0=x)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, equal_nan=True)
+    assert np.isnan(got[4:7]).all() and not np.isnan(got[[0, 1, 2, 3, 7]]).any()
+    assert (got[3, ::2] == 0).all() and got[0, 7] == pytest.approx(1.0)
+
+
+async def test_softmax_mask_broadcasts_per_row_group(shared_rt: hetero.Runtime) -> None:
+    b, h, s, n = 2, 3, 5, 7
+    x = rand((b, h, s, n), seed=2)
+    pad = np.zeros((b, n), np.float32)
+    pad[1, 4:] = F32_MIN
+    masks = [pad, pad.reshape(b, 1, 1, n), np.where(np.arange(n) < 5, 0.0, -1e4).astype(np.float32),
+             rand((b, h, n), seed=3), rand((b, h, s, n), seed=4), np.where(rand((b, h, 1, n), 5) > 0, 0.0, -INF)]
+    masks[-1][..., 0] = 0.0  # keep one entry per row
+    g = op_graph(nn.softmax, 2, mask="@a1")
+    for m, got in zip(masks, await run_many(shared_rt, g, [(x, m.astype(np.float32)) for m in masks])):
+        np.testing.assert_allclose(got, softmax_ref(x, m), rtol=2e-6, atol=1e-7, err_msg=f"mask {m.shape}")
+    got = await shared_rt.run(g, a0=x, a1=pad)
+    assert (got[1, ..., 4:] == 0).all()
+
+
+# -- layernorm ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_max", [16, 1])
+async def test_layernorm_matches_float64(shared_rt: hetero.Runtime, cache_max: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nn, "ROW_CACHE_MAX", cache_max)
+    cases = []
+    for i, shape in enumerate([(1,), (3, 1), (5, 7), (2, 3, 384), (3, 1000), (2, 4100)]):
+        n = shape[-1]
+        cases.append((rand(shape, seed=i), rand(n, seed=10 + i), rand(n, seed=20 + i)))
+    # A large common offset: E[x^2] - E[x]^2 would cancel to nothing, and a plain float32 mean
+    # would be off by ~1e-3; shifting by the row's first value keeps full accuracy.
+    cases.append((rand((4, 384), seed=9) + np.float32(1e4), rand(384, seed=8), rand(384, seed=7)))
+    g = op_graph(nn.layernorm, 3, eps=1e-12)
+    for (x, ga, be), got in zip(cases, await run_many(shared_rt, g, cases)):
+        assert got.shape == x.shape and got.dtype == np.float32
+        want = layernorm_ref(x, ga, be, 1e-12)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5,
+                                   err_msg=str(x.shape))
+
+
+async def test_layernorm_residual_is_add_and_norm(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x, residual, gamma, beta -> layernorm(x + residual) (gpu)
+    """
+    g = op_graph(nn.layernorm, 4, residual="@a1", eps=1e-5)
+    cases = [(rand(s, 1), rand(s, 2), rand(s[-1], 3), rand(s[-1], 4)) for s in [(7,), (3, 5, 384), (2, 33)]]
+    for (x, r, ga, be), got in zip(cases, await run_many(shared_rt, g, cases)):
+        np.testing.assert_allclose(got, layernorm_ref(x, ga, be, 1e-5, r), rtol=1e-5, atol=2e-5)
+    const = np.full((2, 16), 3.0, np.float32)  # zero variance: (x - mean) = 0, output beta
+    got = await shared_rt.run(g, a0=const, a1=const, a2=rand(16, 5), a3=rand(16, 6))
+    np.testing.assert_allclose(got, np.broadcast_to(rand(16, 6), (2, 16)), atol=1e-6)
+
+
+# -- gelu, erf, add, add_bias ------------------------------------------------------------------------
+async def test_gelu_is_float32_accurate_everywhere(shared_rt: hetero.Runtime) -> None:
+    x = np.concatenate([np.linspace(-14, 14, 40001, dtype=np.float32),
+                        np.array([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, -13.9, -20.0, -1e30, 1e30], np.float32)])
+    got = await shared_rt.run(op_graph(nn.gelu, 1), a0=x)
+    want = gelu_ref(x)
+    big = np.abs(want) > 1e-37  # below: GPUs flush denormals
+    rel = np.abs(got[big] - want[big]) / np.abs(want[big])
+    assert rel.max() < 1e-6, f"gelu relative error {rel.max():.3g} at x={x[big][rel.argmax()]}"
+    assert np.abs(got[~big]).max() < 1e-37
+    special = await shared_rt.run(op_graph(nn.gelu, 1), a0=np.array([NAN, INF, -INF, 3.0, -3.0], np.float32))
+    assert np.isnan(special[0]) and special[1] == INF and special[2] == 0.0
+    odd = rand((3, 5), seed=3, scale=3.0)  # scalar path (15 elements), 2-D
+    np.testing.assert_allclose(await shared_rt.run(op_graph(nn.gelu, 1), a0=odd), gelu_ref(odd), rtol=1e-6)
+
+
+async def test_erf_against_math_erf(shared_rt: hetero.Runtime) -> None:
+    z = np.concatenate([np.linspace(-6, 6, 24001, dtype=np.float32),
+                        np.array([0.0, 1e-20, -1e-20, 0.99999, 1.0], np.float32)])
+    got = await shared_rt.run(op_graph(nn.erf, 1), a0=z)
+    want = np.array([math.erf(v) for v in z.astype(np.float64)])
+    assert np.abs(got - want).max() < 2e-7
+    nz = want != 0
+    assert (np.abs(got[nz] - want[nz]) / np.abs(want[nz])).max() < 4e-7  # relative, near 0 too
+
+
+async def test_add_add_bias_and_fused_gelu_bias(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x, y, b -> add (gpu)       -> +
+                -> add_bias (gpu)  -> +--> outputs
+                -> gelu(bias) (gpu) -> +
+    """
+    g = hetero.Graph("elementwise")
+    x, y, b = g.input("x"), g.input("y"), g.input("b")
+    g.output(g.gpu(nn.add, x, y), g.gpu(nn.add_bias, x, b), g.gpu(nn.gelu, x, name="gelu_bias", bias=b))
+    for shape in [(1,), (5,), (3, 7), (4, 8), (2, 3, 384), (1, 1537)]:
+        xs, ys, bs = rand(shape, 1), rand(shape, 2), rand(shape[-1], 3)
+        s, sb, gb = await shared_rt.run(g, x=xs, y=ys, b=bs)
+        np.testing.assert_array_equal(s, xs + ys)
+        np.testing.assert_array_equal(sb, xs + bs)
+        np.testing.assert_allclose(gb, gelu_ref(xs + bs), rtol=1e-6, atol=1e-30)
+
+
+# -- transpose and embedding ---------------------------------------------------------------------------
+async def test_transpose_permutations(shared_rt: hetero.Runtime) -> None:
+    x = rand((2, 3, 4, 8), seed=1)
+    perms = [(0, 2, 1, 3), (3, 2, 1, 0), (1, 0, 2, 3), (0, 1, 2, 3), (0, 1, 3, 2), (2, 0, 3, 1), (-4, -2, -3, -1)]
+    g = hetero.Graph("transpose")
+    xi = g.input("x")
+    g.output(*[g.gpu(nn.transpose, xi, p, name=f"t{i}") for i, p in enumerate(perms)])
+    for odd in (x, rand((2, 3, 5, 7), seed=2), np.arange(2 * 3 * 4 * 8, dtype=np.int32).reshape(2, 3, 4, 8)):
+        for perm, got in zip(perms, await shared_rt.run(g, x=odd)):
+            want = np.transpose(odd, perm)
+            assert got.dtype == odd.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want, err_msg=f"{odd.shape} by {perm}")
+    # higher ranks that reduce to <= 4 axes; size-1 axes; 0-d; uint32
+    cases: list[tuple[np.ndarray, tuple[int, ...]]] = [
+        (rand((2, 1, 3, 4, 5, 6), 3), (0, 1, 4, 5, 2, 3)), (rand((1, 5, 1, 3), 4), (3, 2, 1, 0)),
+        (np.array(2.5, np.float32), ()), (np.arange(12, dtype=np.uint32).reshape(3, 4), (1, 0))]
+    for a, p in cases:
+        got = await shared_rt.run(op_graph(nn.transpose, 1, axes=p), a0=a)
+        np.testing.assert_array_equal(got, np.transpose(a, p))
+
+
+async def test_embedding_gathers_rows(shared_rt: hetero.Runtime) -> None:
+    g = op_graph(nn.embedding, 2)
+    for hidden in (6, 7, 384):
+        table = rand((50, hidden), seed=hidden)
+        for ids in (np.array([3], np.int32), np.array([[1, 49, 0], [7, 7, 2]], np.int32),
+                    np.arange(50, dtype=np.uint32)[::-1].copy(), np.zeros((2, 0), np.int32)):
+            got = await shared_rt.run(g, a0=table, a1=ids)
+            assert got.shape == ids.shape + (hidden,)
+            np.testing.assert_array_equal(got, table[ids])
+    # ids that reach the GPU stage as a Tensor cannot be checked: out of range gives zero rows
+    table = rand((10, 8), seed=1)
+    got = await shared_rt.run(g, a0=table, a1=np.array([2, -1, 10, 9, 2**31 - 1], np.int32))
+    np.testing.assert_array_equal(got, np.stack([table[2], np.zeros(8), np.zeros(8), table[9], np.zeros(8)]))
+    got = await shared_rt.run(g, a0=np.arange(12, dtype=np.int32).reshape(4, 3), a1=np.array([3, 0], np.int32))
+    np.testing.assert_array_equal(got, [[9, 10, 11], [0, 1, 2]])
+
+
+# -- attention -------------------------------------------------------------------------------------
+def qkv(b: int, h: int, s: int, d: int, seed: int = 0, sk: int | None = None) -> tuple[np.ndarray, ...]:
+    sk = s if sk is None else sk
+    return rand((b, h, s, d), seed, 1.5), rand((b, h, sk, d), seed + 1, 1.5), rand((b, h, sk, d), seed + 2)
+
+
+def padding(b: int, s: int) -> np.ndarray:
+    """Batch 0 full, batch 1 padded after about half, batch 2 (if any) all padding."""
+    m = np.ones((b, s), np.float32)
+    if b > 1:
+        m[1, s // 2 + 1:] = 0
+    if b > 2:
+        m[2, :] = 0
+    return m
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("d", [32, 64])
+async def test_attention_matches_numpy(shared_rt: hetero.Runtime, d: int) -> None:
+    g, gm = op_graph(nn.attention, 3), op_graph(nn.attention, 4, mask="@a3")
+    for s in (1, 7, 64, 130):
+        q, k, v = qkv(3, 2, s, d, seed=s)
+        got = await shared_rt.run(g, a0=q, a1=k, a2=v)
+        assert got.shape == q.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, attention_ref(q, k, v), rtol=1e-5, atol=2e-6, err_msg=f"S={s} D={d}")
+        m = padding(3, s)
+        got = await shared_rt.run(gm, a0=q, a1=k, a2=v, a3=m)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, attention_ref(q, k, v, m), rtol=1e-5, atol=2e-6,
+                                   err_msg=f"S={s} D={d} padded")
+        # all padding (batch 2): equal weights over all keys, as HF's finfo.min mask gives
+        np.testing.assert_allclose(got[2], np.broadcast_to(v[2].mean(axis=1, keepdims=True), got[2].shape),
+                                   rtol=1e-5, atol=2e-6)
+
+
+@ASYNCIO_ONLY
+async def test_attention_options_tiles_layouts_and_masks(shared_rt: hetero.Runtime,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # bshd layout ([B, S, H, D] in and out), a custom scale, Sq != Sk, odd D (scalar loads)
+    q, k, v = qkv(2, 3, 9, 5, seed=7, sk=20)
+    m = padding(2, 20)
+    g = op_graph(nn.attention, 4, mask="@a3", scale=0.3, layout="bshd")
+    t = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+    got = await shared_rt.run(g, a0=t(q), a1=t(k), a2=t(v), a3=m)
+    np.testing.assert_allclose(got, t(attention_ref(q, k, v, m, 0.3)), rtol=1e-5, atol=2e-6)
+    # masks as int32 or uint32 Tensors, [B, 1, 1, Sk], and nonzero values other than 1
+    for mm in (m.astype(np.int32), (m * 7).astype(np.uint32).reshape(2, 1, 1, 20), m * np.float32(-2.5)):
+        got = await shared_rt.run(op_graph(nn.attention, 4, mask="@a3", scale=0.3), a0=q, a1=k, a2=v, a3=mm)
+        np.testing.assert_allclose(got, attention_ref(q, k, v, m, 0.3), rtol=1e-5, atol=2e-6)
+    # many small tiles and query blocks: tile and block edges everywhere
+    monkeypatch.setattr(nn, "ATTN_BK", 3)
+    monkeypatch.setattr(nn, "ATTN_BQ", 16)
+    q, k, v = qkv(2, 2, 37, 32, seed=11)
+    m = padding(2, 37)
+    got = await shared_rt.run(op_graph(nn.attention, 4, mask="@a3"), a0=q, a1=k, a2=v, a3=m)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, m), rtol=1e-5, atol=2e-6)
+    # large scores: the online softmax rescales without overflow
+    got = await shared_rt.run(op_graph(nn.attention, 3, scale=30.0), a0=q, a1=k, a2=v)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, scale=30.0), rtol=1e-4, atol=2e-5)
+
+
+# -- composition and large grids ----------------------------------------------------------------------
+async def test_bert_block_through_a_graph(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        ids, table -> embedding (gpu) -> layernorm (gpu) --+--> attention, bshd (gpu) -> add & norm (gpu)
+        mask --------------------------------------------------/                        -> gelu (gpu) -> (cpu)
+
+    q = k = v = the normalised embeddings viewed as [B, S, H, D]: no matmul needed.
+    """
+    b, s, h, d, vocab = 2, 9, 3, 8, 30
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, vocab, (b, s)).astype(np.int32)
+    table = rand((vocab, h * d), 1)
+    gamma, beta = rand(h * d, 2), rand(h * d, 3)
+    mask = padding(b, s)
+
+    def attend(gpu: hetero.GPUContext, t: Tensor, m: Tensor) -> Tensor:
+        heads = Tensor(t.buffer, (b, s, h, d), t.dtype, t.offset)  # a view: [B, S, H*D] is [B, S, H, D]
+        a = nn.attention(gpu, heads, heads, heads, mask=m, layout="bshd")
+        return Tensor(a.buffer, (b, s, h * d), a.dtype, a.offset, a.block)
+
+    g = hetero.Graph("bert-block")
+    gi, bi = g.input("gamma"), g.input("beta")
+    e = g.gpu(nn.embedding, g.input("table"), g.input("ids"))
+    x = g.gpu(nn.layernorm, e, gi, bi, eps=1e-12)
+    a = g.gpu(attend, x, g.input("mask"))
+    y = g.gpu(nn.layernorm, a, gi, bi, name="add_norm", residual=x, eps=1e-12)
+    z = g.gpu(nn.gelu, y)
+    g.output(g.cpu(lambda v: v.reshape(b, s, h * d), z, name="read"))
+    got = await shared_rt.run(g, ids=ids, table=table, gamma=gamma, beta=beta, mask=mask)
+
+    x_ref = layernorm_ref(table[ids], gamma, beta, 1e-12)
+    qh = x_ref.reshape(b, s, h, d).transpose(0, 2, 1, 3)
+    a_ref = attention_ref(qh, qh, qh, mask).transpose(0, 2, 1, 3).reshape(b, s, h * d)
+    want = gelu_ref(layernorm_ref(a_ref, gamma, beta, 1e-12, x_ref))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+async def test_grids_split_into_sub_dispatches_give_the_same_results(shared_rt: hetero.Runtime,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny GPU-time budget makes hetero split every grid: each kernel must use hetero_workgroup_id."""
+    dev = shared_rt.device()
+    monkeypatch.setattr(dev, "budget_ns", 1.0)  # one workgroup per sub-dispatch
+    seen: list[hetero.DispatchInfo] = []
+
+    def stage(gpu: hetero.GPUContext, x: Tensor, ids: Tensor, g_: Tensor, b_: Tensor) -> tuple[Tensor, ...]:
+        spy = Spy(gpu)
+        q = nn.transpose(spy, x, (0, 2, 1, 3))  # [2, 3, 100, 4] (+ one more transposed copy below)
+        out = (nn.gelu(spy, x), nn.softmax(spy, x), nn.layernorm(spy, x, g_, b_), q,
+               nn.embedding(spy, Tensor(x.buffer, (2 * 100 * 3, 4), x.dtype, x.offset), ids),
+               nn.attention(spy, q, q, q))
+        seen.extend(spy.infos)
+        return out
+
+    x = rand((2, 100, 3, 4), seed=3)
+    ids = np.arange(599, -1, -1, dtype=np.int32)
+    g = hetero.Graph("split")
+    g.output(g.gpu(stage, g.input("x"), g.input("ids"), g.input("g"), g.input("b")))
+    gel, sm, ln, tr, emb, att = await shared_rt.run(g, x=x, ids=ids, g=rand(4, 1), b=rand(4, 2))
+    assert all(info.sub_dispatches > 1 for info in seen), [(i.kernel, i.sub_dispatches) for i in seen]
+    np.testing.assert_allclose(gel, gelu_ref(x), rtol=1e-6)
+    np.testing.assert_allclose(sm, softmax_ref(x), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(ln, layernorm_ref(x, rand(4, 1), rand(4, 2), 1e-5), rtol=1e-5, atol=2e-5)
+    qh = x.transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(tr, qh)
+    np.testing.assert_array_equal(emb, x.reshape(-1, 4)[ids])
+    np.testing.assert_allclose(att, attention_ref(qh, qh, qh), rtol=1e-5, atol=2e-6)
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+async def test_errors_name_the_op_the_shapes_and_the_rule(shared_rt: hetero.Runtime) -> None:
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(op_graph(nn.add, 2), a0=np.zeros((2, 3), np.float32), a1=np.zeros((3, 2), np.float32))
+    assert str(e.value) == ("gpu stage 'add' failed: ValueError: add: x of shape (2, 3) and y of shape (3, 2) "
+                            "differ; add needs equal shapes (use add_bias to broadcast a vector along the last axis)")
+    assert isinstance(e.value.__cause__, ValueError)
+
+    gpu = hetero.GPUContext(shared_rt.device(), "direct")  # the ops check before they record: call directly
+    f = np.zeros
+    x4 = f((2, 3, 5, 8), np.float32)
+    cases: list[tuple[Callable[[], Any], type[Exception], str]] = [
+        (lambda: nn.softmax(gpu, f((2, 3), np.float64)), TypeError,
+         "softmax: x must be float32, got float64 (shape (2, 3)); cast with .astype(np.float32)"),
+        (lambda: nn.softmax(gpu, [1.0, 2.0]), TypeError,  # type: ignore[arg-type,unused-ignore]
+         "softmax: x must be a hetero.Tensor (or a numpy array), got list"),
+        (lambda: nn.softmax(gpu, x4, mask=f((3, 8), np.float32)), ValueError,
+         "softmax: mask of shape (3, 8) does not broadcast per row group over x of shape (2, 3, 5, 8); the mask "
+         "must be x.shape[:k] + (8,) for some k, or that with ones up to x's rank, "
+         "e.g. (8,) or (2, 8) or (2, 1, 1, 8)"),
+        (lambda: nn.softmax(gpu, f(5, np.float32), mask=f((1, 5), np.float32)), ValueError,
+         "softmax: mask of shape (1, 5) does not broadcast per row group over x of shape (5,); the mask must be "
+         "x.shape[:k] + (5,) for some k, or that with ones up to x's rank, e.g. (5,)"),
+        (lambda: nn.layernorm(gpu, f((4, 6), np.float32), f(5, np.float32), f(6, np.float32)), ValueError,
+         "layernorm: gamma of shape (5,) does not match the last axis of x of shape (4, 6); "
+         "gamma and beta must have shape (6,)"),
+        (lambda: nn.layernorm(gpu, f((4, 6), np.float32), f(6, np.float32), f(6, np.float32),
+                              residual=f((6, 4), np.float32)), ValueError,
+         "layernorm: residual of shape (6, 4) differs from x of shape (4, 6); they must be equal"),
+        (lambda: nn.layernorm(gpu, f((4, 6), np.float32), f(6, np.float32), f(6, np.float32), eps=-1.0),
+         ValueError, "layernorm: eps must be a finite number >= 0, got -1.0"),
+        (lambda: nn.add_bias(gpu, f((4, 6), np.float32), f(4, np.float32)), ValueError,
+         "add_bias: bias of shape (4,) does not match the last axis of x of shape (4, 6); bias must have shape (6,)"),
+        (lambda: nn.transpose(gpu, x4, (0, 2, 1)), ValueError,
+         "transpose: axes (0, 2, 1) are not a permutation of the 4 axes of x of shape (2, 3, 5, 8)"),
+        (lambda: nn.transpose(gpu, f((2, 3, 2, 3, 2), np.float32), (4, 3, 2, 1, 0)), ValueError,
+         "transpose: axes (4, 3, 2, 1, 0) of x of shape (2, 3, 2, 3, 2) reduce to a 5-axis permutation (after "
+         "dropping size-1 axes and merging axes that stay adjacent); at most 4 are supported"),
+        (lambda: nn.embedding(gpu, f((10, 4), np.float32), np.array([[1, 2], [10, 3]])), ValueError,
+         "embedding: id 10 at index (1, 0) of ids of shape (2, 2) is out of range for a table of 10 rows; "
+         "ids must lie in [0, 10)"),
+        (lambda: nn.embedding(gpu, f((10, 4), np.float32), np.array([-1])), ValueError,
+         "embedding: id -1 at index (0,) of ids of shape (1,) is out of range for a table of 10 rows; "
+         "ids must lie in [0, 10)"),
+        (lambda: nn.embedding(gpu, f(10, np.float32), np.array([1])), ValueError,
+         "embedding: table must be 2-D [vocab, hidden], got shape (10,)"),
+        (lambda: nn.attention(gpu, x4, x4, f((2, 3, 5, 4), np.float32)), ValueError,
+         "attention: k of shape (2, 3, 5, 8) and v of shape (2, 3, 5, 4) differ; they must be equal"),
+        (lambda: nn.attention(gpu, x4, f((2, 4, 5, 8), np.float32), f((2, 4, 5, 8), np.float32)), ValueError,
+         "attention: q of shape (2, 3, 5, 8) and k of shape (2, 4, 5, 8) disagree on batch, heads or head "
+         "dimension; with layout 'bhsd' both are [B, H, S, D]"),
+        (lambda: nn.attention(gpu, x4, x4, x4, mask=np.ones((2, 8))), ValueError,
+         "attention: mask of shape (2, 8) does not fit keys of shape (2, 3, 5, 8); a padding mask is "
+         "[B, Sk] = (2, 5) or [B, 1, 1, Sk] = (2, 1, 1, 5)"),
+        (lambda: nn.attention(gpu, x4, x4, x4, layout="bhds"), ValueError,
+         "attention: layout must be 'bhsd' ([B, H, S, D]) or 'bshd' ([B, S, H, D]), got 'bhds'"),
+        (lambda: nn.attention(gpu, f((2, 5, 8), np.float32), x4, x4), ValueError,
+         "attention: q must be 4-D [B, H, S, D], got shape (2, 5, 8)"),
+    ]
+    for call, exc, msg in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == msg
+    assert gpu.blocks == [] and gpu.workgroups == 0  # nothing allocated, nothing recorded
+
+
+async def test_ops_take_numpy_arrays_directly(shared_rt: hetero.Runtime) -> None:
+    """Inside a stage, host arrays (e.g. weights closed over) are uploaded by the op."""
+    gamma, beta = rand(16, 1), rand(16, 2)
+    ids = np.array([[3, 1], [0, 2]], np.int64)  # int64 from a tokenizer: checked and converted on the host
+    table = rand((4, 16), 3)
+
+    def stage(gpu: hetero.GPUContext) -> Tensor:
+        return nn.layernorm(gpu, nn.embedding(gpu, table, ids), gamma, beta)
+
+    g = hetero.Graph("host-arrays")
+    g.output(g.gpu(stage))
+    got = await shared_rt.run(g)
+    np.testing.assert_allclose(got, layernorm_ref(table[ids], gamma, beta, 1e-5), rtol=1e-5, atol=2e-5)
