@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import wgpu
 
-from ._split import PRELUDE, CostModel, wants_grid
+from ._split import CostModel, wants_grid, with_prelude
 from ._timing import GPUTimer
 from ._trace import Tracer
 from .errors import DeviceLostError, NoAdapterError
@@ -185,7 +185,7 @@ class Device:
             if k is None:
                 label = label or entry_point
                 grid = wants_grid(wgsl)
-                module = self.device.create_shader_module(label=label, code=PRELUDE + wgsl if grid else wgsl)
+                module = self.device.create_shader_module(label=label, code=with_prelude(wgsl) if grid else wgsl)
                 compute: dict[str, Any] = {"module": module, "entry_point": entry_point}
                 if consts:
                     compute["constants"] = dict(consts)

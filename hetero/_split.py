@@ -40,7 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "PRELUDE", "grid_uniform", "wants_grid"]
+__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "PRELUDE", "grid_uniform", "wants_grid", "with_prelude"]
 
 PRELUDE = """
 struct HeteroGrid { base: vec3<u32>, total: vec3<u32> }
@@ -53,6 +53,20 @@ GRID_NAMES = ("hetero_workgroup_id", "hetero_num_workgroups", "hetero_grid")
 # Until a kernel was measured, assume 2 µs of GPU time per workgroup: heavier than most
 # kernels, so the first submissions are smaller than needed rather than too long.
 DEFAULT_NS_PER_WORKGROUP = 2000.0
+
+
+def with_prelude(wgsl: str) -> str:
+    """The WGSL with the grid prelude inserted after its ``enable``/``requires`` directives
+    (WGSL wants directives before any declaration)."""
+    lines = wgsl.splitlines(keepends=True)
+    cut = 0
+    for n, line in enumerate(lines):
+        text = line.strip()
+        if text.startswith(("enable ", "requires ", "diagnostic(")) and text.endswith(";"):
+            cut = n + 1
+        elif text and not text.startswith("//"):
+            break
+    return "".join(lines[:cut]) + PRELUDE + "".join(lines[cut:])
 
 
 def wants_grid(wgsl: str) -> bool:

@@ -8,6 +8,10 @@ Reductions (:mod:`hetero.kernels.reduce`): :func:`sum`, :func:`mean`, :func:`max
 :func:`min`, :func:`argmax`, :func:`argmin` over the whole tensor (``axis=None``) or one
 axis of a 2-D tensor.
 
+Matrix products (:mod:`hetero.kernels.matmul`): :func:`matmul` (batched, transposed B,
+fused bias; register-blocked tiles chosen per adapter by an autotuner whose choice is
+cached on disk).
+
 Neural-network kernels (:mod:`hetero.kernels.nn`): :func:`softmax` (last axis, stable,
 optional additive mask), :func:`layernorm` (optionally fused with a residual add),
 :func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
@@ -17,6 +21,7 @@ dot-product attention with a padding mask).
 
 from __future__ import annotations
 
+from hetero.kernels.matmul import matmul
 from hetero.kernels.nn import add, add_bias, attention, embedding, erf, gelu, layernorm, softmax, transpose
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
@@ -30,6 +35,7 @@ __all__ = [
     "erf",
     "gelu",
     "layernorm",
+    "matmul",
     "max",
     "mean",
     "min",

@@ -127,3 +127,12 @@ async def test_long_submissions_calibrate_the_cost_model() -> None:
         # GPU timestamps where the adapter writes them inside passes (lavapipe does), else fence wall time.
         assert dev.cost.source(k.key) == ("timestamp" if dev.timer.strategy == "inside-passes" else "wall")
         assert dev.cost.ns_per_workgroup(k.key) != DEFAULT_NS_PER_WORKGROUP
+
+
+def test_prelude_goes_after_directives() -> None:
+    from hetero._split import PRELUDE, with_prelude
+
+    src = "// header\nenable f16;\nrequires readonly_and_readwrite_storage_textures;\n@compute fn main() {}\n"
+    out = with_prelude(src)
+    assert out.index("enable f16;") < out.index(PRELUDE) < out.index("@compute")
+    assert with_prelude("@compute fn main() {}").startswith(PRELUDE)
