@@ -1,0 +1,64 @@
+"""Benchmark suite: ``python -m bench <name> [args...]`` or ``python -m bench all``.
+
+Every benchmark checks correctness, measures a reference in the same run (torch on
+CUDA when present, numpy or dask otherwise) and prints one JSON line per figure.
+``all`` runs each with its default sizes, one after the other, in fresh processes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+BENCHES = {
+    "overhead": "scheduler overhead per stage beside dask.threaded and asyncio",
+    "transfer": "host<->device bandwidth through the staging ring beside wgpu and torch",
+    "gpu_runtime": "fence round trip, coalescing of tiny GPU stages, graph round trip",
+    "stage_cost": "host cost of the layers under a tiny GPU stage",
+    "split": "TDR-safe splitting overhead at GPU-time budgets",
+    "reduce": "hetero.ops.sum bandwidth beside torch.sum, and its accuracy",
+    "matmul": "fp32 matmul TFLOP/s beside torch (with --tune: autotune first)",
+    "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
+}
+# What `all` passes to each (kept within ~10 minutes on an H200).
+ALL_ARGS = {
+    "overhead": ["--repeat", "3"],
+    "transfer": ["--sizes", "1M,16M,256M,1G"],
+    "gpu_runtime": ["--fences", "1000", "--stages", "1000"],
+    "stage_cost": ["--n", "2000"],
+    "split": ["--iters", "40000", "--budgets", "5,50,500", "--repeat", "2"],
+    "reduce": ["--sizes", "1M,16M,256M,1G"],
+    "matmul": ["--tune", "--sizes", "1024,2048,4096"],
+    "nn": [],
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        for name, what in BENCHES.items():
+            print(f"  {name:<12} {what}")
+        print("  all          every benchmark above, with default sizes")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "all":
+        failed = []
+        for bench in BENCHES:
+            t0 = time.perf_counter()
+            print(f"# bench {bench}", flush=True)
+            rc = subprocess.call([sys.executable, "-m", f"bench.{bench}", *ALL_ARGS[bench], *rest])
+            print(f"# bench {bench}: exit {rc}, {time.perf_counter() - t0:.1f} s", flush=True)
+            if rc:
+                failed.append(bench)
+        if failed:
+            print(f"# failed: {', '.join(failed)}", flush=True)
+        return 1 if failed else 0
+    if name not in BENCHES:
+        print(f"bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHES)}, all", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, "-m", f"bench.{name}", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
