@@ -53,7 +53,7 @@ from ._recorder import SharedRecorder, StageRecorder
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
 from ._stats import RunStats, Timeline
 from ._tensor import Tensor
-from .errors import StageError
+from .errors import DeviceLostError, StageError
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -507,6 +507,12 @@ class Scheduler:
                     self._abandon(rec, ctx)
                     if "device is lost" in str(e).lower():
                         dev._probe_lost()  # fails every active run with DeviceLostError
+                    if dev.lost is not None:  # whichever thread noticed first, this run fails the same way
+                        lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} "
+                                               "was recorded; create a new Runtime")
+                        lost.__cause__ = e
+                        run._set_error(lost)
+                        return
                     if attempt > st.retries or run.stopped:
                         if not st.simple:
                             run.timed_started.pop(i, None)
