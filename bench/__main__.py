@@ -19,6 +19,7 @@ BENCHES = {
     "split": "TDR-safe splitting overhead at GPU-time budgets",
     "reduce": "hetero.ops.sum bandwidth beside torch.sum, and its accuracy",
     "matmul": "fp32 matmul TFLOP/s beside torch (with --tune: autotune first)",
+    "matmul_int8": "INT8 weight-quantized matmul (both strategies) beside hetero's fp32 matmul",
     "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
@@ -30,6 +31,7 @@ ALL_ARGS = {
     "split": ["--iters", "40000", "--budgets", "5,50,500", "--repeat", "2"],
     "reduce": ["--sizes", "1M,16M,256M,1G"],
     "matmul": ["--tune", "--sizes", "1024,2048,4096"],
+    "matmul_int8": ["--sizes", "1024,4096", "--strategy", "both"],
     "nn": [],
 }
 

@@ -12,6 +12,11 @@ Matrix products (:mod:`hetero.kernels.matmul`): :func:`matmul` (batched, transpo
 fused bias; register-blocked tiles chosen per adapter by an autotuner whose choice is
 cached on disk).
 
+INT8 weight-quantized products (:mod:`hetero.kernels.matmul_int8`): :func:`quantize_weight`
+(per-output-channel scales, four int8 per u32) and :func:`matmul_int8` (f32 activations
+against int8 weights: dequantized per tile, or quantized per row and multiplied with
+``dot4I8Packed``).
+
 Neural-network kernels (:mod:`hetero.kernels.nn`): :func:`softmax` (last axis, stable,
 optional additive mask), :func:`layernorm` (optionally fused with a residual add),
 :func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
@@ -22,6 +27,7 @@ dot-product attention with a padding mask).
 from __future__ import annotations
 
 from hetero.kernels.matmul import matmul
+from hetero.kernels.matmul_int8 import matmul_int8, quantize_weight
 from hetero.kernels.nn import add, add_bias, attention, embedding, erf, gelu, layernorm, softmax, transpose
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
@@ -36,9 +42,11 @@ __all__ = [
     "gelu",
     "layernorm",
     "matmul",
+    "matmul_int8",
     "max",
     "mean",
     "min",
+    "quantize_weight",
     "softmax",
     "sum",
     "transpose",
