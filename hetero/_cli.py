@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace", metavar="T.json", default=None,
                       help="write a Chrome/Perfetto trace of the runs to this file (open it in ui.perfetto.dev)")
     demo.set_defaults(func=cmd_demo)
+
+    from hetero.pipelines import cli as embed_cli
+
+    embed_cli.add_parser(sub)
     return p
 
 

