@@ -38,6 +38,7 @@ import numpy as np
 import hetero
 import hetero.kernels.matmul as mm
 from hetero._device import Device
+from bench._common import empty_round_trip
 
 TARGETS = {1024: 0.3, 4096: 0.5}
 
@@ -53,16 +54,6 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     if len(dims) != 3 or min(dims) <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r}: give N (square) or MxNxK")
     return dims[0], dims[1], dims[2]
-
-
-def empty_round_trip(dev: Device, repeat: int = 20) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        cb = dev.device.create_command_encoder().finish()
-        t0 = time.perf_counter()
-        dev.wait(dev.submit([cb]))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def torch_cuda() -> Any:

@@ -58,6 +58,7 @@ import numpy as np
 import hetero
 import hetero.kernels.nn as nn
 from hetero._device import Device
+from bench._common import empty_round_trip, torch_cuda
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 384, 12, 32, 1536, 30522
 F32_MIN = float(np.finfo(np.float32).min)
@@ -247,16 +248,6 @@ def timed_k(dev: Device, case: Case, ts: dict[str, hetero.Tensor], k: int) -> fl
     return dt
 
 
-def empty_round_trip(dev: Device, repeat: int = 20) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        cb = dev.device.create_command_encoder().finish()
-        t0 = time.perf_counter()
-        dev.wait(dev.submit([cb]))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def check(case: Case, got: np.ndarray, cb: int) -> dict[str, Any]:
     host = {k: (a[:cb] if k in case.batched else a) for k, a in case.inputs.items()}
     want = case.reference(host)
@@ -271,14 +262,6 @@ def check(case: Case, got: np.ndarray, cb: int) -> dict[str, Any]:
 
 
 # -- references --------------------------------------------------------------------------------------
-def torch_cuda() -> Any:
-    try:
-        import torch
-    except Exception:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
 def torch_seconds(torch: Any, case: Case, repeat: int, min_s: float) -> tuple[float, int]:
     import torch.nn.functional as F
 

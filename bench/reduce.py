@@ -43,28 +43,10 @@ from typing import Any, Callable
 import numpy as np
 
 import hetero
+from bench._common import empty_round_trip, human, parse_size, torch_cuda
 import hetero.kernels.reduce as reduce_kernels
 import hetero.ops
 from hetero._device import Device
-
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in UNITS else ""
-    n = int(float(t[: len(t) - len(unit)]) * UNITS[unit])
-    if n <= 0 or n % 4:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
-    return n
-
-
-def human(n: int) -> str:
-    for unit in ("G", "M", "K"):
-        if n >= UNITS[unit] and n % UNITS[unit] == 0:
-            return f"{n // UNITS[unit]}{unit}"
-    return str(n)
-
 
 def emit(**kw: Any) -> None:
     print(json.dumps({"bench": "reduce", **kw}), flush=True)
@@ -123,24 +105,6 @@ def timed_k(dev: Device, x: hetero.Tensor, k: int) -> float:
     dt = time.perf_counter() - t0
     ctx.release_blocks()
     return dt
-
-
-def empty_round_trip(dev: Device, repeat: int = 20) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        cb = dev.device.create_command_encoder().finish()
-        t0 = time.perf_counter()
-        dev.wait(dev.submit([cb]))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def torch_cuda() -> Any:
-    try:
-        import torch
-    except Exception:
-        return None
-    return torch if torch.cuda.is_available() else None
 
 
 def torch_sum_seconds(torch: Any, host: np.ndarray, repeat: int, min_s: float) -> tuple[float, float, int]:

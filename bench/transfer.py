@@ -39,28 +39,9 @@ import wgpu
 
 from hetero._device import Device
 from hetero._transfer import StagingRing
+from bench._common import human, parse_size
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1] if t and t[-1] in UNITS else ""
-    value = float(t[: len(t) - len(unit)])
-    n = int(value * UNITS[unit])
-    if n <= 0 or n % 4:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
-    return n
-
-
-def human(n: int) -> str:
-    for unit in ("G", "M", "K"):
-        if n >= UNITS[unit] and n % UNITS[unit] == 0:
-            return f"{n // UNITS[unit]}{unit}"
-    return str(n)
-
-
 def emit(**kw: Any) -> None:
     print(json.dumps({"bench": "transfer", **kw}), flush=True)
 

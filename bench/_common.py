@@ -1,0 +1,58 @@
+"""Helpers shared by the benchmark programs: sizes, JSON lines, references, round trips."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any, Callable
+
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"16M"`` -> 16 MiB in bytes (a positive multiple of 4)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in UNITS else ""
+    n = int(float(t[: len(t) - len(unit)]) * UNITS[unit])
+    if n <= 0 or n % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
+    return n
+
+
+def human(n: int) -> str:
+    """Bytes as ``16M`` / ``1G`` when they are whole units."""
+    for unit in ("G", "M", "K"):
+        if n >= UNITS[unit] and n % UNITS[unit] == 0:
+            return f"{n // UNITS[unit]}{unit}"
+    return str(n)
+
+
+def emitter(bench: str) -> Callable[..., None]:
+    """A function printing one JSON line per figure, tagged with the benchmark's name."""
+
+    def emit(**kw: Any) -> None:
+        print(json.dumps({"bench": bench, **kw}), flush=True)
+
+    return emit
+
+
+def empty_round_trip(dev: Any, repeat: int = 20) -> float:
+    """Best seconds to submit an empty command buffer and wait for it (subtracted from timings)."""
+    best = math.inf
+    for _ in range(repeat):
+        cb = dev.device.create_command_encoder().finish()
+        t0 = time.perf_counter()
+        dev.wait(dev.submit([cb]))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def torch_cuda() -> Any:
+    """The torch module when it is importable and sees a CUDA device, else None."""
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch if torch.cuda.is_available() else None
