@@ -51,6 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="OUT.npy", help="where to save the embeddings")
     p.add_argument("--batch-size", type=_batch_size, default=32, metavar="N",
                    help="sentences per GPU batch (default: %(default)s)")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weights for the encoder's linear layers (quantized per output channel; "
+                   "embeddings, layernorms, attention and pooling stay float32)")
     p.add_argument("--trace", metavar="T.json", default=None,
                    help="write a Chrome/Perfetto trace of the run to this file (open it in ui.perfetto.dev)")
     p.set_defaults(func=run)
@@ -91,10 +94,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise InputFileError(f"output file {str(dest)!r} must end in .npy (np.save would add the suffix)")
     if not dest.parent.is_dir():
         raise InputFileError(f"output directory {str(dest.parent)!r} does not exist")
+    int8 = bool(getattr(args, "int8", False))  # Namespaces built without --int8 (older callers) mean float32
     t0 = time.perf_counter()
     rt = hetero.Runtime(trace=args.trace)
     try:
-        emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt)
+        emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8)
         adapter = rt.device().summary["summary"]
     finally:
         rt.close()
@@ -105,5 +109,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise InputFileError(f"cannot write output file {str(dest)!r}: {e.strerror or e}") from e
     rate = f" ({len(texts) / dt:.1f} sentences/s)" if texts and dt > 0 else ""
     print(f"embedded {len(texts)} sentence(s) in {dt:.2f} s{rate}: {emb.shape[0]}x{emb.shape[1]} float32 -> {dest}"
-          f" on {adapter}" + (f"; trace in {args.trace}" if args.trace else ""), file=out)
+          f" on {adapter}" + (" with int8 weights" if int8 else "")
+          + (f"; trace in {args.trace}" if args.trace else ""), file=out)
     return 0

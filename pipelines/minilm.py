@@ -128,7 +128,9 @@ class Model:
     """A loaded model: config, float32 weights on the host and the tokenizer.
 
     GPU copies of the weights are made on first use per device and kept there while
-    both the model and the device live (see :mod:`hetero.pipelines.embed`).
+    both the model and the device live (see :mod:`hetero.pipelines.embed`):
+    ``resident`` holds the float32 weights per device, ``resident_int8`` the int8
+    encoder linear weights (``quantized``: quantized once on the host, on first use).
     """
 
     path: Path
@@ -138,6 +140,9 @@ class Model:
     resident: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     graphs: dict[str, Any] = field(default_factory=dict, repr=False)
+    quantized: dict[str, Any] | None = field(default=None, repr=False)  # name -> kernels.matmul_int8.QuantizedWeight
+    resident_int8: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary,
+                                                               repr=False)
 
     @property
     def dim(self) -> int:

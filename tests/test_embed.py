@@ -24,7 +24,7 @@ import pytest
 
 import hetero
 from hetero.pipelines import cli, minilm
-from hetero.pipelines.embed import embed, get_model, tokenize
+from hetero.pipelines.embed import embed, embedding_graph, get_model, quantized_weights, tokenize
 from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
                                      load_model)
 from hetero.pipelines.testing import write_random_model
@@ -118,8 +118,26 @@ def test_truncation_and_padding(tiny: Model) -> None:
     assert (ids[1, 3:] == 0).all() and (types == 0).all() and pos[2].tolist() == list(range(24))
 
 
-@needs_minilm
-def test_minilm_matches_sentence_transformers(shared_rt: hetero.Runtime) -> None:
+def test_int8_weights_stay_close_and_are_made_once(shared_rt: hetero.Runtime, tiny: Model) -> None:
+    got = embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=32, int8=True)
+    assert got.dtype == np.float32 and got.shape == (len(SENTENCES), 32)
+    want = reference(tiny, SENTENCES)
+    assert cosine(got, want).min() >= 0.999  # measured 0.99987 (fp32: 0.99999+)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert not np.allclose(got, want, atol=2e-5)  # really the int8 path
+    # quantized once per model (6 linear layers per encoder layer), uploaded once per device
+    q = quantized_weights(tiny)
+    assert len(q) == 6 * TINY["num_hidden_layers"] and quantized_weights(tiny) is q
+    [resident] = list(tiny.resident_int8.values())
+    again = embed(SENTENCES[:3], model=tiny, runtime=shared_rt, batch_size=2, int8=True)
+    np.testing.assert_allclose(again, got[:3], atol=1e-5)
+    assert list(tiny.resident_int8.values()) == [resident] and quantized_weights(tiny) is q
+    assert embedding_graph(tiny, int8=True) is not embedding_graph(tiny)
+    assert embed([], model=tiny, runtime=shared_rt, int8=True).shape == (0, 32)
+
+
+def _embed_fixture(rt: hetero.Runtime, int8: bool = False) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The fixture's sentences, their reference embeddings and ours."""
     f = np.load(FIXTURE)
     texts = [str(s) for s in f["sentences"]]
     ref = f["embeddings"]
@@ -130,10 +148,26 @@ def test_minilm_matches_sentence_transformers(shared_rt: hetero.Runtime) -> None
     long = [i for i, t in enumerate(tokens) if t > 64]
     assert long and len(short) + len(long) == len(texts)
     got = np.zeros_like(ref)
-    got[short] = embed([texts[i] for i in short], model=model, runtime=shared_rt, batch_size=32)
-    got[long] = embed([texts[i] for i in long], model=model, runtime=shared_rt, batch_size=1)
+    got[short] = embed([texts[i] for i in short], model=model, runtime=rt, batch_size=32, int8=int8)
+    got[long] = embed([texts[i] for i in long], model=model, runtime=rt, batch_size=1, int8=int8)
+    return texts, ref, got
+
+
+@needs_minilm
+def test_minilm_matches_sentence_transformers(shared_rt: hetero.Runtime) -> None:
+    texts, ref, got = _embed_fixture(shared_rt)
     cos = cosine(got, ref)
     assert cos.min() >= 0.9999, {texts[i][:40]: float(cos[i]) for i in np.argsort(cos)[:3]}
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@needs_minilm
+def test_minilm_int8_stays_close_to_sentence_transformers(shared_rt: hetero.Runtime) -> None:
+    texts, ref, got = _embed_fixture(shared_rt, int8=True)
+    cos = cosine(got, ref)
+    # measured: min 0.9965, mean 0.9991 (strategy "dequant"; "dp4a" gave min 0.9857)
+    assert cos.min() >= 0.99, {texts[i][:40]: float(cos[i]) for i in np.argsort(cos)[:3]}
+    assert cos.mean() >= 0.998
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
@@ -271,3 +305,19 @@ def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Pa
     bad = _cli_args(["embed", "--model", str(tmp_path / "none"), "--input", str(src), "--output", str(out)])
     with pytest.raises(ModelNotFoundError):
         cli.run(bad)
+
+
+def test_the_embed_command_with_int8(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = ["first sentence", "", "third 🤖 one", "x y z"]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out8.npy"
+    args = _cli_args(["embed", "--model", str(model_dir), "--input", str(src), "--output", str(out), "--int8"])
+    assert args.int8 is True
+    assert not _cli_args(["embed", "--model", "m", "--input", "i", "--output", "o.npy"]).int8
+    assert cli.run(args) == 0
+    msg = capsys.readouterr().out
+    assert "embedded 4 sentence(s)" in msg and "with int8 weights" in msg
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (4, 32)
+    assert cosine(got, reference(get_model(str(model_dir)), lines)).min() >= 0.999
