@@ -19,13 +19,18 @@ add_bias       [B, S, 384] + bias                                x + b
 add            [B, S, 384] + [B, S, 384]                         x + y
 transpose      [B, S, 12, 32] -> [B, 12, S, 32]                  x.permute(0, 2, 1, 3).contiguous()
 embedding      rows of a [30522, 384] table by ids [B, S]        F.embedding
-attention      fused attention [B, 12, S, 32], padding mask      F.scaled_dot_product_attention with
-                                                                 the additive mask (1 - m) * finfo.min
+attention      attention [B, 12, S, 32], padding mask, as        F.scaled_dot_product_attention with
+               ``impl="auto"`` picks (its ``picked`` field)      the additive mask (1 - m) * finfo.min
+attention_     the same, ``impl="fused"``: one online-softmax    the same
+fused          kernel, one thread per query row
+attention_     the same, ``impl="matmul"``: q @ k^T (matmul),    the same
+matmul         softmax with scale and mask, probs @ v (matmul)
 =============  ================================================  =====================================
 
 Every input is uploaded once. For each op, K calls are recorded into one command encoder
-with the low-level API (``hetero.GPUContext`` on the runtime's device; the outputs of the
-K calls share one buffer, so memory stays flat), submitted at once and waited for; the time
+with the low-level API (``hetero.GPUContext`` on the runtime's device; the outputs and
+temporaries of the K calls share buffers, the i-th of a shape in one call with the i-th in
+the next, so memory stays flat), submitted at once and waited for; the time
 per call is (wall time - one empty submission's round trip) / K, best of ``--repeat``, with
 K chosen so that one submission runs at least ``--min-ms``. GB/s counts the bytes an op must
 read and write once (GB = 1e9 bytes); attention also reports GFLOP/s (4 B H S^2 D).
@@ -69,18 +74,27 @@ def emit(**kw: Any) -> None:
 
 
 class SharedOutputs:
-    """A GPUContext stand-in whose ``empty`` hands out one buffer per shape: K recorded calls
-    of an op write the same output (WebGPU orders the dispatches), so memory stays flat."""
+    """A GPUContext stand-in whose ``empty`` hands the i-th request of a shape in each call the
+    same buffer: K recorded calls of an op write the same outputs and temporaries (WebGPU
+    orders the dispatches), so memory stays flat, while two tensors of one shape within a call
+    (attention's scores and probabilities) stay apart. ``next_call()`` starts a call."""
 
     def __init__(self, gpu: hetero.GPUContext) -> None:
         self._gpu = gpu
         self._outs: dict[tuple[Any, ...], hetero.Tensor] = {}
+        self._seen: dict[tuple[Any, ...], int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._gpu, name)
 
+    def next_call(self) -> None:
+        self._seen.clear()
+
     def empty(self, shape: Any, dtype: Any = np.float32) -> hetero.Tensor:
-        key = (tuple(shape) if not isinstance(shape, int) else (shape,), np.dtype(dtype).str)
+        base = (tuple(shape) if not isinstance(shape, int) else (shape,), np.dtype(dtype).str)
+        i = self._seen.get(base, 0)
+        self._seen[base] = i + 1
+        key = base + (i,)
         if key not in self._outs:
             self._outs[key] = self._gpu.empty(shape, dtype)
         return self._outs[key]
@@ -201,16 +215,21 @@ def cases(b: int, s: int, rng: np.random.Generator) -> list[Case]:
              lambda g, t: nn.embedding(g, t["t"], t["i"]), lambda h: h["t"][h["i"]],
              lambda torch, F, t: F.embedding(t["i"], t["t"]), lambda h: h["t"][h["i"]],
              2 * n_h + ids.nbytes, batched=frozenset({"i"}), tol=(0.0, 0.0)),
-        Case("attention", f"[{b}, {HEADS}, {s}, {HEAD_DIM}] + mask [{b}, {s}]",
-             # "am": HF's extended mask [B, 1, 1, S], made once per forward, for torch
-             {"q": q, "k": k, "v": v, "m": mask, "am": add_mask[:, None, None, :]},
-             lambda g, t: nn.attention(g, t["q"], t["k"], t["v"], mask=t["m"]),
-             lambda h: np_attention(h["q"], h["k"], h["v"], h["m"]),
-             lambda torch, F, t: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["am"]),
-             lambda h: np_attention(h["q"], h["k"], h["v"], h["m"], np.float32),
-             4 * q.nbytes + mask.nbytes, flops=4 * b * HEADS * s * s * HEAD_DIM,
-             batched=frozenset({"q", "k", "v", "m", "am"}), tol=(1e-5, 2e-6)),
-    ]
+    ] + [attention_case(name, impl, b, s, q, k, v, mask, add_mask)
+         for name, impl in (("attention", "auto"), ("attention_fused", "fused"), ("attention_matmul", "matmul"))]
+
+
+def attention_case(name: str, impl: str, b: int, s: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   mask: np.ndarray, add_mask: np.ndarray) -> Case:
+    return Case(name, f"[{b}, {HEADS}, {s}, {HEAD_DIM}] + mask [{b}, {s}], impl={impl}",
+                # "am": HF's extended mask [B, 1, 1, S], made once per forward, for torch
+                {"q": q, "k": k, "v": v, "m": mask, "am": add_mask[:, None, None, :]},
+                lambda g, t: nn.attention(g, t["q"], t["k"], t["v"], mask=t["m"], impl=impl),
+                lambda h: np_attention(h["q"], h["k"], h["v"], h["m"]),
+                lambda torch, F, t: F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["am"]),
+                lambda h: np_attention(h["q"], h["k"], h["v"], h["m"], np.float32),
+                4 * q.nbytes + mask.nbytes, flops=4 * b * HEADS * s * s * HEAD_DIM,
+                batched=frozenset({"q", "k", "v", "m", "am"}), tol=(1e-5, 2e-6))
 
 
 # -- hetero timing ---------------------------------------------------------------------------------
@@ -239,6 +258,7 @@ def timed_k(dev: Device, case: Case, ts: dict[str, hetero.Tensor], k: int) -> fl
     ctx = hetero.GPUContext(dev, "bench")
     shared = SharedOutputs(ctx)
     for _ in range(k):
+        shared.next_call()
         case.record(shared, ts)
     cb = ctx.encoder.finish()
     t0 = time.perf_counter()
@@ -319,7 +339,12 @@ def bench_case(dev: Device, case: Case, a: argparse.Namespace, torch: Any, rtt: 
         secs = max(best - rtt, 1e-9) / k
     finally:
         holder.release_blocks()
-    emit(op=case.name, impl="hetero", shape=case.shape, k=k, **figure(case, secs))
+    extra: dict[str, Any] = {}
+    if case.name == "attention":  # what impl="auto" ran (same rule as nn.attention)
+        bq, hq, sq, _ = case.inputs["q"].shape
+        limit = int(dev.limits["max-storage-buffer-binding-size"])
+        extra["picked"] = nn._attention_auto(nn._adapter_type(dev), sq, sq, bq * hq * sq * sq * 4, limit)
+    emit(op=case.name, impl="hetero", shape=case.shape, k=k, **extra, **figure(case, secs))
     if torch is not None:
         t_s, t_k = torch_seconds(torch, case, a.repeat, a.min_ms / 1e3)
         ref = "torch"

@@ -10,7 +10,8 @@ without a dispatch.
 ==============================  ==========================================================
 op                              what
 ==============================  ==========================================================
-``softmax(x, mask=None)``       along the last axis; optional additive ``mask`` per row group
+``softmax(x, mask=None,``       along the last axis of x * scale; optional additive ``mask``
+``scale=None)``                 per row group
 ``layernorm(x, g, b, eps,``     over the last axis; ``residual``: layernorm(x + residual),
 ``residual=None)``              BERT's "add & norm" in one kernel
 ``gelu(x, bias=None)``          erf form 0.5*x*(1 + erf(x/sqrt 2)); ``bias`` fused (last axis)
@@ -18,8 +19,9 @@ op                              what
 ``add(x, y)``, ``add_bias``     same-shape sum; bias broadcast along the last axis
 ``transpose(x, axes)``          any permutation that reduces to <= 4 axes (see below)
 ``embedding(table, ids)``       gather rows of a [V, H] table -> ids.shape + (H,)
-``attention(q, k, v, mask,``    fused scaled dot-product attention, online softmax,
-``scale, layout)``              [B, H, S, D] (or [B, S, H, D] with ``layout="bshd"``)
+``attention(q, k, v, mask,``    scaled dot-product attention, [B, H, S, D] (or [B, S, H, D]
+``scale, layout, impl)``        with ``layout="bshd"``): one fused online-softmax kernel, or
+                                matmul + softmax + matmul (``impl``; "auto" picks)
 ==============================  ==========================================================
 
 Grids. Every kernel finds its workgroup with ``hetero_workgroup_id``, so any number of
@@ -79,12 +81,31 @@ the design point (registers); larger D works but spills. The ``mask`` ([B, Sk] o
 keys are all padding gets equal weights over all keys (the mean of ``v``, as HF
 computes), never NaN.
 
+Attention as three kernels (``impl="matmul"``). The fused kernel runs one thread per
+query row, a serial walk over the keys: on an NVIDIA H200 it took 1.33 ms for MiniLM's
+[128, 12, 128, 32] with a padding mask, against 0.22 ms for torch's
+scaled_dot_product_attention, while the tiled matmul reaches 42 TFLOP/s. So attention
+can also run as scores = q @ k^T (``matmul`` batched over B*H, ``transpose_b``), the
+softmax kernel with the scale multiplied in and the padding mask applied as a keep mask
+(padded entries become -finfo(float32).max, HF's ``(1 - mask) * finfo.min`` for finite
+scores, so a fully padded row again gets the mean of ``v`` and never NaN), then
+probs @ v. The scores and probabilities are stage temporaries of B*H*Sq*Sk floats
+(100 MB each at MiniLM's shape), back in the pool after the stage. ``impl="auto"``
+takes it on discrete and integrated GPUs when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (64)
+and the scores fit one storage binding, and keeps the fused kernel on CPU adapters
+(lavapipe: no wide parallel matmul to gain, and less memory traffic) and for short
+sequences (little parallel work per score matrix; one dispatch instead of three). The
+threshold follows the H200 measurement of ``python -m bench.nn``, whose
+``attention_fused`` and ``attention_matmul`` figures time both paths (``attention`` is
+what "auto" picks); re-check it there when tuning.
+
 Embedding ids out of range ([0, V)) cannot raise on the GPU: their output rows are
 zeros (negative int32 ids too), which is easier to spot than a clamped real row. Ids
 given as a numpy array are checked on the host, and out-of-range ones raise.
 
 Tuning and test hooks (module attributes, read at each call): :data:`ROW_ITEMS`,
-:data:`ROW_CACHE_MAX`, :data:`ATTN_BQ`, :data:`ATTN_BK`, :data:`ATTN_SMEM_BYTES`.
+:data:`ROW_CACHE_MAX`, :data:`ATTN_BQ`, :data:`ATTN_BK`, :data:`ATTN_SMEM_BYTES`,
+:data:`ATTN_MATMUL_MIN_SEQ`.
 """
 
 from __future__ import annotations
@@ -117,6 +138,8 @@ ATTN_BK: int | None = None
 """Keys per attention tile; None: what fits in :data:`ATTN_SMEM_BYTES`, at most 64."""
 ATTN_SMEM_BYTES = 16384
 """Workgroup memory an attention tile aims for (also capped by the adapter's limit)."""
+ATTN_MATMUL_MIN_SEQ = 64
+"""Shortest key sequence for which ``attention(impl="auto")`` takes the matmul path on a GPU."""
 
 _F32 = np.dtype(np.float32)
 _WORD_DTYPES = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32))
@@ -276,16 +299,16 @@ fn row_max(li: u32, v: f32) -> f32 {
 """
 
 _SOFTMAX = Template(_ROW_COMMON + """
-struct Params { rows: u32, n: u32, mask_div: u32, pad: u32 }
+struct Params { rows: u32, n: u32, mask_div: u32, scale: f32 }
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 $MASK_DECL
 @group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
 @group(0) @binding($PARAMS) var<uniform> p: Params;
 $MATH
 
-// x (+ mask), with NaN mapped to +inf: either makes the row's maximum +inf, and the row NaN.
+// x * scale (+ mask), with NaN mapped to +inf: either makes the row's maximum +inf, and the row NaN.
 fn val(row: u32, i: u32, mrow: u32) -> f32 {
-    var v = x[row * p.n + i];
+    var v = x[row * p.n + i] * p.scale;
     $MASK_ADD
     return select(v, nn_inf(), nn_is_nan(v));
 }
@@ -728,9 +751,12 @@ def _mask_groups(shape: tuple[int, ...], mshape: tuple[int, ...]) -> int | None:
     return _size(lead[:k])
 
 
-def softmax(gpu: GPUContext, x: Tensor | np.ndarray, *, mask: Tensor | np.ndarray | None = None) -> Tensor:
-    """Softmax along the last axis of ``x`` (any rank >= 1), numerically stable.
+def softmax(gpu: GPUContext, x: Tensor | np.ndarray, *, mask: Tensor | np.ndarray | None = None,
+            scale: float | None = None) -> Tensor:
+    """Softmax along the last axis of ``x * scale`` (any rank >= 1), numerically stable.
 
+    ``scale`` (a finite number; default 1) multiplies ``x`` in the kernel, before the
+    mask: attention's ``softmax(q @ k^T * scale + mask)`` needs no extra pass.
     ``mask`` (float32, additive; e.g. 0 and -1e4, finfo.min or -inf) is added to ``x``
     first. Its shape is ``x.shape[:k] + (n,)`` for some k, or that padded with ones to
     ``x``'s rank: scores ``(B, H, S, n)`` take a ``(B, n)`` or ``(B, 1, 1, n)`` mask.
@@ -753,26 +779,59 @@ def softmax(gpu: GPUContext, x: Tensor | np.ndarray, *, mask: Tensor | np.ndarra
                              f"{shape}; the mask must be x.shape[:k] + ({n},) for some k, or that with ones "
                              f"up to x's rank, e.g. {' or '.join(map(str, eg))}")
         groups = g
+    sc = _scale("softmax", scale, 1.0)
     _fits(gpu, "softmax", "x", shape)
     xt = _dev(gpu, x)
     mt = _dev(gpu, mask) if mask is not None else None
+    return _softmax_rows(gpu, xt, shape, mt, "add" if mt is not None else None,
+                         max(rows // max(groups, 1), 1), sc)
+
+
+def _scale(op: str, scale: Any, default: float) -> float:
+    if scale is None:
+        return default
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(scale)):
+        raise ValueError(f"{op}: scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _softmax_rows(gpu: GPUContext, xt: Tensor, shape: tuple[int, ...], mt: Tensor | None, mode: str | None,
+                  mask_div: int, scale: float) -> Tensor:
+    """Record the softmax of checked ``xt`` (rows of ``shape[-1]``) into a new Tensor.
+
+    ``mode``: None (no mask), ``"add"`` (float32 mask added), ``"keep"`` (a padding mask
+    of float32, int32 or uint32 words, nonzero = keep: other entries become
+    -finfo(float32).max, exactly HF's ``(1 - mask) * finfo.min`` for finite scores).
+    Row ``r`` uses mask row ``r // mask_div``.
+    """
+    n = shape[-1]
+    rows = _size(shape[:-1])
     out = gpu.empty(shape, np.float32)
     if rows * n == 0:
         return out
     tpr, k, cached = _row_plan(n)
     rpw = WORKGROUP // tpr
-    wgsl = _softmax_wgsl(tpr, k, cached, mt is not None)
-    kern = _compile(gpu, f"nn.softmax.tpr{tpr}.k{k if cached else 'loop'}{'.mask' if mt is not None else ''}", wgsl)
-    params = struct.pack("<4I", rows, n, max(rows // max(groups, 1), 1), 0)
+    kind = None if mt is None else mode if mode == "add" else ("keep_f32" if mt.dtype == _F32 else "keep_u32")
+    wgsl = _softmax_wgsl(tpr, k, cached, kind)
+    tag = "" if kind is None else ".mask" if kind == "add" else ".keep"
+    kern = _compile(gpu, f"nn.softmax.tpr{tpr}.k{k if cached else 'loop'}{tag}", wgsl)
+    params = struct.pack("<3If", rows, n, mask_div, scale)
     bindings: list[Any] = [xt] + ([mt] if mt is not None else []) + [out, params]
     gpu.dispatch(kern, _groups(rows, rpw), *bindings)
     return out
 
 
 @lru_cache(maxsize=None)
-def _softmax_wgsl(tpr: int, k: int, cached: bool, masked: bool) -> str:
-    decl = "@group(0) @binding(1) var<storage, read> mask: array<f32>;" if masked else ""
-    add = "v = v + mask[mrow + i];" if masked else ""
+def _softmax_wgsl(tpr: int, k: int, cached: bool, masked: str | None) -> str:
+    if masked is None:
+        decl, add = "", ""
+    elif masked == "add":
+        decl, add = "@group(0) @binding(1) var<storage, read> mask: array<f32>;", "v = v + mask[mrow + i];"
+    else:
+        decl = "@group(0) @binding(1) var<storage, read> mask: array<u32>;"
+        bits = "(mask[mrow + i] & 0x7fffffffu)" if masked == "keep_f32" else "mask[mrow + i]"
+        add = f"if ({bits} == 0u) {{ v = -NN_FLT_MAX; }}"
     out = 2 if masked else 1
     body = _SOFTMAX_CACHED if cached else _SOFTMAX_LOOP
     return _SOFTMAX.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, MASK_DECL=decl, MASK_ADD=add, OUT=out,
@@ -975,9 +1034,35 @@ def _attn_tiles(gpu: GPUContext, sq: int, sk: int, d4: int) -> tuple[int, int]:
     return bq, bk
 
 
+ATTN_IMPLS = ("fused", "matmul", "auto")
+
+
+def _adapter_type(gpu: GPUContext) -> str:
+    dev = getattr(gpu, "device", None)
+    info = getattr(dev, "adapter_info", None) or {}
+    try:
+        return str(info.get("adapter_type", "") or "")
+    except AttributeError:
+        return ""
+
+
+def _attention_auto(adapter_type: str, sq: int, sk: int, scores_bytes: int, limit: int) -> str:
+    """The implementation ``impl="auto"`` runs (see :func:`attention`)."""
+    gpu_like = adapter_type.lower().replace("_", "").replace("-", "") in ("discretegpu", "integratedgpu")
+    if gpu_like and sk >= ATTN_MATMUL_MIN_SEQ and scores_bytes <= limit:
+        return "matmul"
+    return "fused"
+
+
+def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The same contiguous data under another shape (same element count)."""
+    return Tensor(t.buffer, shape, t.dtype, offset=t.offset, block=t.block)
+
+
 def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v: Tensor | np.ndarray, *,
-              mask: Tensor | np.ndarray | None = None, scale: float | None = None, layout: str = "bhsd") -> Tensor:
-    """softmax(q @ k^T * scale + mask) @ v in one fused kernel (online softmax).
+              mask: Tensor | np.ndarray | None = None, scale: float | None = None, layout: str = "bhsd",
+              impl: str = "auto") -> Tensor:
+    """softmax(q @ k^T * scale + mask) @ v, fused (online softmax) or as matmul, softmax, matmul.
 
     ``q``: [B, H, Sq, D]; ``k``, ``v``: [B, H, Sk, D]; the result is shaped like ``q``.
     ``layout="bshd"`` takes and returns [B, S, H, D] instead (the layout a [B, S, H*D]
@@ -986,7 +1071,18 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     or uint32; numpy bool or integers are converted): padded keys are excluded like HF
     BERT's ``(1 - mask) * finfo(float32).min``, and a query whose keys are all padding
     gets the mean of ``v`` (HF's result too), never NaN.
+
+    ``impl``: ``"fused"`` (one kernel, the [Sq, Sk] scores never stored), ``"matmul"``
+    (three kernels: scores = q @ k^T with :func:`hetero.kernels.matmul.matmul` batched
+    over B*H, the softmax kernel with the scale and the padding mask folded in, probs @ v;
+    ``layout="bshd"`` adds transposes of q, k, v and the result; the scores and
+    probabilities, B*H*Sq*Sk floats each, are stage temporaries) or ``"auto"``: "matmul"
+    on a discrete or integrated GPU when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (64) and the
+    scores fit one storage binding, else "fused" (CPU adapters such as lavapipe, short
+    sequences). Both give the same results (to float32 rounding), fully padded rows too.
     """
+    if impl not in ATTN_IMPLS:
+        raise ValueError(f"attention: impl must be 'fused', 'matmul' or 'auto', got {impl!r}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"attention: layout must be 'bhsd' ([B, H, S, D]) or 'bshd' ([B, S, H, D]), got {layout!r}")
     qs, ks, vs = (_f32("attention", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -1004,13 +1100,7 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     sk = ks[sx]
     if sk == 0 and _size(qs):
         raise ValueError(f"attention: k of shape {ks} has no keys; attention needs at least one")
-    if scale is None:
-        sc = 1.0 / math.sqrt(d) if d else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(float(scale)):
-        raise ValueError(f"attention: scale must be a finite number, got {scale!r}")
-    else:
-        sc = float(scale)
+    sc = _scale("attention", scale, 1.0 / math.sqrt(d) if d else 1.0)
     mt: Any = None
     if mask is not None:
         _kind("attention", "mask", mask)
@@ -1028,6 +1118,13 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
         mt = mask
     for name, s in (("q", qs), ("k", ks)):
         _fits(gpu, "attention", name, s)
+    scores_shape = (bsz * heads, sq, sk)
+    limit = int(gpu.limits["max-storage-buffer-binding-size"])
+    if impl == "auto":
+        impl = _attention_auto(_adapter_type(gpu), sq, sk, _size(scores_shape) * 4, limit)
+    if impl == "matmul":
+        _fits(gpu, "attention (impl='matmul')", "the scores", scores_shape)
+        return _attention_matmul(gpu, q, k, v, mt, sc, layout, (bsz, heads, sq, sk, d))
     d4 = _groups(d, 4)
     bq, bk = _attn_tiles(gpu, sq, sk, d4)
     qt, kt, vt = _dev(gpu, q), _dev(gpu, k), _dev(gpu, v)
@@ -1049,6 +1146,29 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     bindings: list[Any] = [qt, kt, vt, out, params] + ([mtt] if mtt is not None else [])
     gpu.dispatch(kern, bsz * heads * nqb, *bindings)
     return out
+
+
+def _attention_matmul(gpu: GPUContext, q: Any, k: Any, v: Any, mt: Any, sc: float, layout: str,
+                      dims: tuple[int, int, int, int, int]) -> Tensor:
+    """The three-kernel path of :func:`attention` (inputs checked; ``mt`` a padding mask or None)."""
+    from hetero.kernels.matmul import matmul
+
+    bsz, heads, sq, sk, d = dims
+    qt, kt, vt = _dev(gpu, q), _dev(gpu, k), _dev(gpu, v)
+    mtt = _dev(gpu, mt) if mt is not None else None
+    if bsz * heads * sq * d == 0:
+        return gpu.empty(qt.shape, np.float32)
+    bh = bsz * heads
+    if layout == "bshd":  # [B, S, H, D] -> [B, H, S, D]
+        qt, kt, vt = (transpose(gpu, t, (0, 2, 1, 3)) for t in (qt, kt, vt))
+    q3, k3, v3 = _view(qt, (bh, sq, d)), _view(kt, (bh, sk, d)), _view(vt, (bh, sk, d))
+    scores = matmul(gpu, q3, k3, transpose_b=True)                        # [B*H, Sq, Sk]
+    # rows of the scores: B*H*Sq, one mask row ([B, Sk]) per H*Sq of them
+    probs = _softmax_rows(gpu, scores, (bh, sq, sk), mtt, "keep", heads * sq, sc)
+    out = matmul(gpu, probs, v3)                                          # [B*H, Sq, D]
+    if layout == "bshd":
+        return transpose(gpu, _view(out, (bsz, heads, sq, d)), (0, 2, 1, 3))
+    return _view(out, (bsz, heads, sq, d))
 
 
 @lru_cache(maxsize=None)

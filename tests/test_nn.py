@@ -326,6 +326,87 @@ async def test_attention_options_tiles_layouts_and_masks(shared_rt: hetero.Runti
     np.testing.assert_allclose(got, attention_ref(q, k, v, scale=30.0), rtol=1e-4, atol=2e-5)
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("impl", ["fused", "matmul"])
+@pytest.mark.parametrize("d", [32, 64])
+async def test_attention_impls_match_numpy(shared_rt: hetero.Runtime, impl: str, d: int) -> None:
+    t = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+    for layout in ("bhsd", "bshd"):
+        f = t if layout == "bshd" else (lambda a: a)
+        g = op_graph(nn.attention, 3, layout=layout, impl=impl)
+        gm = op_graph(nn.attention, 4, mask="@a3", layout=layout, impl=impl)
+        for s in (1, 7, 64, 130):
+            q, k, v = qkv(3, 2, s, d, seed=s)
+            what = f"impl={impl} layout={layout} S={s} D={d}"
+            got = await shared_rt.run(g, a0=f(q), a1=f(k), a2=f(v))
+            assert got.shape == f(q).shape and got.dtype == np.float32
+            np.testing.assert_allclose(got, f(attention_ref(q, k, v)), rtol=1e-5, atol=2e-6, err_msg=what)
+            m = padding(3, s)  # batch 2 is all padding
+            got = await shared_rt.run(gm, a0=f(q), a1=f(k), a2=f(v), a3=m)
+            assert not np.isnan(got).any(), what
+            np.testing.assert_allclose(got, f(attention_ref(q, k, v, m)), rtol=1e-5, atol=2e-6,
+                                       err_msg=what + " padded")
+            mean = np.broadcast_to(v[2].mean(axis=1, keepdims=True), v[2].shape[:1] + (s, d))
+            np.testing.assert_allclose(got[2], f(mean[None])[0], rtol=1e-5, atol=2e-6, err_msg=what + " all padding")
+
+
+@ASYNCIO_ONLY
+async def test_attention_matmul_options_and_auto(shared_rt: hetero.Runtime) -> None:
+    # odd D, Sq != Sk, a custom scale, both layouts, masks of every dtype and shape
+    q, k, v = qkv(2, 3, 9, 5, seed=7, sk=20)
+    m = padding(2, 20)
+    t = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+    want = attention_ref(q, k, v, m, 0.3)
+    g = op_graph(nn.attention, 4, mask="@a3", scale=0.3, layout="bshd", impl="matmul")
+    got = await shared_rt.run(g, a0=t(q), a1=t(k), a2=t(v), a3=m)
+    np.testing.assert_allclose(got, t(want), rtol=1e-5, atol=2e-6)
+    for mm in (m.astype(np.int32), (m * 7).astype(np.uint32).reshape(2, 1, 1, 20), m * np.float32(-2.5),
+               np.where(m != 0, 1.0, -0.0).astype(np.float32)):
+        got = await shared_rt.run(op_graph(nn.attention, 4, mask="@a3", scale=0.3, impl="matmul"),
+                                  a0=q, a1=k, a2=v, a3=mm)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    # large scores: the softmax subtracts the row maximum (scores of ~600: float32 rounding
+    # of the unscaled q @ k^T, times 30, moves the weights by ~1e-5 relative; measured 2.7e-5)
+    q, k, v = qkv(2, 2, 37, 32, seed=11)
+    got = await shared_rt.run(op_graph(nn.attention, 3, scale=30.0, impl="matmul"), a0=q, a1=k, a2=v)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, scale=30.0), rtol=1e-4, atol=1e-4)
+    # "auto" is accepted (and the default), whatever it picks here
+    for kw in ({"impl": "auto"}, {}):
+        got = await shared_rt.run(op_graph(nn.attention, 4, mask="@a3", **kw), a0=q, a1=k, a2=v, a3=padding(2, 37))
+        np.testing.assert_allclose(got, attention_ref(q, k, v, padding(2, 37)), rtol=1e-5, atol=2e-6)
+    # the matmul path's temporaries come from the stage and the result has q's shape (Spy sees 3 dispatches)
+    labels: list[str] = []
+
+    def stage(gpu: hetero.GPUContext, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        spy = Spy(gpu)
+        out = nn.attention(spy, a, b, c, impl="matmul")
+        labels.extend(i.kernel for i in spy.infos)
+        return out
+
+    g2 = hetero.Graph("attn-matmul")
+    g2.output(g2.gpu(stage, g2.input("a"), g2.input("b"), g2.input("c")))
+    got = await shared_rt.run(g2, a=q, b=k, c=v)
+    np.testing.assert_allclose(got, attention_ref(q, k, v), rtol=1e-5, atol=2e-6)
+    assert len(labels) == 3 and "softmax" in labels[1], labels
+
+
+def test_attention_auto_choice() -> None:
+    big = 1 << 30
+    assert nn._attention_auto("DiscreteGPU", 128, 128, 4 << 20, big) == "matmul"
+    assert nn._attention_auto("IntegratedGPU", 64, 64, 4 << 20, big) == "matmul"
+    assert nn._attention_auto("DiscreteGPU", 63, 63, 4 << 20, big) == "fused"        # short sequences
+    assert nn._attention_auto("CPU", 512, 512, 4 << 20, big) == "fused"              # lavapipe and co.
+    assert nn._attention_auto("", 512, 512, 4 << 20, big) == "fused"                 # unknown adapter
+    assert nn._attention_auto("DiscreteGPU", 512, 512, big + 4, big) == "fused"      # scores too big to bind
+
+
+async def test_softmax_scale(shared_rt: hetero.Runtime) -> None:
+    x = rand((2, 3, 4, 33), seed=5)
+    m = np.where(rand((2, 33), seed=6) > 0.5, 0.0, F32_MIN).astype(np.float32)
+    got = await shared_rt.run(op_graph(nn.softmax, 2, mask="@a1", scale=0.125), a0=x, a1=m)
+    np.testing.assert_allclose(got, softmax_ref(x * np.float32(0.125), m), rtol=2e-6, atol=1e-7)
+
+
 # -- composition and large grids ----------------------------------------------------------------------
 async def test_bert_block_through_a_graph(shared_rt: hetero.Runtime) -> None:
     """
@@ -454,6 +535,12 @@ async def test_errors_name_the_op_the_shapes_and_the_rule(shared_rt: hetero.Runt
          "attention: layout must be 'bhsd' ([B, H, S, D]) or 'bshd' ([B, S, H, D]), got 'bhds'"),
         (lambda: nn.attention(gpu, f((2, 5, 8), np.float32), x4, x4), ValueError,
          "attention: q must be 4-D [B, H, S, D], got shape (2, 5, 8)"),
+        (lambda: nn.attention(gpu, x4, x4, x4, impl="flash"), ValueError,
+         "attention: impl must be 'fused', 'matmul' or 'auto', got 'flash'"),
+        (lambda: nn.attention(gpu, x4, x4, x4, impl=None), ValueError,  # type: ignore[arg-type]
+         "attention: impl must be 'fused', 'matmul' or 'auto', got None"),
+        (lambda: nn.softmax(gpu, x4, scale=float("nan")), ValueError,
+         "softmax: scale must be a finite number, got nan"),
     ]
     for call, exc, msg in cases:
         with pytest.raises(exc) as info:
