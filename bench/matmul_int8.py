@@ -1,6 +1,10 @@
-"""GPU time of hetero's INT8 weight-quantized matmul (both strategies) beside its float32 matmul.
+"""GPU time of hetero's INT8 weight-quantized matmul (every strategy) beside its float32 matmul.
 
-    python -m bench.matmul_int8 [--sizes 1024,4096] [--strategy both|dequant|dp4a] [--repeat 5] [--min-ms 50]
+    python -m bench.matmul_int8 [--sizes 1024,4096] [--strategy all|both|dequant,dp4a-g32,...] [--repeat 5]
+                                [--min-ms 50]
+
+``--strategy``: ``all`` (default: dequant, dp4a, dp4a-g32, dp4a-g64), ``both`` (dequant and
+dp4a), or a comma-separated list of strategies.
 
 Sizes are square ``M = N = K`` (or ``MxNxK``): x float32 ``[M, K]`` times a weight
 ``[K, N]``. The data is resident: x, the float32 weight (for the reference) and the
@@ -13,12 +17,13 @@ runs at least ``--min-ms``. TFLOP/s-equivalent = 2 M N K / time for every line.
 
 Each strategy's result is checked once per size (Freivalds' test in float64
 against ``x dequant(q)``, with the activations quantized on the host as the GPU
-does for dp4a) and its error against ``x w`` is reported as the fraction of the
+does for dp4a and dp4a-gG) and its error against ``x w`` is reported as the fraction of the
 documented bound used (``bound_used`` <= 1).
 
 One JSON line per figure: ``adapter``, then per size a line per strategy and the
 float32 matmul's line, and ``{"ratio": "int8-<strategy>/fp32", "value": ...}``
-(> 1: int8 faster; target on the H200 at 4096^3: >= 1.5).
+(> 1: int8 faster; target on the H200 at 4096^3: >= 1.5); when dp4a was measured too,
+``{"ratio": "int8-dp4a-gG/int8-dp4a", ...}`` (the per-group scales' cost: < 1 slower).
 """
 
 from __future__ import annotations
@@ -80,16 +85,17 @@ def seconds(dev: Device, record: Callable[[Any], Any], a_: argparse.Namespace, r
 
 def check(got: np.ndarray, x: np.ndarray, w: np.ndarray, qw: q8.QuantizedWeight, strategy: str) -> dict[str, Any]:
     dq = qw.dequantize().astype(np.float64)
-    if strategy == "dp4a":
-        xq, rs = q8.quantize_activations(x)
-        x64 = xq.astype(np.float64) * rs
+    if strategy.startswith("dp4a"):
+        g = q8.GROUPS.get(strategy, 0)
+        xq, rs = q8.quantize_activations(x, group=g)
+        x64 = xq.astype(np.float64) * (np.repeat(rs, g, axis=-1)[:, :x.shape[1]] if g else rs)
     else:
         x64 = x.astype(np.float64)
     v = np.random.default_rng(7).standard_normal(got.shape[1])
     lhs, rhs = got.astype(np.float64) @ v, x64 @ (dq @ v)
     scale = float(np.max(np.abs(x64) @ (np.abs(dq) @ np.abs(v))))
     res: dict[str, Any] = {"freivalds_rel_err": float(f"{np.max(np.abs(lhs - rhs)) / max(scale, 1e-30):.3g}")}
-    ok = res["freivalds_rel_err"] < (1e-4 if strategy == "dp4a" else 1e-5)
+    ok = res["freivalds_rel_err"] < (1e-4 if strategy.startswith("dp4a") else 1e-5)
     rows = min(x.shape[0], 64)  # the error against x w, on a few rows (the bound is per output)
     err = np.abs(got[:rows] - x[:rows].astype(np.float64) @ w.astype(np.float64))
     bound = qw.error_bound(x[:rows], strategy)
@@ -115,6 +121,7 @@ def bench_size(dev: Device, shape: tuple[int, int, int], strategies: list[str], 
         if not np.allclose(got[:8], x[:8] @ w, rtol=1e-3, atol=1e-3):
             raise SystemExit(f"fp32 matmul {label} is wrong")
         f_s, f_k = seconds(dev, lambda g: mm.matmul(g, xt, wt, out=c), a_, rtt)
+        times: dict[str, float] = {}
         emit(impl="fp32", size=label, ms=round(f_s * 1e3, 4), TFLOPs=round(flops / f_s / 1e12, 3),
              GFLOPs=round(flops / f_s / 1e9, 3), k=f_k, config=mm.choose_config(holder, m, n, k).name)
         for s in strategies:
@@ -125,6 +132,7 @@ def bench_size(dev: Device, shape: tuple[int, int, int], strategies: list[str], 
             if not res["ok"]:
                 raise SystemExit(f"matmul_int8 {s} {label} is wrong: {res}")
             sec, reps = seconds(dev, rec, a_, rtt)
+            times[s] = sec
             emit(impl=f"int8-{s}", size=label, ms=round(sec * 1e3, 4), TFLOPs=round(flops / sec / 1e12, 3),
                  GFLOPs=round(flops / sec / 1e9, 3), k=reps, config=q8.choose(holder, m, n, s)[1].name, **res)
             line: dict[str, Any] = dict(ratio=f"int8-{s}/fp32", size=label, value=round(f_s / sec, 3),
@@ -132,6 +140,9 @@ def bench_size(dev: Device, shape: tuple[int, int, int], strategies: list[str], 
             if m == n == k == TARGET[0]:
                 line["target"], line["met"] = TARGET[1], f_s / sec >= TARGET[1]
             emit(**line)
+            if s in q8.GROUPS and "dp4a" in times:
+                emit(ratio=f"int8-{s}/int8-dp4a", size=label, value=round(times["dp4a"] / sec, 3),
+                     note="throughput ratio (<1: the per-group scales cost)")
     finally:
         gw.release()
         holder.release_blocks()
@@ -140,12 +151,21 @@ def bench_size(dev: Device, shape: tuple[int, int, int], strategies: list[str], 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1024,4096", help="comma-separated N (square) or MxNxK")
-    ap.add_argument("--strategy", default="both", choices=["both", *q8.STRATEGIES])
+    ap.add_argument("--strategy", default="all",
+                    help=f"all, both (dequant,dp4a) or a comma-separated list of {', '.join(q8.STRATEGIES)}")
     ap.add_argument("--repeat", type=int, default=5, help="timed submissions per figure (best is kept)")
     ap.add_argument("--min-ms", type=float, default=50.0, help="GPU time one timed submission aims for")
     a = ap.parse_args()
     shapes = [parse_shape(s) for s in a.sizes.split(",") if s.strip()]
-    strategies = list(q8.STRATEGIES) if a.strategy == "both" else [a.strategy]
+    if a.strategy == "all":
+        strategies = list(q8.STRATEGIES)
+    elif a.strategy == "both":
+        strategies = ["dequant", "dp4a"]
+    else:
+        strategies = [s.strip() for s in a.strategy.split(",") if s.strip()]
+        bad = [s for s in strategies if s not in q8.STRATEGIES]
+        if bad or not strategies:
+            ap.error(f"--strategy: unknown {bad or a.strategy!r}; choose all, both or from {', '.join(q8.STRATEGIES)}")
     rt = hetero.Runtime(gpu_budget_ms=1e9)  # K products stay in one submission
     try:
         dev = rt.device()

@@ -18,7 +18,7 @@ of 16 and ``Np`` N rounded up to a multiple of 4, the padding zeros. So a workgr
 weight tile is loaded as ``vec4<u32>`` rows (4 channels x 4 K each, coalesced along
 N), which is what both kernels read best, and needs no transpose in workgroup memory.
 
-Two kernel strategies (``strategy=``), both register-blocked like
+Kernel strategies (``strategy=``), all register-blocked like
 :mod:`hetero.kernels.matmul` (its :class:`MatmulConfig` tiles: a ``bm x bn`` tile per
 workgroup, ``tm x tn`` vec4 accumulators per thread, ``bk``-deep K slices, optional
 double buffering; no split-K):
@@ -37,15 +37,26 @@ double buffering; no split-K):
   instruction, exact in i32 for ``K < 133000``), then ``y = rs_m * scale_n * acc + bias_n``.
   Extra error per output: ``(rs_m / 2) * sum_k |dequant(q)[k, n]|``
   (:meth:`QuantizedWeight.error_bound` with ``strategy="dp4a"``).
+* ``"dp4a-g32"``, ``"dp4a-g64"``: dp4a with one activation scale per row *and* per group
+  of G consecutive K (scales ``[M, ceil(K/G)]``; :func:`quantize_activations` with
+  ``group=G``), so an outlier feature only coarsens its own group. The inner loop is
+  dp4a's; every G K (``bk`` must divide G or be a multiple of it) each thread adds
+  ``f32(acc_i32) * rs_mg`` into float32 accumulators and zeroes the i32 ones (one
+  convert + FMA per output per G/4 dot4s); the channel scale is applied at the store.
+  Extra error per output: ``sum_g (rs_mg / 2) * sum_{k in g} |dequant(q)[k, n]|``.
+  On the MiniLM fixture (min / mean cosine against sentence-transformers): dp4a 0.9857 /
+  0.9952, dp4a-g32 0.9948 / 0.9986, dp4a-g64 0.9946 / 0.9984, dequant 0.9965 / 0.9991.
 
 Choosing. Measured on Mesa lavapipe (llvmpipe, 2 cores; ``bench/matmul_int8.py``, square
 sizes, GFLOP/s-equivalent): 256^3 fp32 2.2, dequant 2.1, dp4a 2.7; 512^3 fp32 4.2,
 dequant 6.1, dp4a 7.7. dp4a wins there, and on GPUs it has 4x the multiply-adds per
 instruction and a quarter of the workgroup-memory traffic of float32, so
 ``strategy="auto"`` (default) picks ``"dp4a"`` on every adapter. ``"dequant"`` keeps the
-activations exact (only the weight's error), at float32 arithmetic speed. The bench
-measures both (``--strategy both``) so the choice can be confirmed per device (the
-H200 has not been measured yet); pass ``strategy=`` to force one.
+activations exact (only the weight's error), at float32 arithmetic speed. On the H200
+(4096^3, against float32): dp4a 2.36x, dequant 0.77x; the grouped variants have not been
+measured there yet (on lavapipe they run at about 0.92-0.95x dp4a at 512^3, within the
+noise elsewhere). The bench measures every strategy (``--strategy all``) so the choice
+can be confirmed per device; pass ``strategy=`` to force one.
 
 Keeping the weight on the device. ``matmul_int8`` accepts a :class:`QuantizedWeight`
 (its packed words and scales are uploaded by every call) or a :class:`GPUWeight`:
@@ -73,8 +84,14 @@ if TYPE_CHECKING:
 __all__ = ["DP4A_CANDIDATES", "DEQUANT_CANDIDATES", "GPUWeight", "QuantizedWeight", "Strategy", "choose",
            "dequantize", "matmul_int8", "quantize_activations", "quantize_weight", "resident", "wgsl"]
 
-Strategy = Literal["auto", "dequant", "dp4a"]
-STRATEGIES: tuple[str, ...] = ("dequant", "dp4a")
+Strategy = Literal["auto", "dequant", "dp4a", "dp4a-g32", "dp4a-g64"]
+STRATEGIES: tuple[str, ...] = ("dequant", "dp4a", "dp4a-g32", "dp4a-g64")
+GROUPS: dict[str, int] = {"dp4a-g32": 32, "dp4a-g64": 64}  # activation scale per row and per G consecutive K
+
+
+def _group(strategy: str) -> int:
+    """The activation group size of a dp4a strategy: 0 (one scale per row) or G."""
+    return GROUPS.get(strategy, 0)
 DP4A_MAX_K = (2**31 - 1) // (127 * 127)  # 133144: i32 sums of int8 products cannot overflow
 K_ALIGN = 16  # K is padded to this in the packed layout (a vec4<u32> of int8 per row and slice)
 
@@ -119,13 +136,24 @@ class QuantizedWeight:
         """Per-output bound on ``|matmul_int8(x, self) - x @ w|`` (float64, shape of the result).
 
         ``(scale_n / 2) * sum_k |x_k|``; with ``"dp4a"`` plus ``(rs_m / 2) * sum_k |dequant[k, n]|``
-        (activation quantization, ``rs_m = max_k |x[m, k]| / 127``). Float32 rounding not included.
+        (activation quantization, ``rs_m = max_k |x[m, k]| / 127``); with ``"dp4a-gG"`` plus
+        ``sum_g (rs_mg / 2) * sum_{k in g} |dequant[k, n]|`` (``rs_mg`` over the group's K).
+        Float32 rounding not included.
         """
         x64 = np.asarray(x, np.float64)
         bound = 0.5 * np.abs(x64).sum(axis=-1, keepdims=True) * self.scales.astype(np.float64)
         if strategy == "dp4a":
             rs = np.abs(x64).max(axis=-1, keepdims=True, initial=0.0) / 127.0
             bound = bound + 0.5 * rs * np.abs(self.dequantize().astype(np.float64)).sum(axis=0)
+        elif strategy in GROUPS:  # per group: (rs_mg / 2) * sum_{k in g} |dequant[k, n]|
+            g = GROUPS[strategy]
+            ng = _cdiv(max(self.k, 1), g)
+            xp = np.zeros((*x64.shape[:-1], ng * g))
+            xp[..., :self.k] = np.abs(x64)
+            rs = xp.reshape(*x64.shape[:-1], ng, g).max(axis=-1) / 127.0  # [.., NG]
+            dq = np.zeros((ng * g, self.n))
+            dq[:self.k] = np.abs(self.dequantize().astype(np.float64))
+            bound = bound + 0.5 * rs @ dq.reshape(ng, g, self.n).sum(axis=1)
         return bound
 
     def to_gpu(self, gpu: GPUContext) -> GPUWeight:
@@ -178,13 +206,22 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     return qw.dequantize()
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The ``"dp4a"`` activation rule on the host (for checking): ``(q int8 [.., K], rs float32 [.., 1])``.
 
     ``rs = max|x| / 127`` per row, ``q = clamp(round(x * (127 / max|x|)), -127, 127)`` in float32,
     as the GPU's first pass computes it (ties may round differently there: round-half-even both).
+    ``group=G`` (``"dp4a-gG"``): the same per row and per G consecutive K (the last group may be
+    short); ``rs`` is then ``[.., ceil(K / G)]``.
     """
     x = np.asarray(x, np.float32)
+    if group:
+        k = x.shape[-1]
+        ng = _cdiv(max(k, 1), group)
+        xp = np.zeros((*x.shape[:-1], ng * group), np.float32)
+        xp[..., :k] = x
+        q, rs = quantize_activations(xp.reshape(*x.shape[:-1], ng, group))
+        return np.ascontiguousarray(q.reshape(*x.shape[:-1], ng * group)[..., :k]), rs[..., 0]
     amax = np.max(np.abs(x), axis=-1, keepdims=True, initial=0.0).astype(np.float32)
     inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint(x * inv), -127, 127).astype(np.int8)
@@ -221,21 +258,24 @@ DP4A_CANDIDATES: tuple[MatmulConfig, ...] = (
 def _check_config(c: MatmulConfig, strategy: str) -> None:
     if c.split_k != 1:
         raise ValueError(f"matmul_int8: config {c.name}: split_k is not supported")
-    if strategy == "dp4a" and c.bk % 16:
+    if strategy.startswith("dp4a") and c.bk % 16:
         raise ValueError(f"matmul_int8: config {c.name}: bk must be a multiple of 16 for dp4a")
+    g = _group(strategy)
+    if g and c.bk % g and g % c.bk:
+        raise ValueError(f"matmul_int8: config {c.name}: bk must divide or be a multiple of the group {g}")
 
 
 def _fits(c: MatmulConfig, strategy: str, limits: dict[str, int]) -> str | None:
     """Why ``c`` cannot run (None: it can). dp4a keeps int8x4 words: a quarter of the float32 tile's memory."""
     _check_config(c, strategy)
-    return (replace(c, bk=c.bk // 4) if strategy == "dp4a" else c).fits(limits)
+    return (replace(c, bk=c.bk // 4) if strategy.startswith("dp4a") else c).fits(limits)
 
 
 def default_int8_config(strategy: str, adapter_type: str, m: int, n: int,
                         limits: dict[str, int] | None = None) -> MatmulConfig:
     """The float32 kernel's default tile; for ``"dp4a"`` with 32-deep K slices (two int8x4 words per row)."""
     c = default_config(adapter_type, m, n, 1, limits)
-    if strategy == "dp4a":
+    if strategy.startswith("dp4a"):
         c = MatmulConfig(c.bm, c.bn, 32, c.tm, c.tn, c.double_buffer)
     return c
 
@@ -246,7 +286,8 @@ def choose(gpu: Any, m: int, n: int, strategy: str = "auto") -> tuple[str, Matmu
     if strategy == "auto":
         strategy = "dp4a"  # measured faster on lavapipe; see the module doc
     if strategy not in STRATEGIES:
-        raise ValueError(f"matmul_int8: strategy must be 'auto', 'dequant' or 'dp4a', got {strategy!r}")
+        raise ValueError(f"matmul_int8: strategy must be 'auto' or one of {', '.join(STRATEGIES)}, "
+                         f"got {strategy!r}")
     return strategy, default_int8_config(strategy, info["type"], m, n, gpu.limits)
 
 
@@ -261,15 +302,19 @@ def wgsl(config: MatmulConfig, strategy: str, *, vec_a: bool = True, vec_c: bool
     """The WGSL of one kernel variant. ``vec_a``: K % 4 == 0 (dequant only); ``vec_c``: N % 4 == 0.
 
     Bindings, dequant: 0 x f32, 1 packed weight, 2 scales, 3 out, 4 Params, 5 bias.
-    dp4a: 0 packed activations, 1 packed weight, 2 scales, 3 row scales, 4 out, 5 Params, 6 bias.
+    dp4a: 0 packed activations, 1 packed weight, 2 scales, 3 row scales, 4 out, 5 Params, 6 bias
+    (dp4a-gG: 3 row-group scales ``[M, NG]``, NG in ``Params.pad0``).
     """
     _check_config(config, strategy)
-    return _wgsl(config, strategy, vec_a or strategy == "dp4a", vec_c, bias)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"matmul_int8: unknown strategy {strategy!r}")
+    return _wgsl(config, strategy, vec_a or strategy.startswith("dp4a"), vec_c, bias)
 
 
 @lru_cache(maxsize=128)
 def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) -> str:
-    dp = strategy == "dp4a"
+    dp = strategy.startswith("dp4a")
+    grp = _group(strategy)  # 0, or G: i32 sums per group, flushed into f32 with the row-group scale
     nt, tx_n, ty_n = c.threads, c.bn // c.tn, c.bm // c.tm
     rsa4, rsb4 = (c.bm + PAD) // 4, (c.bn + PAD) // 4
     gm, gn = c.tm // 4, c.tn // 4
@@ -289,7 +334,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     emit("@group(0) @binding(1) var<storage, read> Q: array<vec4<u32>>;")
     emit("@group(0) @binding(2) var<storage, read> S: array<vec4<f32>>;")
     b = 3
-    if dp:
+    if dp:  # per row [M], or per row and group [M, NG] (NG = p.pad0)
         emit("@group(0) @binding(3) var<storage, read> RS: array<f32>;")
         b = 4
     emit(f"@group(0) @binding({b}) var<storage, read_write> C: {'array<vec4<f32>>' if vec_c else 'array<f32>'};")
@@ -311,6 +356,21 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     for r in range(c.tm):
         for h in range(gn):
             emit(f"    var c{r}_{h} = {acc0};")
+            if grp:
+                emit(f"    var f{r}_{h} = vec4<f32>(0.0);")
+
+    def row_of(r: int) -> str:
+        return f"m0 + {(r // 4) * 4 * ty_n + r % 4}u + ty * 4u"
+
+    def flush(gi: str) -> list[str]:  # add the group's i32 sums, scaled by RS[row, gi], into the f32 ones
+        out = ["{", f"    let gi = min({gi}, p.pad0 - 1u);"]
+        for r in range(c.tm):
+            out.append(f"    let gs{r} = vec4<f32>(RS[min({row_of(r)}, p.M - 1u) * p.pad0 + gi]);")
+            for h in range(gn):
+                out.append(f"    f{r}_{h} = fma(vec4<f32>(c{r}_{h}), gs{r}, f{r}_{h});")
+                out.append(f"    c{r}_{h} = vec4<i32>(0);")
+        out.append("}")
+        return out
 
     # A slots: a row of the tile and a quad along it (4 floats, or 4 words = 16 int8).
     qa = kq4 // 4 if dp else kq4  # quads per row and slice
@@ -395,6 +455,13 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
                         for h in range(gn):
                             out.append(f"    c{r}_{h} = fma(s{r}, b{h}, c{r}_{h});")
             out.append("}")
+            gw = grp // 4  # words per group
+            if grp and grp <= c.bk and (k + 1) % gw == 0:  # groups inside the slice
+                out += flush(f"t * {c.bk // grp}u + {(k + 1) // gw - 1}u")
+        if grp and grp > c.bk:  # a group spans several slices
+            per = grp // c.bk
+            out += [f"if ((t + 1u) % {per}u == 0u || t + 1u == nt) {{"]
+            out += ["    " + s for s in flush(f"t / {per}u")] + ["}"]
         return out
 
     def block(lines: list[str], indent: int) -> None:
@@ -436,14 +503,17 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
             r = g * 4 + i
             emit(f"    let row{r} = m0 + {g * 4 * ty_n + i}u + ty * 4u;")
             emit(f"    if (row{r} < p.M) {{")
-            if dp:
+            if dp and not grp:
                 emit(f"        let rs{r} = RS[row{r}];")
             for h in range(gn):
                 emit(f"        {{ let col = n0 + {h * 4 * tx_n}u + tx * 4u;")
                 emit(f"          if (col < p.N) {{")
                 emit(f"          let e = row{r} * p.N + col;")
-                scale = f"S[col / 4u] * rs{r}" if dp else "S[col / 4u]"
-                emit(f"          var y = vec4<f32>(c{r}_{h}) * ({scale});")
+                if grp:
+                    emit(f"          var y = f{r}_{h} * S[col / 4u];")
+                else:
+                    scale = f"S[col / 4u] * rs{r}" if dp else "S[col / 4u]"
+                    emit(f"          var y = vec4<f32>(c{r}_{h}) * ({scale});")
                 if bias and vec_c:
                     emit("          y = y + vec4<f32>(bias[col], bias[col + 1u], bias[col + 2u], bias[col + 3u]);")
                 if vec_c:
@@ -493,6 +563,37 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }
 """
 
+# The dp4a-gG first pass: one workgroup per row, a thread per group of G (= p.G) consecutive K:
+# absmax over the group, RS[row, g] = absmax / 127, round(x * 127 / absmax) packed 4 per word.
+_QUANT_GROUPS = """
+struct QP { M: u32, K: u32, K4: u32, G: u32, NG: u32, pad0: u32, pad1: u32, pad2: u32 }
+@group(0) @binding(0) var<storage, read> X: array<f32>;
+@group(0) @binding(1) var<storage, read_write> XQ: array<u32>;
+@group(0) @binding(2) var<storage, read_write> RS: array<f32>;
+@group(0) @binding(3) var<uniform> p: QP;
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let row = hetero_workgroup_id(wid).x;  // the grid is exactly M rows
+    let base = row * p.K;
+    for (var g = tid; g < p.NG; g = g + 64u) {
+        let k0 = g * p.G;
+        let k1 = min(k0 + p.G, p.K);
+        var m = 0.0;
+        for (var k = k0; k < k1; k = k + 1u) { m = max(m, abs(X[base + k])); }
+        let inv = select(0.0, 127.0 / m, m > 0.0);
+        RS[row * p.NG + g] = m / 127.0;
+        for (var k4 = k0 / 4u; k4 < min((k0 + p.G) / 4u, p.K4); k4 = k4 + 1u) {
+            var q = vec4<i32>(0);
+            for (var j = 0u; j < 4u; j = j + 1u) {
+                let k = 4u * k4 + j;
+                if (k < p.K) { q[j] = i32(clamp(round(X[base + k] * inv), -127.0, 127.0)); }
+            }
+            XQ[row * p.K4 + k4] = pack4xI8(q);
+        }
+    }
+}
+"""
+
 
 # -- the op -------------------------------------------------------------------------------------
 def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | GPUWeight, *,
@@ -502,8 +603,8 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
 
     ``qw``: a :class:`QuantizedWeight` (uploaded by this call) or a :class:`GPUWeight`
     (``qw.to_gpu(gpu)`` / :func:`resident`: already on the device). ``bias``: float32 ``[N]``.
-    ``strategy``: ``"dequant"``, ``"dp4a"`` or ``"auto"`` (see the module doc); ``config``
-    forces a tile. Returns a new float32 Tensor ``[M, N]`` or ``[B, S, N]``.
+    ``strategy``: ``"dequant"``, ``"dp4a"``, ``"dp4a-g32"``, ``"dp4a-g64"`` or ``"auto"`` (see the
+    module doc); ``config`` forces a tile. Returns a new float32 Tensor ``[M, N]`` or ``[B, S, N]``.
     """
     a = gpu.upload(np.ascontiguousarray(a, np.float32)) if isinstance(a, np.ndarray) else a
     bias = gpu.upload(np.ascontiguousarray(bias, np.float32)) if isinstance(bias, np.ndarray) else bias
@@ -538,18 +639,27 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
         if nbytes > cap:
             raise ValueError(f"matmul_int8: {name} is {nbytes} bytes, more than one storage binding may hold "
                              f"({cap}); split the product")
-    if strat == "dp4a" and k > DP4A_MAX_K:
+    if strat.startswith("dp4a") and k > DP4A_MAX_K:
         raise ValueError(f"matmul_int8: K = {k} may overflow dp4a's i32 sums (at most {DP4A_MAX_K}); "
                          "use strategy='dequant'")
     k4, nq = int(qw.packed.shape[0]), int(qw.packed.shape[1]) // 4
     extra = (bias,) if bias is not None else ()
-    if strat == "dp4a":
+    grp = _group(strat)
+    ng = _cdiv(k, grp) if grp else 0
+    if grp:
+        xq = gpu.empty((m, k4), np.uint32)
+        rs = gpu.empty((m, ng), np.float32)
+        quant = gpu.kernel(_QUANT_GROUPS, "main", label="matmul_int8 quantize row groups")
+        gpu.dispatch(quant, (m, 1, 1), a, xq, rs, np.array([m, k, k4, grp, ng, 0, 0, 0], np.uint32))
+        src = _wgsl(c, strat, True, n % 4 == 0, bias is not None)
+        first: tuple[Any, ...] = (xq, qw.packed, qw.scales, rs)
+    elif strat == "dp4a":
         xq = gpu.empty((m, k4), np.uint32)
         rs = gpu.empty((m,), np.float32)
         quant = gpu.kernel(_QUANT_ROWS, "main", label="matmul_int8 quantize rows")
         gpu.dispatch(quant, (m, 1, 1), a, xq, rs, np.array([m, k, k4, 0], np.uint32))
         src = _wgsl(c, "dp4a", True, n % 4 == 0, bias is not None)
-        first: tuple[Any, ...] = (xq, qw.packed, qw.scales, rs)
+        first = (xq, qw.packed, qw.scales, rs)
     else:
         src = _wgsl(c, "dequant", k % 4 == 0, n % 4 == 0, bias is not None)
         first = (a, qw.packed, qw.scales)
@@ -557,6 +667,6 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
     limit = gpu.limits["max-compute-workgroups-per-dimension"]
     tiles_m = _cdiv(m, c.bm)
     for y0 in range(0, tiles_m, limit):
-        params = np.array([m, n, k, k4, nq, y0, 0, 0], np.uint32)
+        params = np.array([m, n, k, k4, nq, y0, ng, 0], np.uint32)
         gpu.dispatch(kern, (_cdiv(n, c.bn), min(limit, tiles_m - y0), 1), *first, out, params, *extra)
     return out

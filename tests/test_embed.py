@@ -165,7 +165,7 @@ def test_minilm_matches_sentence_transformers(shared_rt: hetero.Runtime) -> None
 def test_minilm_int8_stays_close_to_sentence_transformers(shared_rt: hetero.Runtime) -> None:
     texts, ref, got = _embed_fixture(shared_rt, int8=True)
     cos = cosine(got, ref)
-    # measured: min 0.9965, mean 0.9991 (strategy "dequant"; "dp4a" gave min 0.9857)
+    # measured (min / mean cosine): dp4a-g64 (the default) 0.9946 / 0.9984, dequant 0.9965 / 0.9991, dp4a 0.9857
     assert cos.min() >= 0.99, {texts[i][:40]: float(cos[i]) for i in np.argsort(cos)[:3]}
     assert cos.mean() >= 0.998
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)

@@ -15,7 +15,7 @@ from hetero.kernels.matmul_int8 import QuantizedWeight, matmul_int8, quantize_we
 
 pytestmark = pytest.mark.anyio
 ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])
-STRATEGIES = ["dequant", "dp4a"]
+STRATEGIES = ["dequant", "dp4a", "dp4a-g32", "dp4a-g64"]
 # M, N, K: odd and partial tiles, K not a multiple of 4 or 16, N not a multiple of 4
 SHAPES = [(1, 1, 1), (5, 7, 3), (33, 65, 17), (64, 64, 64), (70, 130, 131), (3, 4, 1000)]
 F32_RTOL = 2e-6  # float32 accumulation, relative to sum_k |x_k| |w_kn|
@@ -41,11 +41,14 @@ def expected(x: np.ndarray, qw: QuantizedWeight, strategy: str,
              bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """x' dequant(q) + bias in float64 (x' = x, or its per-row int8 quantization for dp4a) and its tolerance."""
     dq = qw.dequantize().astype(np.float64)
-    if strategy == "dp4a":
-        xq, rs = Q8.quantize_activations(x)
-        x64 = xq.astype(np.float64) * rs
+    if strategy.startswith("dp4a"):
+        g = Q8.GROUPS.get(strategy, 0)
+        xq, rs = Q8.quantize_activations(x, group=g)
+        rsk = np.repeat(rs, g, axis=-1)[..., :x.shape[-1]] if g else rs  # the scale of each x_k
+        x64 = xq.astype(np.float64) * rsk
         # the GPU may round a tie (or a product one ulp off a tie) the other way: one quantum of x
-        slack = rs.astype(np.float64) * np.abs(dq).max(axis=0, initial=0.0) * 1.01
+        slack = rs.astype(np.float64).max(axis=-1, keepdims=True, initial=0.0) * \
+            np.abs(dq).max(axis=0, initial=0.0) * 1.01
     else:
         x64, slack = x.astype(np.float64), 0.0
     want = x64 @ dq + (bias.astype(np.float64) if bias is not None else 0.0)
@@ -106,6 +109,27 @@ def test_quantize_weight_zero_column_and_errors() -> None:
         quantize_weight(np.full((2, 3), np.nan, np.float32))
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantize_activations_per_group(group: int) -> None:
+    x = rand((3, 2, 150), 5)  # K = 150: the last group is short
+    x[..., 7] *= 50.0  # an outlier channel: only its group's scale grows
+    q, rs = Q8.quantize_activations(x, group=group)
+    ng = -(-150 // group)
+    assert q.shape == x.shape and q.dtype == np.int8 and rs.shape == (3, 2, ng) and rs.dtype == np.float32
+    for g in range(ng):
+        sl = slice(g * group, min(150, (g + 1) * group))
+        q1, rs1 = Q8.quantize_activations(x[..., sl])
+        np.testing.assert_array_equal(q[..., sl], q1)
+        np.testing.assert_array_equal(rs[..., g:g + 1], rs1)
+    err_g = np.abs(x - q * np.repeat(rs, group, axis=-1)[..., :150])[..., group:]
+    q0, rs0 = Q8.quantize_activations(x)
+    err_row = np.abs(x - q0 * rs0)[..., group:]
+    assert err_g.max() < err_row.max() / 10  # the groups without the outlier keep their resolution
+    w = rand((150, 9), 6)
+    qw = quantize_weight(w)
+    assert np.all(qw.error_bound(x, f"dp4a-g{group}") < qw.error_bound(x, "dp4a"))
+
+
 # -- on the device ------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_against_dequantized_and_float_weight(shared_rt: hetero.Runtime, strategy: str) -> None:
@@ -159,10 +183,10 @@ async def test_random_shapes_batched_and_resident(shared_rt: hetero.Runtime, str
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_configurations(shared_rt: hetero.Runtime, strategy: str) -> None:
     """Single and double buffering, deeper slices, partial thread loads, several tiles."""
-    cands = Q8.DP4A_CANDIDATES if strategy == "dp4a" else Q8.DEQUANT_CANDIDATES
+    cands = Q8.DP4A_CANDIDATES if strategy.startswith("dp4a") else Q8.DEQUANT_CANDIDATES
     limits = shared_rt.device().limits
     configs = [c for c in cands if Q8._fits(c, strategy, limits) is None] + [
-        MatmulConfig(32, 32, 16 if strategy == "dp4a" else 4, 4, 4, double_buffer=False),
+        MatmulConfig(32, 32, 16 if strategy.startswith("dp4a") else 4, 4, 4, double_buffer=False),
         MatmulConfig(64, 32, 32, 8, 4)]
     x, w, bias = rand((37, 150), 1), rand((150, 70), 2), rand((70,), 3)
     qw = quantize_weight(w)
@@ -179,6 +203,12 @@ def test_wgsl_and_errors() -> None:
     assert "dot4I8Packed" not in Q8.wgsl(c, "dequant", vec_a=False, vec_c=False, bias=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         Q8.wgsl(c, "dp4a")
+    grouped = Q8.wgsl(MatmulConfig(64, 64, 16, 8, 8), "dp4a-g64")  # a group spans 4 slices
+    assert "dot4I8Packed" in grouped and "% 4u == 0u" in grouped
+    with pytest.raises(ValueError, match="divide or be a multiple of the group 64"):
+        Q8.wgsl(MatmulConfig(64, 64, 48, 8, 8), "dp4a-g64")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        Q8.wgsl(MatmulConfig(64, 64, 32, 8, 8), "dp4a-g16")
     with pytest.raises(ValueError, match="split_k"):
         Q8.wgsl(MatmulConfig(64, 64, 8, 8, 8, split_k=2), "dequant")
 
