@@ -38,12 +38,14 @@ batch is tokenized while the GPU works on the current one) and restores the inpu
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
 import numpy as np
 import wgpu
+from tqdm import tqdm
 
 import hetero
 from hetero import GPUContext, Tensor, ops
@@ -328,19 +330,31 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
         n += 1
 
 
+# Inputs at least this long get a progress bar when stderr is a terminal (progress=None).
+PROGRESS_MIN_TEXTS = 1000
+
+
 async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
-                 batch_size: int = 32, runtime: hetero.Runtime, int8: bool = False) -> np.ndarray:
+                 batch_size: int = 32, runtime: hetero.Runtime, int8: bool = False,
+                 progress: bool | None = None) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
     items = _check_texts(texts)
     m = get_model(model)
     out = np.zeros((len(items), m.dim), np.float32)
-    async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8):
-        out[idx] = emb
+    if progress is None:
+        progress = len(items) >= PROGRESS_MIN_TEXTS and sys.stderr.isatty()
+    bar = tqdm(total=len(items), unit="sentence", desc="embed", disable=not progress)
+    try:
+        async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8):
+            out[idx] = emb
+            bar.update(len(idx))
+    finally:
+        bar.close()
     return out
 
 
 def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
-          runtime: hetero.Runtime | None = None, int8: bool = False) -> np.ndarray:
+          runtime: hetero.Runtime | None = None, int8: bool = False, progress: bool | None = None) -> np.ndarray:
     """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
 
     ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
@@ -348,14 +362,16 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     (its device keeps the weights resident between calls); by default hetero's shared one.
     ``int8``: the encoder's linear layers multiply by int8 weights (per output channel,
     quantized once per model, resident per device; see the module doc); embeddings,
-    layernorms, attention and pooling stay float32. Synchronous: from async code use
-    :func:`aembed`.
+    layernorms, attention and pooling stay float32. ``progress``: a progress bar on
+    stderr (default: for long inputs when stderr is a terminal). Synchronous: from async
+    code use :func:`aembed`.
     """
     rt = runtime if runtime is not None else _default_runtime()
     result: list[np.ndarray] = []
 
     async def main() -> None:
-        result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt, int8=int8))
+        result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt, int8=int8,
+                                   progress=progress))
 
     anyio.run(main)
     return result[0]

@@ -321,3 +321,14 @@ def test_the_embed_command_with_int8(tmp_path: Path, model_dir: Path, capsys: py
     got = np.load(out)
     assert got.dtype == np.float32 and got.shape == (4, 32)
     assert cosine(got, reference(get_model(str(model_dir)), lines)).min() >= 0.999
+
+
+def test_progress_bar_on_request_and_quiet_by_default(shared_rt: hetero.Runtime, tiny: Model,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    texts = [f"sentence number {i}" for i in range(10)]
+    quiet = embed(texts, model=tiny, batch_size=4, runtime=shared_rt)  # not a terminal: no bar
+    assert capsys.readouterr().err == ""
+    shown = embed(texts, model=tiny, batch_size=4, runtime=shared_rt, progress=True)
+    err = capsys.readouterr().err
+    assert "embed" in err and "10/10" in err
+    np.testing.assert_array_equal(quiet, shown)
