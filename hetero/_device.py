@@ -16,6 +16,7 @@ import collections
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -128,8 +129,8 @@ class Device:
         self.summary = adapter_summary(self.adapter)
         self._kernels: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
         self._kernel_lock = threading.Lock()
-        self._fences: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
-        self._fence_cv = threading.Condition()
+        # A SimpleQueue (C-implemented) wakes the fence thread faster than a Condition.
+        self._fences: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
         self._closed = False
         # Command buffers recorded but not yet submitted, in dependency order.
         self.max_batch = max_batch
@@ -298,18 +299,14 @@ class Device:
 
     def on_done(self, index: int, callback: Callable[[], None]) -> None:
         """Run ``callback()`` on the fence thread once submission ``index`` completed."""
-        with self._fence_cv:
-            self._fences.append((index, callback))
-            self._fence_cv.notify()
+        self._fences.put((index, callback))
 
     def _fence_loop(self) -> None:
         while True:
-            with self._fence_cv:
-                while not self._fences and not self._closed:
-                    self._fence_cv.wait()
-                if not self._fences:
-                    return
-                index, callback = self._fences.popleft()
+            item = self._fences.get()
+            if item is None:
+                return  # closed, and everything before the sentinel was completed
+            index, callback = item
             try:
                 if self.tracer is not None:
                     t0 = time.perf_counter_ns()
@@ -327,9 +324,8 @@ class Device:
     def close(self) -> None:
         """Submit what is batched, let the fence thread drain, then destroy pooled memory."""
         self.flush()
-        with self._fence_cv:
-            self._closed = True
-            self._fence_cv.notify()
+        self._closed = True
+        self._fences.put(None)
         self._fence_thread.join(timeout=5)
         self.ring.close()
         self.timer.close()
