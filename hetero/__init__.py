@@ -35,7 +35,7 @@ def _map_source_checkout() -> None:
 from ._device import Kernel
 from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
-from ._runtime import Runtime, run
+from ._runtime import Runtime, RuntimeOptions, run
 from ._memory import MemoryStats
 from ._split import DispatchInfo
 from ._stats import RunStats, StageStats
@@ -75,6 +75,7 @@ __all__ = [
     "RunStats",
     "Runtime",
     "RuntimeClosedError",
+    "RuntimeOptions",
     "StageError",
     "StageStats",
     "Tensor",

@@ -7,6 +7,7 @@ import collections
 import os
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -19,7 +20,38 @@ from ._stats import RunStats
 from ._trace import Tracer
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
-__all__ = ["Runtime", "run"]
+__all__ = ["Runtime", "RuntimeOptions", "run"]
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """A runtime's settings, validated once (see :class:`Runtime` for their meaning)."""
+
+    cpu_threads: int | None = None
+    gpu_threads: int = 1
+    submit_batch: int = 32
+    memory_budget: int | None = None
+    gpu_budget_ms: float = 100.0
+    gpu_timing: bool = False
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, v: object) -> None:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+        if self.cpu_threads is not None:
+            positive_int("cpu_threads", self.cpu_threads)
+        positive_int("gpu_threads", self.gpu_threads)
+        positive_int("submit_batch", self.submit_batch)
+        budget = self.memory_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        if not _is_number(self.gpu_budget_ms) or not self.gpu_budget_ms > 0:
+            raise ValueError(f"gpu_budget_ms must be a positive number of milliseconds, got {self.gpu_budget_ms!r}")
 
 
 class Runtime:
@@ -46,26 +78,15 @@ class Runtime:
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
                  adapter: Any = None) -> None:
-        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be an integer >= 1, got {cpu_threads!r}")
-        if not isinstance(gpu_threads, int) or gpu_threads < 1:
-            raise ValueError(f"gpu_threads must be an integer >= 1, got {gpu_threads!r}")
-        if not isinstance(submit_batch, int) or submit_batch < 1:
-            raise ValueError(f"submit_batch must be an integer >= 1, got {submit_batch!r}")
-        self._submit_batch = submit_batch
-        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
-                                          or memory_budget <= 0):
-            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-        self._memory_budget = memory_budget
-        if isinstance(gpu_budget_ms, bool) or not isinstance(gpu_budget_ms, (int, float)) or not gpu_budget_ms > 0:
-            raise ValueError(f"gpu_budget_ms must be a positive number of milliseconds, got {gpu_budget_ms!r}")
-        self._gpu_budget_ms = float(gpu_budget_ms)
-        self._gpu_timing = bool(gpu_timing)
+        self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
+                                      float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
+                                      bool(gpu_timing))
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
         self._tracer = Tracer(trace) if trace is not None else None
-        self._sched = Scheduler(cpu_threads, gpu_threads, self.device, lambda: self._device, submit_batch,
+        o = self.options
+        self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
                                 tracer=self._tracer)
         self._closed = False
         self._last_run: Run | None = None
@@ -108,9 +129,9 @@ class Runtime:
             with self._device_lock:
                 if self._device is None:
                     self._check_open()
-                    dev = Device(self._adapter, max_batch=self._submit_batch, memory_budget=self._memory_budget,
-                                 gpu_budget_ms=self._gpu_budget_ms, tracer=self._tracer,
-                                 gpu_timing=self._gpu_timing)
+                    o = self.options
+                    dev = Device(self._adapter, max_batch=o.submit_batch, memory_budget=o.memory_budget,
+                                 gpu_budget_ms=o.gpu_budget_ms, tracer=self._tracer, gpu_timing=o.gpu_timing)
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev
@@ -121,7 +142,7 @@ class Runtime:
         """Device memory of the buffer pool: in use, peak, pooled, allocations, reuses, waits."""
         dev = self._device
         if dev is None:
-            return MemoryStats.empty(self._memory_budget)
+            return MemoryStats.empty(self.options.memory_budget)
         return dev.pool.stats()
 
     def trim(self) -> int:

@@ -376,3 +376,25 @@ def test_asyncio_task_cancel_then_reuse() -> None:
 
     with hetero.Runtime() as rt:
         assert asyncio.run(main(rt)) == 4
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"cpu_threads": 0}, "cpu_threads must be an integer >= 1, got 0"),
+        ({"gpu_threads": 1.5}, "gpu_threads must be an integer >= 1, got 1.5"),
+        ({"submit_batch": True}, "submit_batch must be an integer >= 1, got True"),
+        ({"memory_budget": -1}, "memory_budget must be a positive number of bytes, got -1"),
+        ({"gpu_budget_ms": 0}, "gpu_budget_ms must be a positive number of milliseconds, got 0.0"),
+    ],
+)
+def test_runtime_options_are_validated(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError) as e:
+        hetero.Runtime(**kw)
+    assert str(e.value) == msg
+
+
+def test_runtime_options_record() -> None:
+    with hetero.Runtime(cpu_threads=3, gpu_budget_ms=50) as rt:
+        assert rt.options == hetero.RuntimeOptions(cpu_threads=3, gpu_budget_ms=50.0)
+        assert rt.cpu_threads == 3
