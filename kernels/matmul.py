@@ -75,7 +75,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -226,6 +226,49 @@ class _Variant:
 
 
 _XYZW = "xyzw"
+
+
+def _emit_block(emit: Callable[[str], Any], lines: Iterable[str], indent: int) -> None:
+    pad = " " * indent
+    for line in lines:
+        emit(pad + line)
+
+
+def emit_k_loop(emit: Callable[[str], Any], double_buffer: bool, next_k: Callable[[str], str],
+                load_all: Callable[[str], Iterable[str]], compute: Callable[[int], Iterable[str]],
+                store_all: Callable[[int], Iterable[str]]) -> None:
+    """Emit the K loop shared by the matmul generators (fp32 here, int8 in ``matmul_int8``).
+
+    Before it: slice 0 is loaded into registers and ``t`` is 0. ``next_k(t)`` is the WGSL
+    expression of the next slice's first k; ``load_all(k)`` loads a slice into registers,
+    ``store_all(buf)`` moves them into workgroup buffer ``buf``, ``compute(buf)``
+    multiplies out of it. Double-buffered: the next slice loads while this one is used,
+    one barrier per slice.
+    """
+    if double_buffer:
+        _emit_block(emit, store_all(0), 4)
+        emit("    workgroupBarrier();")
+        emit("    loop {")
+        for cur, nxt in ((0, 1), (1, 0)):
+            emit("        if (t >= nt) { break; }")
+            emit(f"        let k1_{cur} = {next_k('t')};")
+            _emit_block(emit, load_all(f"k1_{cur}"), 8)  # the next slice (zeros past the end)
+            _emit_block(emit, compute(cur), 8)
+            _emit_block(emit, store_all(nxt), 8)
+            emit("        workgroupBarrier();")
+            emit("        t = t + 1u;")
+        emit("    }")
+    else:
+        emit("    loop {")
+        emit("        if (t >= nt) { break; }")
+        _emit_block(emit, store_all(0), 8)
+        emit("        workgroupBarrier();")
+        emit(f"        let k1 = {next_k('t')};")
+        _emit_block(emit, load_all("k1"), 8)
+        _emit_block(emit, compute(0), 8)
+        emit("        workgroupBarrier();")
+        emit("        t = t + 1u;")
+        emit("    }")
 
 
 def wgsl(config: MatmulConfig, *, f16: bool = False, vec_a: bool = True, vec_b: bool = True, vec_c: bool = True,
@@ -399,38 +442,10 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
             out.append("}")
         return out
 
-    def block(lines: Iterable[str], indent: int) -> None:
-        pad = " " * indent
-        for s in lines:
-            emit(pad + s)
-
     emit(f"    let nt = select(0u, (ke - kb + {c.bk - 1}u) / {c.bk}u, ke > kb);")
-    block(load_all("kb"), 4)
+    _emit_block(emit, load_all("kb"), 4)
     emit("    var t = 0u;")
-    if c.double_buffer:
-        block(store_all(0), 4)
-        emit("    workgroupBarrier();")
-        emit("    loop {")
-        for cur, nxt in ((0, 1), (1, 0)):
-            emit("        if (t >= nt) { break; }")
-            emit(f"        let k1_{cur} = kb + (t + 1u) * {c.bk}u;")
-            block(load_all(f"k1_{cur}"), 8)  # the next slice (zeros past the end)
-            block(compute(cur), 8)
-            block(store_all(nxt), 8)
-            emit("        workgroupBarrier();")
-            emit("        t = t + 1u;")
-        emit("    }")
-    else:
-        emit("    loop {")
-        emit("        if (t >= nt) { break; }")
-        block(store_all(0), 8)
-        emit("        workgroupBarrier();")
-        emit(f"        let k1 = kb + (t + 1u) * {c.bk}u;")
-        block(load_all("k1"), 8)
-        block(compute(0), 8)
-        emit("        workgroupBarrier();")
-        emit("        t = t + 1u;")
-        emit("    }")
+    emit_k_loop(emit, c.double_buffer, lambda t: f"kb + ({t} + 1u) * {c.bk}u", load_all, compute, store_all)
 
     # The store: rows m0 + g*4*TY + 4*ty + i, columns n0 + h*4*TX + 4*tx + j.
     for g in range(gm):

@@ -75,7 +75,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from hetero._tensor import Tensor
-from hetero.kernels.matmul import PAD, MatmulConfig, _adapter_info, _cdiv, _device_of, default_config
+from hetero.kernels.matmul import (PAD, MatmulConfig, _adapter_info, _cdiv, _device_of, _emit_block,
+                                   default_config, emit_k_loop)
 
 if TYPE_CHECKING:
     from hetero._device import Device
@@ -464,39 +465,12 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
             out += ["    " + s for s in flush(f"t / {per}u")] + ["}"]
         return out
 
-    def block(lines: list[str], indent: int) -> None:
-        for s in lines:
-            emit(" " * indent + s)
-
     step = kq4 if dp else c.bk
     end = "p.K4" if dp else "p.K"
     emit(f"    let nt = ({end} + {step - 1}u) / {step}u;")
-    block(load_all("0u"), 4)
+    _emit_block(emit, load_all("0u"), 4)
     emit("    var t = 0u;")
-    if c.double_buffer:
-        block(store_all(0), 4)
-        emit("    workgroupBarrier();")
-        emit("    loop {")
-        for cur, nxt in ((0, 1), (1, 0)):
-            emit("        if (t >= nt) { break; }")
-            emit(f"        let k1_{cur} = (t + 1u) * {step}u;")
-            block(load_all(f"k1_{cur}"), 8)
-            block(compute(cur), 8)
-            block(store_all(nxt), 8)
-            emit("        workgroupBarrier();")
-            emit("        t = t + 1u;")
-        emit("    }")
-    else:
-        emit("    loop {")
-        emit("        if (t >= nt) { break; }")
-        block(store_all(0), 8)
-        emit("        workgroupBarrier();")
-        emit(f"        let k1 = (t + 1u) * {step}u;")
-        block(load_all("k1"), 8)
-        block(compute(0), 8)
-        emit("        workgroupBarrier();")
-        emit("        t = t + 1u;")
-        emit("    }")
+    emit_k_loop(emit, c.double_buffer, lambda t: f"({t} + 1u) * {step}u", load_all, compute, store_all)
 
     for g in range(gm):
         for i in range(4):
