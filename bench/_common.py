@@ -56,3 +56,39 @@ def torch_cuda() -> Any:
     except Exception:
         return None
     return torch if torch.cuda.is_available() else None
+
+
+def cuda_seconds(torch: Any, op: Callable[[], Any], repeat: int, min_s: float) -> tuple[float, int]:
+    """Best seconds per ``op()`` on CUDA, timed with CUDA events over K calls (K fills ``min_s``)."""
+    op()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    op()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    k = max(1, min(1000, math.ceil(min_s / one)))
+    best = math.inf
+    for _ in range(repeat):
+        start.record()
+        for _ in range(k):
+            op()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / k)
+    return best, k
+
+
+def run_once(dev: Any, record: Callable[[Any], Any]) -> Any:
+    """Record one op in a fresh GPU context, submit, wait, and download its result."""
+    import hetero
+
+    ctx = hetero.GPUContext(dev, "bench-check")
+    out = record(ctx)
+    ctx.stage_download(out)
+    dev.wait(dev.submit([ctx.encoder.finish()]))
+    result = ctx.read_downloads()[id(out)]
+    ctx.settle(ran=True)
+    ctx.release_blocks()
+    return result

@@ -38,7 +38,7 @@ import numpy as np
 import hetero
 import hetero.kernels.matmul as mm
 from hetero._device import Device
-from bench._common import empty_round_trip
+from bench._common import cuda_seconds, empty_round_trip
 
 TARGETS = {1024: 0.3, 4096: 0.5}
 
@@ -148,23 +148,7 @@ def torch_seconds(torch: Any, a: np.ndarray, b: np.ndarray, transpose_b: bool, r
     def op() -> Any:
         return torch.matmul(ta, tb.t() if transpose_b else tb)
 
-    op()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    op()
-    end.record()
-    torch.cuda.synchronize()
-    one = max(start.elapsed_time(end) / 1e3, 1e-6)
-    k = max(1, min(1000, math.ceil(min_s / one)))
-    best = math.inf
-    for _ in range(repeat):
-        start.record()
-        for _ in range(k):
-            op()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / k)
+    best, k = cuda_seconds(torch, op, repeat, min_s)
     del ta, tb
     torch.cuda.empty_cache()
     return best, k

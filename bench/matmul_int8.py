@@ -41,6 +41,7 @@ import hetero.kernels.matmul as mm
 import hetero.kernels.matmul_int8 as q8
 from bench.matmul import Spy, empty_round_trip, parse_shape, upload
 from hetero._device import Device
+from bench._common import run_once
 
 TARGET = (4096, 1.5)
 
@@ -63,17 +64,6 @@ def timed_k(dev: Device, record: Callable[[Any], Any], k: int) -> float:
     dt = time.perf_counter() - t0
     ctx.release_blocks()
     return dt
-
-
-def run_once(dev: Device, record: Callable[[Any], hetero.Tensor]) -> np.ndarray:
-    ctx = hetero.GPUContext(dev, "bench-check")
-    out = record(ctx)
-    ctx.stage_download(out)
-    dev.wait(dev.submit([ctx.encoder.finish()]))
-    r = ctx.read_downloads()[id(out)]
-    ctx.settle(ran=True)
-    ctx.release_blocks()
-    return r
 
 
 def seconds(dev: Device, record: Callable[[Any], Any], a_: argparse.Namespace, rtt: float) -> tuple[float, int]:

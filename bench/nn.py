@@ -63,7 +63,7 @@ import numpy as np
 import hetero
 import hetero.kernels.nn as nn
 from hetero._device import Device
-from bench._common import empty_round_trip, torch_cuda
+from bench._common import cuda_seconds, empty_round_trip, run_once, torch_cuda
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 384, 12, 32, 1536, 30522
 F32_MIN = float(np.finfo(np.float32).min)
@@ -242,17 +242,6 @@ def upload(dev: Device, arrays: dict[str, np.ndarray]) -> tuple[dict[str, hetero
     return ts, ctx
 
 
-def run_once(dev: Device, record: Callable[[hetero.GPUContext], hetero.Tensor]) -> np.ndarray:
-    ctx = hetero.GPUContext(dev, "bench-check")
-    out = record(ctx)
-    ctx.stage_download(out)
-    dev.wait(dev.submit([ctx.encoder.finish()]))
-    r = ctx.read_downloads()[id(out)]
-    ctx.settle(ran=True)
-    ctx.release_blocks()
-    return r
-
-
 def timed_k(dev: Device, case: Case, ts: dict[str, hetero.Tensor], k: int) -> float:
     """Seconds for one submission holding ``k`` calls (recording excluded)."""
     ctx = hetero.GPUContext(dev, "bench")
@@ -289,23 +278,7 @@ def torch_seconds(torch: Any, case: Case, repeat: int, min_s: float) -> tuple[fl
     t = {k: torch.from_numpy(a.astype(np.int64) if a.dtype.kind in "iu" else a).cuda()
          for k, a in case.inputs.items()}
     with torch.no_grad():
-        case.torch_fn(torch, F, t)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        case.torch_fn(torch, F, t)
-        end.record()
-        torch.cuda.synchronize()
-        one = max(start.elapsed_time(end) / 1e3, 1e-6)
-        k = max(1, min(1000, math.ceil(min_s / one)))
-        best = math.inf
-        for _ in range(repeat):
-            start.record()
-            for _ in range(k):
-                case.torch_fn(torch, F, t)
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3 / k)
+        best, k = cuda_seconds(torch, lambda: case.torch_fn(torch, F, t), repeat, min_s)
     del t
     torch.cuda.empty_cache()
     return best, k

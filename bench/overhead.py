@@ -15,7 +15,6 @@ import json
 import operator
 import os
 import platform
-import statistics
 import time
 
 import hetero

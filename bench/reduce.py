@@ -38,12 +38,12 @@ import argparse
 import json
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 import hetero
-from bench._common import empty_round_trip, human, parse_size, torch_cuda
+from bench._common import cuda_seconds, empty_round_trip, human, parse_size, run_once, torch_cuda
 import hetero.kernels.reduce as reduce_kernels
 import hetero.ops
 from hetero._device import Device
@@ -82,18 +82,6 @@ def upload(dev: Device, a: np.ndarray) -> tuple[hetero.Tensor, hetero.GPUContext
     return t, ctx
 
 
-def run_once(dev: Device, record: Callable[[hetero.GPUContext], hetero.Tensor]) -> np.ndarray:
-    """Record one op in a fresh context, submit, wait, download its result."""
-    ctx = hetero.GPUContext(dev, "bench-check")
-    out = record(ctx)
-    ctx.stage_download(out)
-    dev.wait(dev.submit([ctx.encoder.finish()]))
-    r = ctx.read_downloads()[id(out)]
-    ctx.settle(ran=True)
-    ctx.release_blocks()
-    return r
-
-
 def timed_k(dev: Device, x: hetero.Tensor, k: int) -> float:
     """Seconds for one submission holding ``k`` sums of ``x`` (recording excluded)."""
     ctx = hetero.GPUContext(dev, "bench")
@@ -111,22 +99,7 @@ def torch_sum_seconds(torch: Any, host: np.ndarray, repeat: int, min_s: float) -
     """Seconds per ``torch.sum`` of a resident CUDA tensor (CUDA events), its result, and K."""
     t = torch.from_numpy(host).cuda()
     s = torch.sum(t)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.sum(t)
-    end.record()
-    torch.cuda.synchronize()
-    one = max(start.elapsed_time(end) / 1e3, 1e-6)
-    k = max(1, min(1000, math.ceil(min_s / one)))
-    best = math.inf
-    for _ in range(repeat):
-        start.record()
-        for _ in range(k):
-            torch.sum(t)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / k)
+    best, k = cuda_seconds(torch, lambda: torch.sum(t), repeat, min_s)
     value = float(s.item())
     del t
     torch.cuda.empty_cache()
