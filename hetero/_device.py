@@ -12,7 +12,6 @@ pyproject.toml pins wgpu to the tested version.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import logging
 import os

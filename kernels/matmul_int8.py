@@ -481,7 +481,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
                 emit(f"        let rs{r} = RS[row{r}];")
             for h in range(gn):
                 emit(f"        {{ let col = n0 + {h * 4 * tx_n}u + tx * 4u;")
-                emit(f"          if (col < p.N) {{")
+                emit("          if (col < p.N) {")
                 emit(f"          let e = row{r} * p.N + col;")
                 if grp:
                     emit(f"          var y = f{r}_{h} * S[col / 4u];")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import anyio
 import numpy as np
