@@ -105,6 +105,7 @@ class Kernel:
     read_write: frozenset[int] = frozenset()  # @group(0) bindings declared var<storage, read_write>
     grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see _split)
     key: Any = None  # the cache key, also the cost model's key
+    layouts: tuple[Any, ...] = ()  # bind group layouts of groups 0 (and 1 for grid kernels), fetched once
 
     def writes(self, binding: int) -> bool:
         return binding in self.read_write
@@ -127,6 +128,7 @@ class Device:
         self.features: frozenset[str] = frozenset(self.device.features)
         self.summary = adapter_summary(self.adapter)
         self._kernels: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
+        self._by_source: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
         self._kernel_lock = threading.Lock()
         # A SimpleQueue (C-implemented) wakes the fence thread faster than a Condition.
         self._fences: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
@@ -150,6 +152,7 @@ class Device:
         from wgpu.backends.wgpu_native import _api
 
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
+        from ._bindcache import BindCache
         from ._memory import BufferPool
         from ._transfer import StagingRing
 
@@ -163,7 +166,11 @@ class Device:
         self.stage_timing = (gpu_timing or tracer is not None) and self.timer.strategy == "inside-passes"
         if self.timer.strategy == "inside-passes":
             self.timer.align(submit=self.submit)
-        self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush)
+        # Uniforms by content and bind groups by what they bind (see _bindcache); the pool
+        # says which buffers it creates and which it is about to destroy.
+        self.binds = BindCache(self.device)
+        self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush,
+                               on_create=self.binds.track, on_destroy=self.binds.forget)
         self.ring = StagingRing(self.device)
 
     # -- pipelines -------------------------------------------------------------------
@@ -175,10 +182,17 @@ class Device:
         ``constants``; it is thread-safe, and compilation never runs on the event loop
         (GPU stages record on worker threads; ``Runtime.warmup`` compiles on one too).
         """
-        consts = tuple(sorted((constants or {}).items()))
+        consts = tuple(sorted(constants.items())) if constants else ()
+        # Fast path by the source text itself: a str caches its hash, and kernel
+        # generators return the same (memoised) str object, so a hit costs no sha256.
+        k = self._by_source.get((wgsl, entry_point, consts))
+        if k is not None:
+            return k
         key = (hashlib.sha256(wgsl.encode()).hexdigest(), entry_point, consts)
         k = self._kernels.get(key)
         if k is not None:
+            if len(self._by_source) < 4096:
+                self._by_source[(wgsl, entry_point, consts)] = k
             return k
         with self._kernel_lock:
             k = self._kernels.get(key)
@@ -190,14 +204,19 @@ class Device:
                 if consts:
                     compute["constants"] = dict(consts)
                 pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
+                layouts: list[Any] = []
+                n_bindings = _count_group0_bindings(wgsl)
+                layouts.append(_layout(pipeline, 0) if n_bindings else None)
                 if grid:
                     try:
-                        pipeline.get_bind_group_layout(1)
+                        layouts.append(pipeline.get_bind_group_layout(1))
                     except Exception:
                         grid = False  # the helpers are named but never used by the entry point
-                k = Kernel(pipeline, entry_point, label, _count_group0_bindings(wgsl), _read_write_bindings(wgsl),
-                           grid, key)
+                k = Kernel(pipeline, entry_point, label, n_bindings, _read_write_bindings(wgsl), grid, key,
+                           tuple(layouts))
                 self._kernels[key] = k
+            if len(self._by_source) < 4096:
+                self._by_source[(wgsl, entry_point, consts)] = k
         return k
 
     # -- submission and fences ------------------------------------------------------
@@ -260,6 +279,11 @@ class Device:
                 self._batch_submitted.append(on_submit)
             if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
                 self._flush_locked()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of ours is running on the GPU or waiting to be submitted (a hint: not locked)."""
+        return self._inflight == 0 and not self._batch
 
     def flush(self) -> None:
         """Finish open shared encoders, then submit whatever is batched."""
@@ -329,7 +353,9 @@ class Device:
         self.ring.close()
         self.timer.close()
         self.pool.close()
+        self.binds.clear()
         self._kernels.clear()
+        self._by_source.clear()
 
 
 class _LostWatcher(logging.Handler):
@@ -370,6 +396,14 @@ def _read_write_bindings(wgsl: str) -> frozenset[int]:
 
     pattern = r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)\s*var\s*<\s*storage\s*,\s*read_write\s*>"
     return frozenset(int(m) for m in re.findall(pattern, wgsl))
+
+
+def _layout(pipeline: Any, group: int) -> Any:
+    """The pipeline's bind group layout for ``group``, or None where the entry point uses none."""
+    try:
+        return pipeline.get_bind_group_layout(group)
+    except Exception:
+        return None
 
 
 def _count_group0_bindings(wgsl: str) -> int:

@@ -291,8 +291,13 @@ class BufferPool:
     def __init__(self, device: wgpu.GPUDevice, *, budget_bytes: int | None = None,
                  limits: dict[str, Any] | None = None, small_max_bytes: int = DEFAULT_SMALL_MAX,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, before_destroy: Callable[[], None] | None = None,
-                 slab_storage: bool = False) -> None:
+                 slab_storage: bool = False, on_create: Callable[[Any], None] | None = None,
+                 on_destroy: Callable[[list[Any]], None] | None = None) -> None:
         self.device = device
+        # Told about every buffer the pool creates, and about the buffers it is about to
+        # destroy (the device's bind-group cache forgets the groups that bind them).
+        self._on_create = on_create
+        self._on_destroy = on_destroy
         # Called before free buffers are destroyed: a free buffer may still be named by a
         # recorded command buffer that waits in the submission batch, and submitting work
         # that uses a destroyed buffer aborts the process. The runtime flushes the batch here.
@@ -428,12 +433,14 @@ class BufferPool:
         victims.sort(key=lambda u: u.tick)
         if self._before_destroy is not None:
             self._before_destroy()
+        doomed = []
         for u in victims:
             if over <= 0:
                 break
             self._forget(u)
-            u.buffer.destroy()
+            doomed.append(u)
             over -= u.size
+        self._destroy([u.buffer for u in doomed])
         if over > 0:
             self._overcommits += 1
 
@@ -447,7 +454,7 @@ class BufferPool:
                 self._before_destroy()
             for u in freed:
                 self._forget(u)
-                u.buffer.destroy()
+            self._destroy([u.buffer for u in freed])
             try:
                 buffer = self.device.create_buffer(label=label, size=size, usage=usage)
             except Exception as e:
@@ -458,7 +465,17 @@ class BufferPool:
         self._allocations += 1
         self._buffers += 1
         self._device_bytes += size
+        if self._on_create is not None:
+            self._on_create(buffer)
         return buffer
+
+    def _destroy(self, buffers: list[Any]) -> None:
+        if not buffers:
+            return
+        if self._on_destroy is not None:
+            self._on_destroy(buffers)
+        for b in buffers:
+            b.destroy()
 
     def retain(self, block: Block) -> Block:
         """Add a reference to ``block`` (another owner will release it); returns it."""
@@ -560,8 +577,7 @@ class BufferPool:
                 self._forget(u)
         if units and self._before_destroy is not None:
             self._before_destroy()
-        for u in units:
-            u.buffer.destroy()
+        self._destroy([u.buffer for u in units])
         return sum(u.size for u in units)
 
     def close(self) -> None:
@@ -579,8 +595,7 @@ class BufferPool:
             self._device_bytes = 0
             self._buffers = 0
             callbacks, self._callbacks = self._callbacks, []
-        for b in buffers:
-            b.destroy()
+        self._destroy(buffers)
         self._run(callbacks)
 
     # -- statistics -------------------------------------------------------------------

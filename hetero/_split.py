@@ -97,7 +97,18 @@ class CostModel:
     def __init__(self) -> None:
         self._ns: dict[Any, float] = {}
         self._source: dict[Any, str] = {}
+        self._timed: dict[Any, int] = {}  # dispatches of each kernel seen by should_time
         self._lock = threading.Lock()
+
+    def should_time(self, key: Any) -> bool:
+        """Whether to wrap this dispatch of ``key`` in GPU timestamps: its first 8, then one in 64.
+
+        Each timed submission costs a query resolve and a readback after its fence, so
+        a calibrated kernel is only re-measured now and then (to follow clock changes).
+        """
+        n = self._timed.get(key, 0)
+        self._timed[key] = n + 1  # a lost update under a race only shifts the sampling
+        return n < 8 or n % 64 == 0
 
     def ns_per_workgroup(self, key: Any) -> float:
         return self._ns.get(key, DEFAULT_NS_PER_WORKGROUP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ class Tensor:
     arrives there as a numpy array. ``buffer`` is the underlying ``wgpu.GPUBuffer``.
     """
 
-    __slots__ = ("block", "buffer", "dtype", "offset", "shape", "__weakref__")
+    __slots__ = ("block", "buffer", "dtype", "nbytes", "offset", "shape", "size", "__weakref__")
 
     def __init__(self, buffer: wgpu.GPUBuffer, shape: tuple[int, ...], dtype: Any, offset: int = 0,
                  block: Any = None) -> None:
@@ -34,16 +35,8 @@ class Tensor:
         self.block = block  # the pool allocation this tensor lives in, if pooled
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of data (the buffer may be a few bytes larger)."""
-        return self.size * self.dtype.itemsize
+        self.size = math.prod(self.shape)  # number of elements
+        self.nbytes = self.size * self.dtype.itemsize  # bytes of data (the buffer may be a few bytes larger)
 
     @property
     def binding_size(self) -> int:
