@@ -107,6 +107,15 @@ class Plan:
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
                 simple=node.options.timeout is None, kernels=node.kernels,
             ))
+        # CPU values that several GPU stages read: with one recording thread they are
+        # uploaded once per run and shared (see Scheduler._device_args).
+        gpu_readers: list[set[int]] = [set() for _ in nodes]
+        for node in nodes:
+            if node.kind == "gpu":
+                for v in (*node.args, *node.kwargs.values()):
+                    if _is_node(v) and nodes[v.index].kind == "cpu":
+                        gpu_readers[v.index].add(node.index)
+        self.shared_uploads: dict[int, int] = {i: len(r) for i, r in enumerate(gpu_readers) if len(r) >= 2}
         self.stages: tuple[StagePlan, ...] = tuple(stages)
         self.order: tuple[int, ...] = tuple(order)
         self.roots: tuple[int, ...] = tuple(sorted((i for i in order if not deps[i]), key=lambda i: -priority[i]))

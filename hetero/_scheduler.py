@@ -154,7 +154,11 @@ class Run:
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
         # Device memory: a GPU value's blocks are held while holds[i] > 0 (one per GPU
         # consumer still to be enqueued, one for its download, one while it is recorded).
-        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else 0 for s in plan.stages]
+        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else plan.shared_uploads.get(s.index, 0)
+                      for s in plan.stages]
+        # CPU values uploaded once for all their GPU readers (plan.shared_uploads): the
+        # device-side structure, held (holds[i], one per reader) like a GPU value.
+        self.uploaded: dict[int, Any] = {}
         self.held: dict[int, list[Any]] = {}
         self.recording = 0  # GPU stages of this run being recorded right now
         self.tl = Timeline(n)
@@ -480,16 +484,18 @@ class Scheduler:
             run.fail(st, e)
             return
         rec = self._recorder(dev)
+        # One recording thread records in queue order, so an upload recorded for one
+        # reader is in place for every later one; several threads could reorder them.
+        share = run.plan.shared_uploads if rec.shared else {}
         with rec.lock:
             attempt = 0
             while True:
                 attempt += 1
                 ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run), recorder=rec)
                 span = rec.begin_stage_span(st.name, ("stage", tl, i))
+                fresh: dict[int, Any] = {}
                 try:
-                    args, kwargs = run.args_for(st, run.dev_values)
-                    args = tuple(map_values(a, ctx.upload, np.ndarray) for a in args)
-                    kwargs = {k: map_values(v, ctx.upload, np.ndarray) for k, v in kwargs.items()}
+                    args, kwargs = _device_args(run, st, ctx, share, fresh)
                     result = st.fn(ctx, *args, **kwargs)
                     if st.download:
                         zero_copy = i not in run.plan.output_stages
@@ -539,14 +545,23 @@ class Scheduler:
                 tl.submitted[i] = t_ns
 
             try:
+                # A large stage goes out at once only while the GPU has nothing to do; while
+                # it is busy the encoder keeps growing (a command buffer costs ~0.3 ms of host
+                # time on the H200) and goes out with the next large stage that finds it idle.
                 rec.commit(on_done, lambda err: run.fail(st, err),
-                           flush=st.fence or ctx.workgroups > LARGE_STAGE_WORKGROUPS, on_submit=on_submit)
+                           flush=st.fence or (ctx.workgroups > LARGE_STAGE_WORKGROUPS and dev.idle),
+                           on_submit=on_submit)
             except BaseException as e:  # noqa: BLE001 - the stage's own encoder failed, or the device was lost
                 run.fail(st, e, attempt)
                 ctx.discard()
                 return
+            for d, up in fresh.items():  # uploaded here for every reader: keep it for the others
+                if run.hold(d, list({id(b): b for b in _blocks_of(up)}.values())):
+                    run.uploaded[d] = up
             ctx.release_blocks()
         for d in st.gpu_deps:
+            run.drop_hold(d)
+        for d in _shared_reads(st, share):
             run.drop_hold(d)
         run.dev_values[i] = result
         run.drop_hold(i)  # the recording hold: from here only consumers and the download keep it
@@ -667,6 +682,41 @@ class Scheduler:
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
     return lambda: fn(run, i)
+
+
+def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int],
+                 fresh: dict[int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Stage ``st``'s arguments as its GPU function sees them: numpy arrays uploaded.
+
+    A CPU value in ``share`` (read by several GPU stages) is uploaded by its first
+    reader (recorded in ``fresh``; the caller keeps it after the stage committed) and
+    reused by the others from ``run.uploaded``.
+    """
+    if not share:
+        args, kwargs = run.args_for(st, run.dev_values)
+        return (tuple(map_values(a, ctx.upload, np.ndarray) for a in args),
+                {k: map_values(v, ctx.upload, np.ndarray) for k, v in kwargs.items()})
+
+    def one(spec: tuple[int, Any]) -> Any:
+        kind, ref = spec
+        if kind == ARG_NODE and ref in share:
+            hit = run.uploaded.get(ref)
+            if hit is None:
+                hit = fresh.get(ref)
+                if hit is None:
+                    hit = fresh[ref] = map_values(run.dev_values[ref], ctx.upload, np.ndarray)
+            return hit
+        v = run.dev_values[ref] if kind == ARG_NODE else (ref if kind == ARG_CONST else run.inputs[ref])
+        return map_values(v, ctx.upload, np.ndarray)
+
+    return tuple(one(a) for a in st.args), {k: one(a) for k, a in st.kwargs}
+
+
+def _shared_reads(st: StagePlan, share: dict[int, int]) -> set[int]:
+    """The shared-upload CPU values stage ``st`` reads (each drops one hold once it committed)."""
+    if not share:
+        return set()
+    return {ref for kind, ref in (*st.args, *(a for _, a in st.kwargs)) if kind == ARG_NODE and ref in share}
 
 
 def _blocks_of(value: Any) -> list[Any]:
