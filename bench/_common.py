@@ -92,3 +92,19 @@ def run_once(dev: Any, record: Callable[[Any], Any]) -> Any:
     ctx.settle(ran=True)
     ctx.release_blocks()
     return result
+
+
+def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
+                     since_us: float = 0.0) -> dict[str, tuple[int, float]]:
+    """From a hetero trace (``Runtime(trace=...)``'s JSON): ``{name: (count, total ms)}`` of the
+    spans on ``track`` (per-dispatch GPU times on "GPU dispatches", per-stage on "GPU queue")
+    that start at or after ``since_us`` (trace time)."""
+    events = trace["traceEvents"]
+    tids = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and e.get("args", {}).get("name") == track}
+    out: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("tid") in tids and e["ts"] >= since_us:
+            n, ms = out.get(e["name"], (0, 0.0))
+            out[e["name"]] = (n + 1, ms + e["dur"] / 1000.0)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))

