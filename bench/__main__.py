@@ -21,6 +21,7 @@ BENCHES = {
     "matmul": "fp32 matmul TFLOP/s beside torch (with --tune: autotune first)",
     "matmul_int8": "INT8 weight-quantized matmul (both strategies) beside hetero's fp32 matmul",
     "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
+    "embed": "MiniLM sentence embeddings beside sentence-transformers (random weights without the model)",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
 ALL_ARGS = {
@@ -31,8 +32,9 @@ ALL_ARGS = {
     "split": ["--iters", "40000", "--budgets", "5,50,500", "--repeat", "2"],
     "reduce": ["--sizes", "1M,16M,256M,1G"],
     "matmul": ["--tune", "--sizes", "1024,2048,4096"],
-    "matmul_int8": ["--sizes", "1024,4096", "--strategy", "both"],
+    "matmul_int8": ["--sizes", "1024,4096", "--strategy", "dequant,dp4a,dp4a-g64"],
     "nn": [],
+    "embed": ["--n", "1024", "--batch", "128"],
 }
 
 
@@ -46,6 +48,7 @@ def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     if name == "all":
         failed = []
+        start = time.perf_counter()
         for bench in BENCHES:
             t0 = time.perf_counter()
             print(f"# bench {bench}", flush=True)
@@ -53,6 +56,7 @@ def main(argv: list[str]) -> int:
             print(f"# bench {bench}: exit {rc}, {time.perf_counter() - t0:.1f} s", flush=True)
             if rc:
                 failed.append(bench)
+        print(f"# bench all: {time.perf_counter() - start:.1f} s", flush=True)
         if failed:
             print(f"# failed: {', '.join(failed)}", flush=True)
         return 1 if failed else 0

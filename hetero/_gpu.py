@@ -98,6 +98,23 @@ class GPUContext:
                 tracer.span("upload", "transfer", t0, time.perf_counter_ns(), args={"bytes": a.nbytes})
         return t
 
+    def resident(self, array: Any) -> Tensor:
+        """A Tensor holding ``array`` for as long as the device lives (model weights, tables).
+
+        Uploaded at once with its own buffer: never pooled, never released by the
+        scheduler, so keep the Tensor (e.g. in a per-device cache) and reuse it in
+        later stages and runs. hetero caches bind groups against it.
+        """
+        a = np.ascontiguousarray(array)
+        if a.dtype == object:
+            raise TypeError(f"gpu.resident: cannot upload an array of Python objects (shape {a.shape})")
+        data = a.reshape(-1).view(np.uint8)
+        if data.nbytes % 4:
+            data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
+        buf = self.device.create_buffer_with_data(data=data if data.nbytes else np.zeros(4, np.uint8), usage=_STORAGE)
+        self._dev.binds.keep(buf)
+        return Tensor(buf, a.shape, a.dtype)
+
     def discard(self) -> None:
         """The stage will not run and nothing of it was submitted: give back everything it took."""
         self.settle(ran=False)

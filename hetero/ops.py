@@ -20,15 +20,17 @@ against int8 weights: dequantized per tile, or quantized per row and multiplied 
 Neural-network kernels (:mod:`hetero.kernels.nn`): :func:`softmax` (last axis, stable,
 optional additive mask), :func:`layernorm` (optionally fused with a residual add),
 :func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
-:func:`transpose`, :func:`embedding` (row gather) and :func:`attention` (fused scaled
-dot-product attention with a padding mask).
+:func:`transpose`, :func:`embedding` (row gather), :func:`attention` (scaled dot-product
+attention with a padding mask) and :func:`attention_packed` (the same over one fused Q/K/V
+projection).
 """
 
 from __future__ import annotations
 
 from hetero.kernels.matmul import matmul
 from hetero.kernels.matmul_int8 import matmul_int8, quantize_weight
-from hetero.kernels.nn import add, add_bias, attention, embedding, erf, gelu, layernorm, softmax, transpose
+from hetero.kernels.nn import (add, add_bias, attention, attention_packed, embedding, erf, gelu, layernorm, softmax,
+                               transpose)
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "argmax",
     "argmin",
     "attention",
+    "attention_packed",
     "embedding",
     "erf",
     "gelu",

@@ -124,7 +124,8 @@ if TYPE_CHECKING:
     from hetero._device import Kernel
     from hetero._gpu import GPUContext
 
-__all__ = ["add", "add_bias", "attention", "embedding", "erf", "gelu", "layernorm", "softmax", "transpose"]
+__all__ = ["add", "add_bias", "attention", "attention_packed", "embedding", "erf", "gelu", "layernorm", "softmax",
+           "transpose"]
 
 # -- tuning and test hooks ---------------------------------------------------------------
 WORKGROUP = 256
@@ -495,9 +496,10 @@ const BK: u32 = ${BK}u;   // keys per tile in workgroup memory
 const D4: u32 = ${D4}u;   // head dimension in vec4s (zero-padded)
 struct Params {
     sq: u32, sk: u32, h: u32, nqb: u32,
-    d: u32, qs_b: u32, qs_h: u32, qs_s: u32,    // strides of q and out, in elements
-    ks_b: u32, ks_h: u32, ks_s: u32, pad0: u32, // strides of k and v
-    scale: f32, pad1: u32, pad2: u32, pad3: u32, // softmax scale times log2(e)
+    d: u32, qs_b: u32, qs_h: u32, qs_s: u32,    // strides of q, in elements
+    ks_b: u32, ks_h: u32, ks_s: u32, q0: u32,   // strides of k and v; q's first element
+    scale: f32, k0: u32, v0: u32, pad0: u32,    // softmax scale times log2(e); k's and v's first elements
+    os_b: u32, os_h: u32, os_s: u32, pad1: u32, // strides of the output
 }
 @group(0) @binding(0) var<storage, read> q: array<$T>;
 @group(0) @binding(1) var<storage, read> k: array<$T>;
@@ -525,7 +527,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hh = bh % p.h;
     let qi = qb * BQ + li;
     let live = qi < p.sq;
-    let qbase = b * p.qs_b + hh * p.qs_h + qi * p.qs_s;
+    let qbase = p.q0 + b * p.qs_b + hh * p.qs_h + qi * p.qs_s;
+    let obase = b * p.os_b + hh * p.os_h + qi * p.os_s;
     let kbase = b * p.ks_b + hh * p.ks_h;
 
     var qv: array<vec4<f32>, D4>;
@@ -548,8 +551,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             var vv = vec4<f32>(0.0);
             if (key < p.sk) {
                 let kb = kbase + key * p.ks_s;
-                kk = ld_k(kb, c);
-                vv = ld_v(kb, c);
+                kk = ld_k(p.k0 + kb, c);
+                vv = ld_v(p.v0 + kb, c);
             }
             tk[e] = kk;
             tv[e] = vv;
@@ -595,9 +598,9 @@ _LD_SCALAR = """let d0 = c * 4u;
     var r = vec4<f32>(0.0);
     for (var i = 0u; i < 4u; i++) {{ if (d0 + i < p.d) {{ r[i] = {buf}[base + d0 + i]; }} }}
     return r;"""
-_ST_VEC = "o[(qbase >> 2u) + c] = acc[c] * inv;"
+_ST_VEC = "o[(obase >> 2u) + c] = acc[c] * inv;"
 _ST_SCALAR = """let r = acc[c] * inv;
-            for (var i = 0u; i < 4u; i++) { if (c * 4u + i < p.d) { o[qbase + c * 4u + i] = r[i]; } }"""
+            for (var i = 0u; i < 4u; i++) { if (c * 4u + i < p.d) { o[obase + c * 4u + i] = r[i]; } }"""
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -1101,21 +1104,7 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     if sk == 0 and _size(qs):
         raise ValueError(f"attention: k of shape {ks} has no keys; attention needs at least one")
     sc = _scale("attention", scale, 1.0 / math.sqrt(d) if d else 1.0)
-    mt: Any = None
-    if mask is not None:
-        _kind("attention", "mask", mask)
-        mshape = tuple(int(s) for s in mask.shape)
-        if mshape not in ((bsz, sk), (bsz, 1, 1, sk)):
-            raise ValueError(f"attention: mask of shape {mshape} does not fit keys of shape {ks}; a padding mask "
-                             f"is [B, Sk] = {(bsz, sk)} or [B, 1, 1, Sk] = {(bsz, 1, 1, sk)}")
-        mdt = np.dtype(mask.dtype)
-        if isinstance(mask, np.ndarray):
-            if mdt.kind not in "biuf":
-                raise TypeError(f"attention: mask must be numeric or bool, got {mdt.name} (shape {mshape})")
-            mask = (mask != 0).astype(np.uint32)
-        elif mdt not in _WORD_DTYPES:
-            raise TypeError(f"attention: mask must be float32, int32 or uint32, got {mdt.name} (shape {mshape})")
-        mt = mask
+    mt = _padding_mask("attention", mask, bsz, sk, f"keys of shape {ks}") if mask is not None else None
     for name, s in (("q", qs), ("k", ks)):
         _fits(gpu, "attention", name, s)
     scores_shape = (bsz * heads, sq, sk)
@@ -1125,8 +1114,6 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     if impl == "matmul":
         _fits(gpu, "attention (impl='matmul')", "the scores", scores_shape)
         return _attention_matmul(gpu, q, k, v, mt, sc, layout, (bsz, heads, sq, sk, d))
-    d4 = _groups(d, 4)
-    bq, bk = _attn_tiles(gpu, sq, sk, d4)
     qt, kt, vt = _dev(gpu, q), _dev(gpu, k), _dev(gpu, v)
     mtt = _dev(gpu, mt) if mt is not None else None
     out = gpu.empty(qs, np.float32)
@@ -1136,16 +1123,78 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
         qstr, kstr = (heads * sq * d, sq * d, d), (heads * sk * d, sk * d, d)
     else:
         qstr, kstr = (sq * heads * d, d, heads * d), (sk * heads * d, d, heads * d)
-    vec = d % 4 == 0
+    _attention_fused(gpu, (qt, kt, vt), (0, 0, 0), qstr, kstr, qstr, out, mtt, sc, (bsz, heads, sq, sk, d))
+    return out
+
+
+def attention_packed(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, *,
+                     mask: Tensor | np.ndarray | None = None, scale: float | None = None) -> Tensor:
+    """:func:`attention` over one fused Q/K/V projection: ``qkv`` is [B, S, 3*H*D] -> [B, S, H*D].
+
+    Along the last axis ``qkv`` holds q, then k, then v, each [H, D] (the output of one
+    matmul against the three projection weights stacked, ``[3*H*D, in]``): one dispatch
+    instead of three projections, and the fused kernel reads q, k and v in place with
+    their strides (no split, no transposes). ``mask``, ``scale``: as for :func:`attention`.
+    """
+    qs = _f32("attention_packed", "qkv", qkv)
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise ValueError(f"attention_packed: heads must be an integer >= 1, got {heads!r}")
+    if len(qs) != 3 or qs[2] % (3 * heads):
+        raise ValueError(f"attention_packed: qkv must be [B, S, 3*H*D] with H = {heads} heads, got shape {qs}")
+    bsz, sq, width = qs
+    hd = width // 3
+    d = hd // heads
+    if d == 0:
+        raise ValueError(f"attention_packed: qkv of shape {qs} has no room for {heads} heads of dimension >= 1")
+    sc = _scale("attention_packed", scale, 1.0 / math.sqrt(d))
+    mt = _padding_mask("attention_packed", mask, bsz, sq, f"qkv of shape {qs}") if mask is not None else None
+    _fits(gpu, "attention_packed", "qkv", qs)
+    t = _dev(gpu, qkv)
+    mtt = _dev(gpu, mt) if mt is not None else None
+    out = gpu.empty((bsz, sq, hd), np.float32)
+    if _size(qs) == 0:
+        return out
+    istr = (sq * width, d, width)  # batch, head, token strides of q, k and v inside qkv
+    _attention_fused(gpu, (t, t, t), (0, hd, 2 * hd), istr, istr, (sq * hd, d, hd), out, mtt, sc,
+                     (bsz, heads, sq, sq, d))
+    return out
+
+
+def _padding_mask(op: str, mask: Tensor | np.ndarray, bsz: int, sk: int, keys: str) -> Tensor | np.ndarray:
+    """A checked [B, Sk] / [B, 1, 1, Sk] padding mask for ``keys``: numpy masks become uint32 0/1."""
+    _kind(op, "mask", mask)
+    mshape = tuple(int(s) for s in mask.shape)
+    if mshape not in ((bsz, sk), (bsz, 1, 1, sk)):
+        raise ValueError(f"{op}: mask of shape {mshape} does not fit {keys}; a padding "
+                         f"mask is [B, Sk] = {(bsz, sk)} or [B, 1, 1, Sk] = {(bsz, 1, 1, sk)}")
+    mdt = np.dtype(mask.dtype)
+    if isinstance(mask, np.ndarray):
+        if mdt.kind not in "biuf":
+            raise TypeError(f"{op}: mask must be numeric or bool, got {mdt.name} (shape {mshape})")
+        return (mask != 0).astype(np.uint32)
+    if mdt not in _WORD_DTYPES:
+        raise TypeError(f"{op}: mask must be float32, int32 or uint32, got {mdt.name} (shape {mshape})")
+    return mask
+
+
+def _attention_fused(gpu: GPUContext, qkv: tuple[Tensor, Tensor, Tensor], first: tuple[int, int, int],
+                     qstr: tuple[int, int, int], kstr: tuple[int, int, int], ostr: tuple[int, int, int],
+                     out: Tensor, mtt: Tensor | None, sc: float, dims: tuple[int, int, int, int, int]) -> None:
+    """One dispatch of the fused kernel: element offsets ``first`` and (batch, head, token) strides."""
+    bsz, heads, sq, sk, d = dims
+    d4 = _groups(d, 4)
+    bq, bk = _attn_tiles(gpu, sq, sk, d4)
+    vec = d % 4 == 0 and all(f % 4 == 0 for f in first)
     float_mask = mtt is not None and mtt.dtype == _F32
     wgsl = _attention_wgsl(bq, bk, d4, vec, None if mtt is None else float_mask)
     label = f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
     kern = _compile(gpu, label, wgsl)
     nqb = _groups(sq, bq)
-    params = struct.pack("<11IIf3I", sq, sk, heads, nqb, d, *qstr, *kstr, 0, sc * math.log2(math.e), 0, 0, 0)
-    bindings: list[Any] = [qt, kt, vt, out, params] + ([mtt] if mtt is not None else [])
+    params = struct.pack("<12If7I", sq, sk, heads, nqb, d, *qstr, *kstr, first[0], sc * math.log2(math.e),
+                         first[1], first[2], 0, *ostr, 0)
+    q, k, v = qkv
+    bindings: list[Any] = [q, k, v, out, params] + ([mtt] if mtt is not None else [])
     gpu.dispatch(kern, bsz * heads * nqb, *bindings)
-    return out
 
 
 def _attention_matmul(gpu: GPUContext, q: Any, k: Any, v: Any, mt: Any, sc: float, layout: str,

@@ -8,17 +8,16 @@
 ``tokenize`` runs the model's ``tokenizers`` tokenizer (truncating at the model's
 ``max_seq_length``, 256 for all-MiniLM-L6-v2) and pads to the batch's longest
 sentence. ``embeddings`` gathers word + position + token-type rows and normalises
-them; each ``layer`` stage is one BERT encoder layer (Q/K/V projections against the
-checkpoint's ``[out, in]`` weights with ``transpose_b``, fused attention with the
-padding mask, output projection + residual layernorm, gelu feed-forward + residual
-layernorm); ``pool`` averages the real tokens and L2-normalises (one kernel of this
+them; each ``layer`` stage is one BERT encoder layer (one Q/K/V projection against the
+checkpoint's three ``[out, in]`` weights stacked, with ``transpose_b``; fused attention
+with the padding mask reading q, k and v in place; output projection + residual
+layernorm; gelu feed-forward + residual layernorm); ``pool`` averages the real tokens and L2-normalises (one kernel of this
 module). One stage per layer keeps the temporaries of a layer in the buffer pool only
 while it is recorded; the queue orders the stages without host round trips.
 
-The weights are uploaded once per device, on first use, into plain ``wgpu`` buffers
-wrapped as block-less :class:`hetero.Tensor` s (never pooled, never released by the
-scheduler) and held by the :class:`~hetero.pipelines.minilm.Model` for as long as
-both the model and the device live.
+The weights are uploaded once per device, on first use, with ``gpu.resident`` (buffers
+never pooled, never released by the scheduler) and held by the
+:class:`~hetero.pipelines.minilm.Model` for as long as both the model and the device live.
 
 INT8 (``int8=True``): the encoder's linear layers (Q, K, V, attention output,
 intermediate, output) multiply by int8 weights with :func:`hetero.ops.matmul_int8`
@@ -43,7 +42,6 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import numpy as np
-import wgpu
 from tqdm import tqdm
 
 import hetero
@@ -52,20 +50,21 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "POOL_WGSL", "aembed", "embed", "embed_batches", "embedding_graph",
-           "get_model", "quantized_weights", "resident_int8_weights", "resident_weights", "tokenize"]
+__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "POOL_WGSL", "QKV", "aembed", "embed", "embed_batches", "embedding_graph",
+           "get_model", "linear_weight", "quantized_weights", "resident_int8_weights", "resident_weights", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
-LINEAR_LAYERS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                 "intermediate.dense", "output.dense")
+# "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):
+# one matmul, read in place by attention_packed.
+QKV = "attention.self.qkv"
+LINEAR_LAYERS = (QKV, "attention.output.dense", "intermediate.dense", "output.dense")
+_QKV_PARTS = ("attention.self.query", "attention.self.key", "attention.self.value")
 
 # matmul_int8's strategy for the encoder: "dp4a-g64" (activations quantized to int8 per row and per
 # 64 consecutive features, dot4I8Packed sums scaled per group). One scale per row ("dp4a") is too
 # coarse for BERT's outlier features. MiniLM fixture against sentence-transformers, min / mean cosine:
 # dp4a 0.9857 / 0.9952, dp4a-g32 0.9948 / 0.9986, dp4a-g64 0.9946 / 0.9984, dequant 0.9965 / 0.9991.
 INT8_STRATEGY: Strategy = "dp4a-g64"
-
-_STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 
 POOL_WGSL = """
 // Mean of the real tokens of each sentence, then L2 normalisation (sentence-transformers'
@@ -152,20 +151,35 @@ def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return Tensor(t.buffer, shape, t.dtype, t.offset, t.block)
 
 
+def linear_weight(model: Model, n: int, layer: str) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``n``'s ``[out, in]`` weight and ``[out]`` bias of a :data:`LINEAR_LAYERS` projection."""
+    p = f"encoder.layer.{n}."
+    if layer == QKV:
+        return (np.concatenate([model.weights[p + part + ".weight"] for part in _QKV_PARTS]),
+                np.concatenate([model.weights[p + part + ".bias"] for part in _QKV_PARTS]))
+    return model.weights[p + layer + ".weight"], model.weights[p + layer + ".bias"]
+
+
 def resident_weights(gpu: GPUContext, model: Model) -> dict[str, Tensor]:
     """The model's weights on this stage's device: uploaded on first use, then reused.
 
-    Plain wgpu buffers (block-less Tensors) so the pool never recycles them; they live
-    as long as the model and the device both do.
+    ``gpu.resident`` buffers, so the pool never recycles them; they live as long as the
+    model and the device both do. The query, key and value projections are stored
+    stacked, as ``encoder.layer.N.attention.self.qkv.weight`` / ``.bias``.
     """
     dev = gpu._dev
     with model.lock:
         w: dict[str, Tensor] | None = model.resident.get(dev)
         if w is None:
             w = {}
+            parts = tuple(f".{part}." for part in _QKV_PARTS)
             for name, a in model.weights.items():
-                buf = gpu.device.create_buffer_with_data(data=a, usage=_STORAGE)
-                w[name] = Tensor(buf, a.shape, np.float32)
+                if not any(x in name for x in parts):
+                    w[name] = gpu.resident(a)
+            for n in range(model.config.num_hidden_layers):
+                weight, bias = linear_weight(model, n, QKV)
+                w[f"encoder.layer.{n}.{QKV}.weight"] = gpu.resident(weight)
+                w[f"encoder.layer.{n}.{QKV}.bias"] = gpu.resident(bias)
             model.resident[dev] = w
         return w
 
@@ -176,8 +190,8 @@ def _quantize_locked(model: Model) -> dict[str, QuantizedWeight]:
         q = {}
         for n in range(model.config.num_hidden_layers):
             for layer in LINEAR_LAYERS:
-                name = f"encoder.layer.{n}.{layer}.weight"
-                q[name] = quantize_weight(model.weights[name], transpose_b=True)
+                q[f"encoder.layer.{n}.{layer}.weight"] = quantize_weight(linear_weight(model, n, layer)[0],
+                                                                         transpose_b=True)
         model.quantized = q
     return q
 
@@ -200,11 +214,7 @@ def resident_int8_weights(gpu: GPUContext, model: Model) -> dict[str, GPUWeight]
         if w is None:
             w = {}
             for name, qw in _quantize_locked(model).items():
-                scales = qw.padded_scales()
-                packed = gpu.device.create_buffer_with_data(data=qw.packed, usage=_STORAGE)
-                sbuf = gpu.device.create_buffer_with_data(data=scales, usage=_STORAGE)
-                w[name] = GPUWeight(Tensor(packed, qw.packed.shape, np.uint32), Tensor(sbuf, scales.shape, np.float32),
-                                    qw.k, qw.n)
+                w[name] = GPUWeight(gpu.resident(qw.packed), gpu.resident(qw.padded_scales()), qw.k, qw.n)
             model.resident_int8[dev] = w
         return w
 
@@ -234,9 +244,8 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
             return matmul_int8(gpu, t, qw[p + name + ".weight"], bias=bt, strategy=INT8_STRATEGY)
         return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=bt)
 
-    heads = (b, s, c.num_attention_heads, c.head_dim)
-    q, k, v = (_view(linear(x2, f"attention.self.{m}"), heads) for m in ("query", "key", "value"))
-    a = ops.attention(gpu, q, k, v, mask=mask, layout="bshd")
+    qkv = linear(x2, QKV)  # [B*S, 3H]: q | k | v
+    a = ops.attention_packed(gpu, _view(qkv, (b, s, 3 * h)), c.num_attention_heads, mask=mask)
     o = linear(_view(a, (b * s, h)), "attention.output.dense")
     x1 = ops.layernorm(gpu, o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
                        eps=c.layer_norm_eps, residual=x2)

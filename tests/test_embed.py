@@ -125,9 +125,10 @@ def test_int8_weights_stay_close_and_are_made_once(shared_rt: hetero.Runtime, ti
     assert cosine(got, want).min() >= 0.999  # measured 0.99987 (fp32: 0.99999+)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert not np.allclose(got, want, atol=2e-5)  # really the int8 path
-    # quantized once per model (6 linear layers per encoder layer), uploaded once per device
+    # quantized once per model (4 linear layers per encoder layer: Q/K/V stacked), uploaded once per device
     q = quantized_weights(tiny)
-    assert len(q) == 6 * TINY["num_hidden_layers"] and quantized_weights(tiny) is q
+    assert len(q) == 4 * TINY["num_hidden_layers"] and quantized_weights(tiny) is q
+    assert q["encoder.layer.0.attention.self.qkv.weight"].n == 3 * 32
     [resident] = list(tiny.resident_int8.values())
     again = embed(SENTENCES[:3], model=tiny, runtime=shared_rt, batch_size=2, int8=True)
     np.testing.assert_allclose(again, got[:3], atol=1e-5)

@@ -390,6 +390,41 @@ async def test_attention_matmul_options_and_auto(shared_rt: hetero.Runtime) -> N
     assert len(labels) == 3 and "softmax" in labels[1], labels
 
 
+@ASYNCIO_ONLY
+async def test_attention_packed_matches_numpy(shared_rt: hetero.Runtime) -> None:
+    """One fused [B, S, 3*H*D] projection (q | k | v along features) -> [B, S, H*D]."""
+    def packed(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:  # [B, H, S, D] each
+        b, h, s, d = q.shape
+        return np.concatenate([x.transpose(0, 2, 1, 3).reshape(b, s, h * d) for x in (q, k, v)], axis=2)
+
+    def unpack(o: np.ndarray) -> np.ndarray:  # [B, H, S, D] -> [B, S, H*D]
+        b, h, s, d = o.shape
+        return o.transpose(0, 2, 1, 3).reshape(b, s, h * d)
+
+    # D = 32 (vector loads), D = 5 (scalar loads: q, k, v start at odd elements), one token, long rows
+    for b, h, s, d in ((3, 2, 7, 32), (2, 3, 9, 5), (1, 1, 1, 4), (2, 12, 70, 32)):
+        q, k, v = qkv(b, h, s, d, seed=s + d)
+        m = padding(b, s)
+        got = await shared_rt.run(op_graph(nn.attention_packed, 2, heads=h, mask="@a1"), a0=packed(q, k, v), a1=m)
+        assert got.shape == (b, s, h * d) and got.dtype == np.float32
+        np.testing.assert_allclose(got, unpack(attention_ref(q, k, v, m)), rtol=1e-5, atol=2e-6,
+                                   err_msg=f"B={b} H={h} S={s} D={d}")
+    q, k, v = qkv(2, 3, 9, 5, seed=3)
+    got = await shared_rt.run(op_graph(nn.attention_packed, 1, heads=3, scale=0.3), a0=packed(q, k, v))
+    np.testing.assert_allclose(got, unpack(attention_ref(q, k, v, scale=0.3)), rtol=1e-5, atol=2e-6)
+    # shapes that do not split into q, k, v of H heads
+    for shape, heads, msg in (((2, 4, 10), 2, "qkv must be [B, S, 3*H*D] with H = 2 heads, got shape (2, 4, 10)"),
+                              ((2, 4, 12), 0, "heads must be an integer >= 1, got 0"),
+                              ((2, 4), 1, "qkv must be [B, S, 3*H*D] with H = 1 heads, got shape (2, 4)")):
+        with pytest.raises(StageError) as ei:
+            await shared_rt.run(op_graph(nn.attention_packed, 1, heads=heads), a0=np.zeros(shape, np.float32))
+        assert str(ei.value.__cause__) == "attention_packed: " + msg
+    with pytest.raises(StageError) as ei:
+        await shared_rt.run(op_graph(nn.attention_packed, 2, heads=1, mask="@a1"),
+                            a0=np.zeros((2, 4, 6), np.float32), a1=np.ones((2, 5), np.float32))
+    assert "mask of shape (2, 5) does not fit qkv of shape (2, 4, 6)" in str(ei.value.__cause__)
+
+
 def test_attention_auto_choice() -> None:
     big = 1 << 30
     assert nn._attention_auto("DiscreteGPU", 128, 128, 4 << 20, big) == "matmul"
