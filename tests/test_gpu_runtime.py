@@ -375,3 +375,45 @@ async def test_shared_and_per_stage_recording_agree() -> None:
             outs.append(await rt.run(chain(12, f"rec{threads}"), x=x))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], x * 2.0**12)
+
+
+async def test_cpu_value_read_by_several_gpu_stages_is_uploaded_once(rt: hetero.Runtime,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    ::
+
+        x -> make (cpu) -+-> s1 (gpu) -+
+                         +-> s2 (gpu) -+-> total (gpu) -> out
+                         +-> s3 (gpu) -+      ^
+                         +--------------------+
+    """
+    uploads: list[tuple[int, ...]] = []
+    real = hetero.GPUContext.upload
+
+    def counting(self: hetero.GPUContext, array: np.ndarray) -> Tensor:
+        uploads.append(np.asarray(array).shape)
+        return real(self, array)
+
+    monkeypatch.setattr(hetero.GPUContext, "upload", counting)
+
+    def total(gpu: hetero.GPUContext, m: Tensor, a: Tensor, b: Tensor, c: Tensor, fail: bool) -> Tensor:
+        if fail:
+            raise RuntimeError("boom")
+        return scale(gpu, scale(gpu, m, 0.5), 1.0)
+
+    g = hetero.Graph("shared-upload")
+    made = g.cpu(lambda x: x * 2, g.input("x"), name="make")
+    parts = [g.gpu(scale, made, float(k), name=f"s{k}") for k in (1, 2, 3)]
+    g.output(g.gpu(total, made, *parts, g.input("fail"), name="total"), *parts)
+    x = np.arange(1000, dtype=np.float32)
+    out, p1, p2, p3 = await rt.run(g, x=x, fail=False)
+    np.testing.assert_array_equal(out, x)
+    for k, p in zip((1, 2, 3), (p1, p2, p3)):
+        np.testing.assert_array_equal(p, x * 2 * k)
+    assert uploads == [(1000,)]  # one upload for four GPU readers
+    assert rt.memory_stats().in_use_bytes == 0
+    # a failing reader: the shared upload goes back to the pool all the same
+    for _ in range(3):
+        with pytest.raises(StageError, match="stage 'total'"):
+            await rt.run(g, x=x, fail=True)
+        assert rt.memory_stats().in_use_bytes == 0

@@ -1,0 +1,144 @@
+"""Uniform buffers and bind groups reused across dispatches (``hetero._bindcache``), on a real device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import wgpu
+
+import hetero
+from hetero import Tensor
+from hetero._bindcache import BindCache
+from hetero._split import CostModel
+
+pytestmark = pytest.mark.anyio
+
+ADD = """
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+struct P { k: f32, n: u32 }
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < p.n) { out[gid.x] = a[gid.x] + p.k; }
+}
+"""
+
+
+def add(gpu: hetero.GPUContext, a: Tensor, k: float = 1.0) -> Tensor:
+    out = gpu.empty(a.shape, np.float32)
+    gpu.dispatch(ADD, (a.size + 63) // 64, a, out, np.array([(k, a.size)], dtype=[("k", "<f4"), ("n", "<u4")]))
+    return out
+
+
+def chain(n: int) -> hetero.Graph:
+    """
+    ::
+
+        x -> add0 -> add1 -> ... -> add{n-1}     (each adds 1)
+    """
+    g = hetero.Graph(f"bind-chain-{n}")
+    v = g.input("x")
+    for i in range(n):
+        v = g.gpu(add, v, name=f"add{i}")
+    g.output(v)
+    return g
+
+
+async def test_repeated_runs_reuse_uniforms_and_bind_groups(rt: hetero.Runtime) -> None:
+    g, x = chain(6), np.arange(100, dtype=np.float32)
+    np.testing.assert_array_equal(await rt.run(g, x=x), x + 6)
+    binds = rt.device().binds
+    first = binds.stats()
+    assert first["uniforms"] == 1  # six dispatches, one parameter block: one uniform buffer
+    for _ in range(3):
+        np.testing.assert_array_equal(await rt.run(g, x=x), x + 6)
+    again = binds.stats()
+    assert again["misses"] == first["misses"]  # same pooled buffers, same parameters: all hits
+    assert again["hits"] >= first["hits"] + 18
+    assert again["bind_groups"] == first["bind_groups"] and again["uniforms"] == 1
+
+
+async def test_trimmed_buffers_drop_their_bind_groups(rt: hetero.Runtime) -> None:
+    """A cached group over a destroyed buffer would abort the process at submit: trim forgets them."""
+    g, x = chain(4), np.ones(1000, np.float32)
+    np.testing.assert_array_equal(await rt.run(g, x=x), x + 4)
+    binds = rt.device().binds
+    assert binds.stats()["bind_groups"] > 0
+    assert rt.trim() > 0
+    assert binds.stats()["bind_groups"] == 0  # every cached group bound a pooled buffer
+    for _ in range(2):  # fresh buffers, fresh groups, right answers
+        np.testing.assert_array_equal(await rt.run(g, x=x), x + 4)
+    assert rt.memory_stats().in_use_bytes == 0
+
+
+async def test_buffers_hetero_does_not_own_are_never_cached(rt: hetero.Runtime) -> None:
+    dev = rt.device()
+    own = dev.device.create_buffer_with_data(data=np.full(64, 5, np.float32), usage=wgpu.BufferUsage.STORAGE)
+    foreign = Tensor(own, (64,), np.float32)
+
+    def stage(gpu: hetero.GPUContext) -> Tensor:
+        return add(gpu, foreign, 2.0)
+
+    g = hetero.Graph("foreign")
+    g.output(g.gpu(stage, name="stage"))
+    before = dev.binds.stats()["misses"]
+    for _ in range(3):
+        np.testing.assert_array_equal(await rt.run(g), np.full(64, 7, np.float32))
+    assert dev.binds.stats()["misses"] == before + 3  # a fresh (validated) group every time
+    own.destroy()
+    with pytest.raises(hetero.StageError, match="stage 'stage'"):
+        await rt.run(g)  # wgpu refuses the destroyed buffer when the group is made: no abort
+    assert rt.memory_stats().in_use_bytes == 0
+
+    # the same data as a resident constant is cached against
+    def resident_stage(gpu: hetero.GPUContext) -> Tensor:
+        t = cache.get("t")
+        if t is None:
+            t = cache["t"] = gpu.resident(np.full(64, 5, np.float32))
+        return add(gpu, t, 2.0)
+
+    cache: dict[str, Tensor] = {}
+    g2 = hetero.Graph("resident")
+    g2.output(g2.gpu(resident_stage, name="stage"))
+    np.testing.assert_array_equal(await rt.run(g2), np.full(64, 7, np.float32))
+    misses = dev.binds.stats()["misses"]
+    np.testing.assert_array_equal(await rt.run(g2), np.full(64, 7, np.float32))
+    assert dev.binds.stats()["misses"] == misses
+
+
+def test_lru_bounds_and_forget(shared_rt: hetero.Runtime) -> None:
+    dev = shared_rt.device()
+    cache = BindCache(dev.device, max_uniforms=2, max_groups=2)
+    k = dev.kernel(ADD, label="bind-lru")
+    bufs = [dev.device.create_buffer(size=256, usage=wgpu.BufferUsage.STORAGE) for _ in range(4)]
+    for b in bufs:
+        cache.keep(b)
+    u = cache.uniform(bytes(16))
+    assert cache.uniform(bytes(16)) is u and cache.stats()["uniforms"] == 1
+    for i in range(3):
+        cache.bind_group("k", k.layouts[0], [(bufs[i], 0, 256), (bufs[3], 0, 256), (u, 0, 16)])
+    assert cache.stats()["bind_groups"] == 2  # the oldest was evicted
+    g = cache.bind_group("k", k.layouts[0], [(bufs[2], 0, 256), (bufs[3], 0, 256), (u, 0, 16)])
+    assert cache.bind_group("k", k.layouts[0], [(bufs[2], 0, 256), (bufs[3], 0, 256), (u, 0, 16)]) is g
+    cache.forget([bufs[3]])  # binds every cached group
+    assert cache.stats()["bind_groups"] == 0
+    # a forgotten buffer is no longer cached against
+    a = cache.bind_group("k", k.layouts[0], [(bufs[0], 0, 256), (bufs[3], 0, 256), (u, 0, 16)])
+    assert cache.bind_group("k", k.layouts[0], [(bufs[0], 0, 256), (bufs[3], 0, 256), (u, 0, 16)]) is not a
+    # evicting a uniform drops the groups that bind it
+    cache.bind_group("k", k.layouts[0], [(bufs[0], 0, 256), (bufs[1], 0, 256), (u, 0, 16)])
+    assert cache.stats()["bind_groups"] == 1
+    cache.uniform(bytes(range(16)))
+    cache.uniform(bytes(range(1, 17)))
+    assert cache.stats() == {**cache.stats(), "uniforms": 2, "bind_groups": 0}
+    for b in bufs:
+        b.destroy()
+
+
+def test_calibration_timestamps_are_sampled() -> None:
+    cost = CostModel()
+    timed = [cost.should_time("k") for _ in range(200)]
+    assert timed[:8] == [True] * 8 and sum(timed) == 8 + 3  # then dispatches 64, 128 and 192
+    assert timed[64] and timed[128] and not timed[65]
+    assert cost.should_time("other")
