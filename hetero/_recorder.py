@@ -11,8 +11,8 @@ encoder. Two recorders:
   copy needs the pass closed (a dispatch in an open pass costs ~5 µs, a pass of its
   own ~18 µs). The encoder is finished and enqueued
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
-  ``max_stages`` stages, when a large stage was recorded, when the recording thread
-  goes idle, and before the buffer pool destroys memory. Consumers of a stage may
+  ``max_stages`` stages, when a large stage was recorded while the GPU is idle,
+  when the recording thread goes idle, and before the buffer pool destroys memory. Consumers of a stage may
   be recorded right after it: the one thread records them later, into the same
   encoder or a later one, so queue order is kept.
 * :class:`StageRecorder` (several recording threads): one encoder per stage,

@@ -15,9 +15,15 @@ Policy
   on the same thread (no hand-off at all for chains), and queues the rest. The
   event loop is only woken when a run ends or a stage with a ``timeout`` starts:
   trivially short stages never pay for a hop through the loop.
-* GPU stages are recorded on GPU worker threads (each stage with its own command
-  encoder), submitted with a submission index, and completed by the device's
-  fence thread, which downloads values a CPU stage or the caller needs.
+* GPU stages are recorded on GPU worker threads (into one shared command encoder
+  with one thread, else an encoder per stage), submitted with a submission index,
+  and completed by the device's fence thread, which downloads values a CPU stage
+  or the caller needs. A large stage is submitted at once only while the GPU is
+  idle; while it is busy the shared encoder keeps growing (a command buffer costs
+  ~0.3 ms of host time on the H200).
+* A CPU value that several GPU stages read is uploaded by the first of them and
+  held (like a GPU value, one hold per reader) for the others, when one thread
+  records (so the upload is queued before every reader).
 * The first failure (after the stage's retries) stops the run: no further stage
   of it starts, the waiter wakes and raises :class:`~hetero.StageError`. A stage
   already running when its run stops finishes, and its result is dropped
@@ -29,8 +35,8 @@ Policy
 State
 -----
 Per run (:class:`Run`): host values, device values, remaining-dependency counts,
-the number of unfinished stages, start times of timed stages, and the first
-error. Counts are changed under the run's lock; the plan is shared, read-only.
+the number of unfinished stages, start times of timed stages, held device blocks
+(GPU values and shared uploads), and the first error. Counts are changed under the run's lock; the plan is shared, read-only.
 """
 
 from __future__ import annotations
