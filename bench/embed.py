@@ -59,7 +59,7 @@ def best(fn: Any, repeats: int) -> float:
     return min(times)
 
 
-def profile(texts: list[str], model: Any, args: argparse.Namespace) -> None:
+def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int]) -> None:
     """A traced pass after a warm one: each kernel's GPU time (timestamps around every dispatch)."""
     import hetero
     from hetero.pipelines.embed import embed
@@ -70,9 +70,9 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace) -> None:
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
         rt = hetero.Runtime(trace=path)
         try:
-            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # every shape compiled
+            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)  # every shape compiled
             t0 = time.perf_counter_ns()
-            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
+            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
             wall = (time.perf_counter_ns() - t0) / 1e9
         finally:
             rt.close()
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
+    p.add_argument("--max-in-flight", type=int, default=None, help="hetero's batches in flight (default: the pipeline's)")
     p.add_argument("--profile", action="store_true",
                    help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
     p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")
@@ -122,16 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     texts = sentences(args.n, args.max_words, vocab)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "int8": args.int8, "n": args.n, "batch": args.batch, "max_tokens": max(lens),
+    from hetero.pipelines.embed import MAX_IN_FLIGHT
+
+    common = {"model": args.model, "int8": args.int8, "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT, "n": args.n, "batch": args.batch, "max_tokens": max(lens),
               "mean_tokens": round(float(np.mean(lens)), 1)}
 
+    flight = {} if args.max_in_flight is None else {"max_in_flight": args.max_in_flight}
     rt = hetero.Runtime()
     try:
-        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # warm-up
+        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)  # warm-up
         out: dict[str, np.ndarray] = {}
 
         def run_hetero() -> None:
-            out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
+            out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
 
         t = best(run_hetero, args.repeats)
         device = rt.device().summary.get("summary", "?")
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rt.close()
     h_rate = args.n / t
     if args.profile:
-        profile(texts, model, args)
+        profile(texts, model, args, flight)
     print(json.dumps({"impl": "hetero", **common, "seconds": round(t, 4), "sentences_per_s": round(h_rate, 2),
                       "device": str(device)}), flush=True)
     if args.no_torch:

@@ -51,7 +51,7 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "POOL_WGSL", "QKV", "aembed", "embed", "embed_batches", "embedding_graph",
+__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV", "aembed", "embed", "embed_batches", "embedding_graph",
            "get_model", "linear_weight", "quantized_weights", "resident_int8_weights", "resident_weights", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
@@ -314,18 +314,25 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
     return out
 
 
+# Batches in flight at once (Runtime.map). With 2, the batch after next was only tokenized
+# once a batch completed, and the GPU waited for it: on the H200 (1024 sentences, batch
+# 128) the GPU was busy for 82 of 152 ms; see BENCHMARKS.md for the figure with 4.
+MAX_IN_FLIGHT = 4
+
+
 def _order(texts: list[str]) -> np.ndarray:
     """Longest first (sentence-transformers sorts by character length): batches pad little."""
     return np.argsort([-len(t) for t in texts], kind="stable")
 
 
 async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
-                        batch_size: int = 32, runtime: hetero.Runtime, max_in_flight: int = 2,
+                        batch_size: int = 32, runtime: hetero.Runtime, max_in_flight: int = MAX_IN_FLIGHT,
                         int8: bool = False) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
     """Yield ``(indices, embeddings)`` per batch: rows of ``embeddings`` belong to ``texts[indices]``.
 
-    Batches come longest sentences first; through ``runtime.map``, so the next batch is
-    tokenized while the GPU encodes this one. ``int8``: see :func:`embed`.
+    Batches come longest sentences first; through ``runtime.map`` with up to
+    ``max_in_flight`` batches at once, so later batches are tokenized while the GPU
+    encodes this one. ``int8``: see :func:`embed`.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"embed: batch_size must be an integer >= 1, got {batch_size!r}")
@@ -347,7 +354,7 @@ PROGRESS_MIN_TEXTS = 1000
 
 async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                  batch_size: int = 32, runtime: hetero.Runtime, int8: bool = False,
-                 progress: bool | None = None) -> np.ndarray:
+                 progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
     items = _check_texts(texts)
     m = get_model(model)
@@ -356,7 +363,8 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
         progress = len(items) >= PROGRESS_MIN_TEXTS and sys.stderr.isatty()
     bar = tqdm(total=len(items), unit="sentence", desc="embed", disable=not progress)
     try:
-        async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8):
+        async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8,
+                                            max_in_flight=max_in_flight):
             out[idx] = emb
             bar.update(len(idx))
     finally:
@@ -365,7 +373,8 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
 
 
 def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
-          runtime: hetero.Runtime | None = None, int8: bool = False, progress: bool | None = None) -> np.ndarray:
+          runtime: hetero.Runtime | None = None, int8: bool = False, progress: bool | None = None,
+          max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
     """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
 
     ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
@@ -374,15 +383,15 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     ``int8``: the encoder's linear layers multiply by int8 weights (per output channel,
     quantized once per model, resident per device; see the module doc); embeddings,
     layernorms, attention and pooling stay float32. ``progress``: a progress bar on
-    stderr (default: for long inputs when stderr is a terminal). Synchronous: from async
-    code use :func:`aembed`.
+    stderr (default: for long inputs when stderr is a terminal). ``max_in_flight``:
+    batches tokenized or encoded at once. Synchronous: from async code use :func:`aembed`.
     """
     rt = runtime if runtime is not None else _default_runtime()
     result: list[np.ndarray] = []
 
     async def main() -> None:
         result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt, int8=int8,
-                                   progress=progress))
+                                   progress=progress, max_in_flight=max_in_flight))
 
     anyio.run(main)
     return result[0]
