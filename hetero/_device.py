@@ -143,6 +143,10 @@ class Device:
         self._submit_lock = threading.Lock()
         self._inflight = 0  # our submissions not yet completed
         self.before_flush: list[Callable[[], None]] = []  # recorders holding open encoders
+        # Called on the fence thread when the GPU has nothing of ours left: a recorder
+        # holding finished stages in an open encoder sends them now rather than at its
+        # next stage (the GPU would idle for a stage's recording time).
+        self.on_idle: list[Callable[[], None]] = []
         self.submissions = 0
         self.lost: str | None = None
         self._lost_callbacks: list[Callable[[str], None]] = []
@@ -317,6 +321,10 @@ class Device:
             self._inflight -= 1
             if self._batch and self._inflight == 0:
                 self._flush_locked()
+            idle = self._inflight == 0 and not self._batch
+        if idle:
+            for hook in self.on_idle:
+                hook()
 
     def wait(self, index: int) -> None:
         """Block the calling thread until submission ``index`` completed (never call on the loop)."""

@@ -12,6 +12,7 @@ encoder. Two recorders:
   own ~18 µs). The encoder is finished and enqueued
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
   ``max_stages`` stages, when a large stage was recorded while the GPU is idle,
+  when the GPU goes idle with committed stages waiting (from the fence thread),
   when the recording thread goes idle, and before the buffer pool destroys memory. Consumers of a stage may
   be recorded right after it: the one thread records them later, into the same
   encoder or a later one, so queue order is kept.
@@ -282,6 +283,17 @@ class SharedRecorder(_Budget):
     def split(self) -> None:
         """The GPU-time budget is reached: submit the open encoder now."""
         self.flush()
+
+    def flush_if_free(self) -> None:
+        """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
+        being recorded right now (its commit will find the GPU idle and submit)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if self._encoder is not None and self._stages > 0:
+                self._finish(flush=True)
+        finally:
+            self.lock.release()
 
     def _finish(self, *, flush: bool) -> None:
         if self._pass is not None:

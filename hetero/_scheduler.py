@@ -589,6 +589,7 @@ class Scheduler:
             self._shared = SharedRecorder(dev, self.submit_batch)
             self._shared_dev = dev
             dev.before_flush.append(self._shared.flush)
+            dev.on_idle.append(self._shared.flush_if_free)
         return self._shared
 
     @staticmethod

@@ -82,16 +82,18 @@ keys are all padding gets equal weights over all keys (the mean of ``v``, as HF
 computes), never NaN.
 
 Attention as three kernels (``impl="matmul"``). The fused kernel runs one thread per
-query row, a serial walk over the keys: on an NVIDIA H200 it took 1.33 ms for MiniLM's
-[128, 12, 128, 32] with a padding mask, against 0.22 ms for torch's
-scaled_dot_product_attention, while the tiled matmul reaches 42 TFLOP/s. So attention
+query row, a serial walk over the keys (its row of q and its accumulator unrolled into
+named vec4 registers: as arrays indexed in loops the kernel ran at 0.16x torch's speed
+instead of 0.23x, below): on an NVIDIA H200 at MiniLM's [128, 12, 128, 32] with a padding mask
+it runs at 0.23x the speed of torch's scaled_dot_product_attention (the three kernels:
+0.47x), at [128, 12, 64, 32] at 0.72x (the three kernels: 0.31x). So attention
 can also run as scores = q @ k^T (``matmul`` batched over B*H, ``transpose_b``), the
 softmax kernel with the scale multiplied in and the padding mask applied as a keep mask
 (padded entries become -finfo(float32).max, HF's ``(1 - mask) * finfo.min`` for finite
 scores, so a fully padded row again gets the mean of ``v`` and never NaN), then
 probs @ v. The scores and probabilities are stage temporaries of B*H*Sq*Sk floats
 (100 MB each at MiniLM's shape), back in the pool after the stage. ``impl="auto"``
-takes it on discrete and integrated GPUs when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (64)
+takes it on discrete and integrated GPUs when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (128)
 and the scores fit one storage binding, and keeps the fused kernel on CPU adapters
 (lavapipe: no wide parallel matmul to gain, and less memory traffic) and for short
 sequences (little parallel work per score matrix; one dispatch instead of three). The
@@ -139,7 +141,7 @@ ATTN_BK: int | None = None
 """Keys per attention tile; None: what fits in :data:`ATTN_SMEM_BYTES`, at most 64."""
 ATTN_SMEM_BYTES = 16384
 """Workgroup memory an attention tile aims for (also capped by the adapter's limit)."""
-ATTN_MATMUL_MIN_SEQ = 64
+ATTN_MATMUL_MIN_SEQ = 128
 """Shortest key sequence for which ``attention(impl="auto")`` takes the matmul path on a GPU."""
 
 _F32 = np.dtype(np.float32)
@@ -531,13 +533,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let obase = b * p.os_b + hh * p.os_h + qi * p.os_s;
     let kbase = b * p.ks_b + hh * p.ks_h;
 
-    var qv: array<vec4<f32>, D4>;
-    var acc: array<vec4<f32>, D4>;
-    for (var c = 0u; c < D4; c++) {
-        acc[c] = vec4<f32>(0.0);
-        qv[c] = vec4<f32>(0.0);
-        if (live) { qv[c] = ld_q(qbase, c) * p.scale; }
-    }
+    // The query row and the accumulator live in named registers, one vec4 each (the
+    // generator unrolls every loop over the head dimension): arrays indexed in loops
+    // ended up in local memory on NVIDIA's compiler.
+$DECL
     // Running maximum (log2 units) and sum. Scores of padded keys are finfo.min, as in HF:
     // they count (with weight 1 each) only while no real key was seen.
     var m = -NN_FLT_MAX;
@@ -564,31 +563,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let cnt = min(BK, p.sk - t0);
         if (live) {
             for (var j = 0u; j < cnt; j++) {
+                let r = j * D4;
                 if (tm[j] == 0u) {
                     if (m == -NN_FLT_MAX) {
                         l += 1.0;
-                        for (var c = 0u; c < D4; c++) { acc[c] += tv[j * D4 + c]; }
+$ACC_PAD
                     }
                     continue;
                 }
                 var s4 = vec4<f32>(0.0);
-                for (var c = 0u; c < D4; c++) { s4 += qv[c] * tk[j * D4 + c]; }
+                var u4 = vec4<f32>(0.0);   // two partial sums: half the dependency chain
+$DOT
+                s4 += u4;
                 let s = (s4.x + s4.y) + (s4.z + s4.w);
                 if (s > m) {
                     let alpha = select(exp2(m - s), 0.0, m == -NN_FLT_MAX);
                     l *= alpha;
-                    for (var c = 0u; c < D4; c++) { acc[c] *= alpha; }
+$RESCALE
                     m = s;
                 }
                 let pj = exp2(s - m);
                 l += pj;
-                for (var c = 0u; c < D4; c++) { acc[c] += pj * tv[j * D4 + c]; }
+$ACC
             }
         }
     }
     if (live) {
         let inv = 1.0 / l;
-        for (var c = 0u; c < D4; c++) { $STORE }
+$STORE
     }
 }
 """)
@@ -598,9 +600,9 @@ _LD_SCALAR = """let d0 = c * 4u;
     var r = vec4<f32>(0.0);
     for (var i = 0u; i < 4u; i++) {{ if (d0 + i < p.d) {{ r[i] = {buf}[base + d0 + i]; }} }}
     return r;"""
-_ST_VEC = "o[(obase >> 2u) + c] = acc[c] * inv;"
-_ST_SCALAR = """let r = acc[c] * inv;
-            for (var i = 0u; i < 4u; i++) { if (c * 4u + i < p.d) { o[obase + c * 4u + i] = r[i]; } }"""
+_ST_VEC = "o[(obase >> 2u) + {c}u] = a{c} * inv;"
+_ST_SCALAR = """{{ let r = a{c} * inv;
+            for (var i = 0u; i < 4u; i++) {{ if ({c}u * 4u + i < p.d) {{ o[obase + {c}u * 4u + i] = r[i]; }} }} }}"""
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -1080,7 +1082,7 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
     over B*H, the softmax kernel with the scale and the padding mask folded in, probs @ v;
     ``layout="bshd"`` adds transposes of q, k, v and the result; the scores and
     probabilities, B*H*Sq*Sk floats each, are stage temporaries) or ``"auto"``: "matmul"
-    on a discrete or integrated GPU when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (64) and the
+    on a discrete or integrated GPU when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (128) and the
     scores fit one storage binding, else "fused" (CPU adapters such as lavapipe, short
     sequences). Both give the same results (to float32 rounding), fully padded rows too.
     """
@@ -1231,6 +1233,14 @@ def _attention_wgsl(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | Non
         bits = "mask[b * p.sk + key]"
         real = (f"return select(0u, 1u, ({bits} & 0x7fffffffu) != 0u);" if float_mask
                 else f"return select(0u, 1u, {bits} != 0u);")
-    return _ATTENTION.substitute(BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
-                                 LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
-                                 STORE=_ST_VEC if vec else _ST_SCALAR)
+    def each(line: str, indent: int) -> str:
+        return "\n".join(" " * indent + line.format(c=c) for c in range(d4))
+
+    return _ATTENTION.substitute(
+        BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
+        LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
+        DECL=each("var a{c} = vec4<f32>(0.0);\n    var q{c} = vec4<f32>(0.0);\n"
+                  "    if (live) {{ q{c} = ld_q(qbase, {c}u) * p.scale; }}", 4),
+        ACC_PAD=each("a{c} += tv[r + {c}u];", 24), DOT="\n".join(" " * 16 + f"{'su'[c % 2]}4 += q{c} * tk[r + {c}u];" for c in range(d4)),
+        RESCALE=each("a{c} *= alpha;", 20), ACC=each("a{c} += pj * tv[r + {c}u];", 16),
+        STORE=each(_ST_VEC if vec else _ST_SCALAR, 8))

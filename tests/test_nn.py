@@ -428,8 +428,8 @@ async def test_attention_packed_matches_numpy(shared_rt: hetero.Runtime) -> None
 def test_attention_auto_choice() -> None:
     big = 1 << 30
     assert nn._attention_auto("DiscreteGPU", 128, 128, 4 << 20, big) == "matmul"
-    assert nn._attention_auto("IntegratedGPU", 64, 64, 4 << 20, big) == "matmul"
-    assert nn._attention_auto("DiscreteGPU", 63, 63, 4 << 20, big) == "fused"        # short sequences
+    assert nn._attention_auto("IntegratedGPU", 128, 128, 4 << 20, big) == "matmul"
+    assert nn._attention_auto("DiscreteGPU", 127, 127, 4 << 20, big) == "fused"      # short sequences
     assert nn._attention_auto("CPU", 512, 512, 4 << 20, big) == "fused"              # lavapipe and co.
     assert nn._attention_auto("", 512, 512, 4 << 20, big) == "fused"                 # unknown adapter
     assert nn._attention_auto("DiscreteGPU", 512, 512, big + 4, big) == "fused"      # scores too big to bind
