@@ -70,7 +70,8 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
         rt = hetero.Runtime(trace=path)
         try:
-            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)  # every shape compiled
+            # warm: every shape compiled
+            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
             t0 = time.perf_counter_ns()
             embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
             wall = (time.perf_counter_ns() - t0) / 1e9
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
-    p.add_argument("--max-in-flight", type=int, default=None, help="hetero's batches in flight (default: the pipeline's)")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="hetero's batches in flight (default: the pipeline's)")
     p.add_argument("--profile", action="store_true",
                    help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
     p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
     from hetero.pipelines.embed import MAX_IN_FLIGHT
 
-    common = {"model": args.model, "int8": args.int8, "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT, "n": args.n, "batch": args.batch, "max_tokens": max(lens),
+    common = {"model": args.model, "int8": args.int8, "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT,
+              "n": args.n, "batch": args.batch, "max_tokens": max(lens),
               "mean_tokens": round(float(np.mean(lens)), 1)}
 
     flight = {} if args.max_in_flight is None else {"max_in_flight": args.max_in_flight}

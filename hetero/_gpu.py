@@ -102,8 +102,10 @@ class GPUContext:
         """A Tensor holding ``array`` for as long as the device lives (model weights, tables).
 
         Uploaded at once with its own buffer: never pooled, never released by the
-        scheduler, so keep the Tensor (e.g. in a per-device cache) and reuse it in
-        later stages and runs. hetero caches bind groups against it.
+        scheduler and not counted in ``memory_stats()``, so keep the Tensor (e.g. in a
+        per-device cache) and reuse it in later stages and runs. hetero caches bind
+        groups against it: never ``destroy()`` its buffer yourself (a cached bind group
+        over a destroyed buffer would fail at submission); it goes with the device.
         """
         a = np.ascontiguousarray(array)
         if a.dtype == object:

@@ -36,7 +36,8 @@ State
 -----
 Per run (:class:`Run`): host values, device values, remaining-dependency counts,
 the number of unfinished stages, start times of timed stages, held device blocks
-(GPU values and shared uploads), and the first error. Counts are changed under the run's lock; the plan is shared, read-only.
+(GPU values and shared uploads), and the first error. Counts are changed under the
+run's lock; the plan is shared, read-only.
 """
 
 from __future__ import annotations

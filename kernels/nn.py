@@ -1241,6 +1241,7 @@ def _attention_wgsl(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | Non
         LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
         DECL=each("var a{c} = vec4<f32>(0.0);\n    var q{c} = vec4<f32>(0.0);\n"
                   "    if (live) {{ q{c} = ld_q(qbase, {c}u) * p.scale; }}", 4),
-        ACC_PAD=each("a{c} += tv[r + {c}u];", 24), DOT="\n".join(" " * 16 + f"{'su'[c % 2]}4 += q{c} * tk[r + {c}u];" for c in range(d4)),
+        ACC_PAD=each("a{c} += tv[r + {c}u];", 24),
+        DOT="\n".join(" " * 16 + f"{'su'[c % 2]}4 += q{c} * tk[r + {c}u];" for c in range(d4)),
         RESCALE=each("a{c} *= alpha;", 20), ACC=each("a{c} += pj * tv[r + {c}u];", 16),
         STORE=each(_ST_VEC if vec else _ST_SCALAR, 8))
