@@ -417,3 +417,65 @@ async def test_cpu_value_read_by_several_gpu_stages_is_uploaded_once(rt: hetero.
         with pytest.raises(StageError, match="stage 'total'"):
             await rt.run(g, x=x, fail=True)
         assert rt.memory_stats().in_use_bytes == 0
+
+
+def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: hetero.Runtime) -> None:
+    """The fence thread's on_idle hook submits what waits in a shared encoder, but never
+    finishes an encoder a stage is still recording into."""
+    from hetero._recorder import SharedRecorder
+
+    dev = shared_rt.device()
+    rec = SharedRecorder(dev, max_stages=32)
+    x = np.arange(64, dtype=np.float32)
+    done = threading.Event()
+
+    def record() -> hetero.GPUContext:
+        ctx = hetero.GPUContext(dev, "idle-flush", recorder=rec)
+        t = ctx.upload(x)
+        scale(ctx, t, 3.0)
+        return ctx
+
+    with rec.lock:  # a stage is being recorded: the hook must leave the encoder alone
+        ctx = record()
+        before = dev.submissions
+        worker = threading.Thread(target=rec.flush_if_free)
+        worker.start()
+        worker.join(timeout=5)
+        assert not worker.is_alive() and dev.submissions == before
+        rec.commit(done.set, lambda err: None, flush=False)
+    assert dev.submissions == before and not done.is_set()  # committed, still in the open encoder
+    rec.flush_if_free()
+    assert dev.submissions == before + 1
+    assert done.wait(5)
+    ctx.settle(ran=True)
+    ctx.release_blocks()
+    rec.flush_if_free()  # nothing open: a no-op
+    assert dev.submissions == before + 1
+
+
+def test_fence_spin_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from hetero import _device
+
+    monkeypatch.setattr(_device.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("HETERO_FENCE_SPIN_US", raising=False)
+    assert _device._fence_spin_s() == pytest.approx(_device.FENCE_SPIN_US / 1e6)
+    monkeypatch.setattr(_device.os, "cpu_count", lambda: 2)
+    assert _device._fence_spin_s() == 0.0  # few cores: the spinner would take the CPU others need
+    for raw, want in (("250", 250e-6), ("0", 0.0), ("-5", 0.0)):
+        monkeypatch.setenv("HETERO_FENCE_SPIN_US", raw)
+        assert _device._fence_spin_s() == pytest.approx(want)
+    monkeypatch.setenv("HETERO_FENCE_SPIN_US", "fast")
+    assert _device._fence_spin_s() == 0.0
+    assert "ignoring HETERO_FENCE_SPIN_US='fast'" in caplog.text
+
+
+async def test_spinning_fence_thread_runs_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETERO_FENCE_SPIN_US", "300")
+    g, x = chain(5, "spin-chain"), np.ones(256, np.float32)
+    async with hetero.Runtime(cpu_threads=2) as rt:
+        assert rt.device().fence_spin_s == pytest.approx(300e-6)
+        for _ in range(5):
+            np.testing.assert_array_equal(await rt.run(g, x=x), x * 32)
+        results = [r async for r in rt.map(g, ({"x": x * k} for k in range(6)), max_in_flight=3)]
+        for k, r in enumerate(results):
+            np.testing.assert_array_equal(r, x * k * 32)
