@@ -72,7 +72,7 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -85,7 +85,7 @@ if TYPE_CHECKING:
     from hetero._device import Device
     from hetero._gpu import GPUContext
 
-__all__ = ["CANDIDATES", "MatmulConfig", "TuneResult", "cache_path", "choose_config", "default_config",
+__all__ = ["ACTIVATIONS", "CANDIDATES", "MatmulConfig", "TuneResult", "cache_path", "choose_config", "default_config",
            "explain_config", "matmul", "size_class", "tune", "wgsl"]
 
 log = logging.getLogger("hetero")
@@ -223,6 +223,7 @@ class _Variant:
     bias: bool
     partial: bool = False  # write float32 partial sums of a K split (no bias); a second pass adds them
     odd_n: bool = False  # float16 output with an odd N: rows do not start on 32-bit words
+    act: str = ""  # "gelu": applied to every result element (after the bias) in the store
 
 
 _XYZW = "xyzw"
@@ -272,15 +273,16 @@ def emit_k_loop(emit: Callable[[str], Any], double_buffer: bool, next_k: Callabl
 
 
 def wgsl(config: MatmulConfig, *, f16: bool = False, vec_a: bool = True, vec_b: bool = True, vec_c: bool = True,
-         transpose_b: bool = False, bias: bool = False, odd_n: bool = False) -> str:
+         transpose_b: bool = False, bias: bool = False, odd_n: bool = False, activation: str | None = None) -> str:
     """The WGSL source of one kernel variant (for reading, or compiling it yourself).
 
     ``vec_*``: the row lengths of A (K), B (N, or K with ``transpose_b``) and C (N) are
     multiples of 4; ``odd_n``: N is odd (float16 output only). Bindings: 0 A, 1 B, 2 C
     (float32 partials when ``config.split_k > 1``), 3 the ``Params`` uniform, 4 bias.
     """
-    return _wgsl(config, _Variant(f16, vec_a, vec_b, vec_c, transpose_b, bias and config.split_k == 1,
-                                  config.split_k > 1, f16 and odd_n))
+    split = config.split_k > 1
+    return _wgsl(config, _Variant(f16, vec_a, vec_b, vec_c, transpose_b, bias and not split, split, f16 and odd_n,
+                                  "" if split else (activation or "")))
 
 
 @lru_cache(maxsize=256)
@@ -319,6 +321,8 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
         emit(f"@group(0) @binding(4) var<storage, read> bias: {arr(v.vec_c, v.f16)};")
     if v.f16:
         emit(_HALF_HELPERS)
+    if v.act:
+        emit(_act_prelude())
     if half_out and not v.vec_c and v.odd_n:
         emit(_STORE_HALF)
     bufs = (0, 1) if c.double_buffer else (0,)
@@ -328,6 +332,8 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
     emit(f"@compute @workgroup_size({nt})")
     emit("fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {")
     emit("    let w = hetero_workgroup_id(wid);")
+    if v.act:
+        emit("    nn_zero = p.pad;  // 0, unknown to the compiler (see hetero.kernels.nn)")
     emit(f"    let tx = tid % {tx_n}u;")
     emit(f"    let ty = tid / {tx_n}u;")
     emit(f"    let m0 = (w.y + p.y0) * {c.bm}u;")
@@ -459,6 +465,8 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
                 acc = f"c{r}_{h}"
                 if v.vec_c:
                     val = f"{acc} + {ld4('bias', 'col / 4u')}" if v.bias else acc
+                    if v.act:
+                        val = f"nn_gelu4({val})"
                     if half_out:
                         emit(f"          let q = {val};")
                         val = "vec2<u32>(pack2x16float(q.xy), pack2x16float(q.zw))"
@@ -467,6 +475,8 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
                     continue
                 vals = [f"{acc}.{_XYZW[j]}" + (f" + {ld1('bias', f'col + {j}u')}" if v.bias else "")
                         for j in range(4)]
+                if v.act:
+                    vals = [f"nn_gelu({x})" for x in vals]
                 if not half_out:
                     for j in range(4):
                         emit(f"          if (col + {j}u < p.N) {{ C[e + {j}u] = {vals[j]}; }}")
@@ -505,7 +515,7 @@ _PARAMS = ("struct Params { M: u32, N: u32, K: u32, sa: u32, sb: u32, sc: u32, y
 # invocation (a vec4 when N is a multiple of 4; else one float32, or two float16 in a word);
 # any number of workgroups along x.
 _SUM_PARTIALS = """
-struct SumParams { units: u32, stride: u32, split: u32, n: u32 }  // stride: P units per part
+struct SumParams { units: u32, stride: u32, split: u32, n: u32, zero: u32, p0: u32, p1: u32, p2: u32 }  // stride: P units per part
 @group(0) @binding(0) var<storage, read> P: array<$PV>;
 @group(0) @binding(1) var<storage, read_write> C: array<$CV>;
 @group(0) @binding(2) var<uniform> p: SumParams;
@@ -520,33 +530,52 @@ fn part(i: u32) -> $SV {
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let i = hetero_workgroup_id(wid).x * 256u + tid;
     if (i >= p.units) { return; }
+$ZERO
 $BODY
 }
 """
 
 
-@lru_cache(maxsize=16)
-def _sum_wgsl(f16: bool, vec: bool, bias: bool) -> str:
+@lru_cache(maxsize=32)
+def _sum_wgsl(f16: bool, vec: bool, bias: bool, act: str = "") -> str:
     sv = "vec4<f32>" if vec else "f32"
+
+    def a(x: str, four: bool = False) -> str:  # the activation, if any
+        return x if not act else f"nn_gelu4({x})" if four else f"nn_gelu({x})"
+
     if vec:
         cv = "vec2<u32>" if f16 else "vec4<f32>"
         b = ("h4(bias[i % (p.n / 4u)])" if f16 else "bias[i % (p.n / 4u)]") if bias else ""
-        val = "part(i)" + (f" + {b}" if bias else "")
+        val = a("part(i)" + (f" + {b}" if bias else ""), four=True)
         body = (f"    let q = {val};\n    C[i] = vec2<u32>(pack2x16float(q.xy), pack2x16float(q.zw));" if f16
                 else f"    C[i] = {val};")
     elif not f16:
         cv = "f32"
-        body = "    C[i] = part(i)" + (" + bias[i % p.n];" if bias else ";")
+        body = "    C[i] = " + a("part(i)" + (" + bias[i % p.n]" if bias else "")) + ";"
     else:  # two float16 per u32 word: elements 2i and 2i + 1 (the second may be past the end)
         cv = "u32"
-        lo = "part(2u * i)" + (" + h1w(bias[((2u * i) % p.n) / 2u], (2u * i) % p.n)" if bias else "")
-        hi = ("select(0.0, part(2u * i + 1u)" + (" + h1w(bias[((2u * i + 1u) % p.n) / 2u], (2u * i + 1u) % p.n)"
-                                                 if bias else "") + ", 2u * i + 1u < p.stride)")
+        lo = a("part(2u * i)" + (" + h1w(bias[((2u * i) % p.n) / 2u], (2u * i) % p.n)" if bias else ""))
+        hi = ("select(0.0, " + a("part(2u * i + 1u)" + (" + h1w(bias[((2u * i + 1u) % p.n) / 2u], (2u * i + 1u) % p.n)"
+                                                        if bias else "")) + ", 2u * i + 1u < p.stride)")
         body = f"    C[i] = pack2x16float(vec2<f32>({lo}, {hi}));"
     bias_t = ("array<vec2<u32>>" if vec else "array<u32>") if f16 else f"array<{sv}>"
+    helpers = (_HALF_HELPERS if f16 else "") + (_act_prelude() if act else "")
     return (_SUM_PARTIALS.replace("$PV", sv).replace("$SV", sv).replace("$CV", cv)
             .replace("$BIAS_DECL", f"@group(0) @binding(3) var<storage, read> bias: {bias_t};" if bias else "")
-            .replace("$HELPERS", _HALF_HELPERS if f16 else "").replace("$BODY", body))
+            .replace("$HELPERS", helpers).replace("$ZERO", "    nn_zero = p.zero;" if act else "")
+            .replace("$BODY", body))
+
+
+ACTIVATIONS = ("gelu",)
+
+
+@lru_cache(maxsize=1)
+def _act_prelude() -> str:
+    """WGSL of the activations: hetero.kernels.nn's erf-form GELU (``nn_gelu``, ``nn_gelu4``)."""
+    from hetero.kernels.nn import _MATH
+
+    return _MATH + ("fn nn_gelu4(v: vec4<f32>) -> vec4<f32> "
+                    "{ return vec4<f32>(nn_gelu(v.x), nn_gelu(v.y), nn_gelu(v.z), nn_gelu(v.w)); }\n")
 
 
 # -- shapes -------------------------------------------------------------------------------------
@@ -562,12 +591,13 @@ class _Problem:
     f16: bool
     trans_b: bool
     bias: bool
+    act: str = ""  # "" or one of ACTIVATIONS
 
     def variant(self, split: int = 1) -> _Variant:
         k4 = self.k % 4 == 0 and self.k > 0
         vb = k4 if self.trans_b else self.n % 4 == 0
         return _Variant(self.f16, k4, vb and self.k > 0, self.n % 4 == 0, self.trans_b, self.bias and split == 1,
-                        split > 1, self.f16 and self.n % 2 == 1)
+                        split > 1, self.f16 and self.n % 2 == 1, self.act if split == 1 else "")
 
 
 def _dims(shape: tuple[int, ...]) -> str:
@@ -665,8 +695,13 @@ def _dispatches(p: _Problem, c: MatmulConfig, limit: int, split: int = 1,
 # -- the op -------------------------------------------------------------------------------------
 def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, transpose_b: bool = False,
            bias: Tensor | np.ndarray | None = None, out: Tensor | None = None,
-           config: MatmulConfig | None = None) -> Tensor:
+           config: MatmulConfig | None = None, activation: str | None = None) -> Tensor:
     """``a @ b`` (``a @ b.T`` with ``transpose_b``), plus ``bias`` per column, recorded into ``gpu``.
+
+    ``activation="gelu"`` applies BERT's erf-form GELU (:func:`hetero.kernels.nn.gelu`'s
+    code, same accuracy) to every result element after the bias, in the kernel's store
+    (or in the K split's summing pass): ``gelu(x @ W + b)`` in one dispatch, without a
+    pass over the result.
 
     ``a`` is ``[M, K]`` or ``[B, M, K]``; ``b`` is ``[K, N]`` or ``[B, K, N]`` (``[N, K]`` /
     ``[B, N, K]`` with ``transpose_b``); a 2-D operand is shared by every batch. ``bias`` is
@@ -680,6 +715,11 @@ def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, t
     b = gpu.upload(b) if isinstance(b, np.ndarray) else b
     bias = gpu.upload(bias) if isinstance(bias, np.ndarray) else bias
     p = _problem(a, b, transpose_b, bias, out)
+    if activation is not None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"matmul: activation must be None or one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {activation!r}")
+        p = replace(p, act=activation)
     _check_bindings(gpu.limits, a, b, bias, p)
     if out is None:
         out = gpu.empty(p.out_shape, a.dtype)
@@ -702,7 +742,8 @@ def _plan(gpu: Any, p: _Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Ten
     """The dispatches of one matmul (compiling kernels and taking scratch from ``gpu``)."""
     limit = gpu.limits["max-compute-workgroups-per-dimension"]
     split, kc = _split(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))
-    kern = gpu.kernel(_wgsl(c, p.variant(split)), "main", label=f"matmul {c.name}")
+    v = p.variant(split)
+    kern = gpu.kernel(_wgsl(c, v), "main", label=f"matmul {c.name}" + (f" {v.act}" if v.act else ""))
     extra = (bias,) if bias is not None else ()
     if split == 1:
         return [(kern, groups, (a, b, out, params, *extra)) for groups, params in _dispatches(p, c, limit)]
@@ -712,8 +753,9 @@ def _plan(gpu: Any, p: _Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Ten
     vec = p.n % 4 == 0
     elems = p.batch * p.m * p.n
     units = elems // 4 if vec else -(-elems // 2) if p.f16 else elems
-    params = np.array([units, elems // 4 if vec else elems, split, p.n], dtype=np.uint32)
-    sum_kernel = gpu.kernel(_sum_wgsl(p.f16, vec, bias is not None), "main", label="matmul split-k sum")
+    params = np.array([units, elems // 4 if vec else elems, split, p.n, 0, 0, 0, 0], dtype=np.uint32)
+    sum_kernel = gpu.kernel(_sum_wgsl(p.f16, vec, bias is not None, p.act), "main",
+                            label="matmul split-k sum" + (f" {p.act}" if p.act else ""))
     steps.append((sum_kernel, (-(-units // 256), 1, 1), (partials, out, params, *extra)))
     return steps
 

@@ -180,6 +180,41 @@ async def test_float16_inputs_accumulate_in_float32(shared_rt: hetero.Runtime) -
         check(got, want, rtol=2e-3, what=f"f16 {sa} @ {sb}")
 
 
+def gelu_ref(x: np.ndarray) -> np.ndarray:
+    import math
+
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+@ASYNCIO_ONLY
+async def test_fused_gelu_activation(shared_rt: hetero.Runtime) -> None:
+    """``activation="gelu"``: gelu(a @ b + bias) in the store, in every store path and the K split's sum."""
+    def graph(**kw: Any) -> hetero.Graph:
+        def stage(gpu: hetero.GPUContext, a: Tensor, b: Tensor, bias: Tensor) -> Tensor:
+            return matmul(gpu, a, b, bias=bias, activation="gelu", **kw)
+
+        g = hetero.Graph("matmul-gelu")
+        g.output(g.gpu(stage, g.input("a"), g.input("b"), g.input("bias"), name="matmul"))
+        return g
+
+    split = MatmulConfig(32, 32, 8, 4, 4, split_k=3)
+    cases = [((37, 600), (70, 600), True, None), ((33, 17), (17, 65), False, None),  # vec4 / scalar stores
+             ((5, 8), (7, 8), True, None), ((37, 600), (70, 600), True, split),   # K split: gelu in the sum
+             ((9, 520), (520, 16), False, split), ((1, 1), (1, 1), False, None)]
+    for i, (sa, sb, tb, cfg) in enumerate(cases):
+        a, b = rand(sa, i, np.float32) * 0.2, rand(sb, 10 + i, np.float32) * 0.2
+        bias = rand((sb[0] if tb else sb[1],), 20 + i)
+        got = await shared_rt.run(graph(transpose_b=tb, config=cfg), a=a, b=b, bias=bias)
+        check(got, gelu_ref(reference(a, b, tb, bias)), rtol=2e-5, what=f"gelu {sa} @ {sb} {cfg}")
+    a, b = rand((6, 10), 1, np.float16), rand((10, 5), 2, np.float16)  # float16 in and out, odd N
+    got = await shared_rt.run(graph(), a=a, b=b, bias=rand((5,), 3, np.float16))
+    assert got.dtype == np.float16
+    check(got, gelu_ref(reference(a, b, False, rand((5,), 3, np.float16))), rtol=3e-3, what="f16 gelu")
+    with pytest.raises(StageError) as ei:
+        await shared_rt.run(mm_graph(activation="relu"), a=rand((2, 2), 1), b=rand((2, 2), 2))
+    assert str(ei.value.__cause__) == "matmul: activation must be None or one of 'gelu', got 'relu'"
+
+
 @ASYNCIO_ONLY
 async def test_empty_dimensions(shared_rt: hetero.Runtime) -> None:
     got = await shared_rt.run(mm_graph(), a=np.zeros((0, 4), np.float32), b=rand((4, 3), 1))
