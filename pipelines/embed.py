@@ -11,10 +11,10 @@ sentence. ``embeddings`` gathers word + position + token-type rows and normalise
 them; each ``layer`` stage is one BERT encoder layer (one Q/K/V projection against the
 checkpoint's three ``[out, in]`` weights stacked, with ``transpose_b``; fused attention
 with the padding mask reading q, k and v in place; output projection + residual
-layernorm; gelu feed-forward + residual layernorm);
-``pool`` averages the real tokens and L2-normalises (one kernel of this module). One
-stage per layer keeps the temporaries of a layer in the buffer pool only while it is
-recorded; the queue orders the stages without host round trips.
+layernorm; gelu feed-forward + residual layernorm); ``pool`` averages the real tokens
+and L2-normalises (one kernel of this module). One stage per layer keeps the
+temporaries of a layer in the buffer pool only while it is recorded; the queue orders
+the stages without host round trips.
 
 The weights are uploaded once per device, on first use, with ``gpu.resident`` (buffers
 never pooled, never released by the scheduler) and held by the
