@@ -13,9 +13,9 @@ encoder. Two recorders:
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
   ``max_stages`` stages, when a large stage was recorded while the GPU is idle,
   when the GPU goes idle with committed stages waiting (from the fence thread),
-  when the recording thread goes idle, and before the buffer pool destroys memory. Consumers of a stage may
-  be recorded right after it: the one thread records them later, into the same
-  encoder or a later one, so queue order is kept.
+  when the recording thread goes idle, and before the buffer pool destroys memory.
+  Consumers of a stage may be recorded right after it: the one thread records them
+  later, into the same encoder or a later one, so queue order is kept.
 * :class:`StageRecorder` (several recording threads): one encoder per stage,
   finished and enqueued when the stage is done. Needed when stages are recorded
   concurrently, since the order of two threads' encoders is not known in advance.
