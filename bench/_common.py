@@ -80,6 +80,52 @@ def cuda_seconds(torch: Any, op: Callable[[], Any], repeat: int, min_s: float) -
     return best, k
 
 
+class Spy:
+    """A GPUContext stand-in that notes every dispatch (kernel, workgroups, bindings)."""
+
+    def __init__(self, gpu: Any) -> None:
+        self._gpu = gpu
+        self.dispatches: list[tuple[Any, Any, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gpu, name)
+
+    @property
+    def labels(self) -> list[str]:
+        """The kernels dispatched so far, by label (the pass plan of an op)."""
+        return [k.label for k, _, _ in self.dispatches]
+
+    def dispatch(self, kernel: Any, workgroups: Any, *bindings: Any) -> Any:
+        self.dispatches.append((kernel, workgroups, bindings))
+        return self._gpu.dispatch(kernel, workgroups, *bindings)
+
+
+def submit_timed(dev: Any, ctx: Any) -> float:
+    """Submit what ``ctx`` recorded and wait: seconds from submit to completion (recording
+    excluded). The context's blocks go back to the pool afterwards."""
+    cb = ctx.encoder.finish()
+    t0 = time.perf_counter()
+    dev.wait(dev.submit([cb]))
+    dt = time.perf_counter() - t0
+    ctx.release_blocks()
+    return dt
+
+
+def replay_timed(dev: Any, record: Callable[[Any], Any], k: int) -> float:
+    """Seconds for one submission of ``k`` calls of an op: the first recorded by ``record(gpu)``,
+    the others repeating its dispatches (the same GPU work, but one set of scratch buffers
+    instead of k, which one stage would hold until it is recorded)."""
+    import hetero
+
+    ctx = hetero.GPUContext(dev, "bench")
+    spy = Spy(ctx)
+    record(spy)
+    for _ in range(k - 1):
+        for kernel, groups, bindings in spy.dispatches:
+            ctx.dispatch(kernel, groups, *bindings)
+    return submit_timed(dev, ctx)
+
+
 def run_once(dev: Any, record: Callable[[Any], Any]) -> Any:
     """Record one op in a fresh GPU context, submit, wait, and download its result."""
     import hetero

@@ -38,7 +38,7 @@ import numpy as np
 import hetero
 import hetero.kernels.matmul as mm
 from hetero._device import Device
-from bench._common import cuda_seconds, empty_round_trip
+from bench._common import cuda_seconds, empty_round_trip, replay_timed, run_once
 
 TARGETS = {1024: 0.3, 4096: 0.5}
 
@@ -77,51 +77,9 @@ def upload(dev: Device, *arrays: np.ndarray) -> tuple[list[hetero.Tensor], heter
     return ts, ctx
 
 
-def run_once(dev: Device, a: hetero.Tensor, b: hetero.Tensor, transpose_b: bool) -> np.ndarray:
-    ctx = hetero.GPUContext(dev, "bench-check")
-    out = mm.matmul(ctx, a, b, transpose_b=transpose_b)
-    ctx.stage_download(out)
-    dev.wait(dev.submit([ctx.encoder.finish()]))
-    r = ctx.read_downloads()[id(out)]
-    ctx.settle(ran=True)
-    ctx.release_blocks()
-    return r
-
-
 def timed_k(dev: Device, a: hetero.Tensor, b: hetero.Tensor, c: hetero.Tensor, transpose_b: bool, k: int) -> float:
-    """Seconds for one submission holding ``k`` matmuls into ``c`` (recording excluded).
-
-    The first is recorded by ``matmul`` itself, the others repeat its dispatches: the
-    same GPU work, but one split-K scratch buffer instead of k (k calls in one stage
-    would hold k of them until the stage is recorded: gigabytes at k = 500).
-    """
-    ctx = hetero.GPUContext(dev, "bench")
-    spy = Spy(ctx)
-    mm.matmul(spy, a, b, transpose_b=transpose_b, out=c)
-    for _ in range(k - 1):
-        for kernel, groups, bindings in spy.dispatches:
-            ctx.dispatch(kernel, groups, *bindings)
-    cb = ctx.encoder.finish()
-    t0 = time.perf_counter()
-    dev.wait(dev.submit([cb]))
-    dt = time.perf_counter() - t0
-    ctx.release_blocks()
-    return dt
-
-
-class Spy:
-    """A GPUContext stand-in that notes every dispatch (kernel, workgroups, bindings)."""
-
-    def __init__(self, gpu: hetero.GPUContext) -> None:
-        self._gpu = gpu
-        self.dispatches: list[tuple[Any, Any, tuple[Any, ...]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gpu, name)
-
-    def dispatch(self, kernel: Any, workgroups: Any, *bindings: Any) -> Any:
-        self.dispatches.append((kernel, workgroups, bindings))
-        return self._gpu.dispatch(kernel, workgroups, *bindings)
+    """Seconds for one submission holding ``k`` matmuls into ``c`` (recording excluded; see replay_timed)."""
+    return replay_timed(dev, lambda g: mm.matmul(g, a, b, transpose_b=transpose_b, out=c), k)
 
 
 def check(got: np.ndarray, a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
@@ -187,7 +145,7 @@ def bench_size(dev: Device, shape: tuple[int, int, int], a_: argparse.Namespace,
     (at, bt), holder = upload(dev, a, b)
     try:
         cfg, source = mm.explain_config(holder, m, n, k)
-        got = run_once(dev, at, bt, a_.transpose_b)  # also compiles the kernel
+        got = run_once(dev, lambda g: mm.matmul(g, at, bt, transpose_b=a_.transpose_b))  # also compiles
         res = check(got, a, b.T if a_.transpose_b else b)
         if not res["ok"]:
             raise SystemExit(f"hetero matmul {label} is wrong: {res}")

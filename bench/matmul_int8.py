@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -39,9 +38,9 @@ import numpy as np
 import hetero
 import hetero.kernels.matmul as mm
 import hetero.kernels.matmul_int8 as q8
-from bench.matmul import Spy, empty_round_trip, parse_shape, upload
+from bench.matmul import empty_round_trip, parse_shape, upload
 from hetero._device import Device
-from bench._common import run_once
+from bench._common import replay_timed, run_once
 
 TARGET = (4096, 1.5)
 
@@ -50,26 +49,10 @@ def emit(**kw: Any) -> None:
     print(json.dumps({"bench": "matmul_int8", **kw}), flush=True)
 
 
-def timed_k(dev: Device, record: Callable[[Any], Any], k: int) -> float:
-    """Seconds for one submission of ``k`` products (the first recorded by the op, the rest replayed)."""
-    ctx = hetero.GPUContext(dev, "bench")
-    spy = Spy(ctx)
-    record(spy)
-    for _ in range(k - 1):
-        for kernel, groups, bindings in spy.dispatches:
-            ctx.dispatch(kernel, groups, *bindings)
-    cb = ctx.encoder.finish()
-    t0 = time.perf_counter()
-    dev.wait(dev.submit([cb]))
-    dt = time.perf_counter() - t0
-    ctx.release_blocks()
-    return dt
-
-
 def seconds(dev: Device, record: Callable[[Any], Any], a_: argparse.Namespace, rtt: float) -> tuple[float, int]:
-    one = max(timed_k(dev, record, 1) - rtt, 1e-7)
+    one = max(replay_timed(dev, record, 1) - rtt, 1e-7)
     reps = max(1, min(1000, math.ceil(a_.min_ms / 1e3 / one)))
-    best = min(timed_k(dev, record, reps) for _ in range(max(1, a_.repeat)))
+    best = min(replay_timed(dev, record, reps) for _ in range(max(1, a_.repeat)))
     return max(best - rtt, 1e-9) / reps, reps
 
 

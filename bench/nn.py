@@ -63,7 +63,7 @@ import numpy as np
 import hetero
 import hetero.kernels.nn as nn
 from hetero._device import Device
-from bench._common import cuda_seconds, empty_round_trip, run_once, torch_cuda
+from bench._common import cuda_seconds, empty_round_trip, run_once, submit_timed, torch_cuda
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 384, 12, 32, 1536, 30522
 F32_MIN = float(np.finfo(np.float32).min)
@@ -249,12 +249,7 @@ def timed_k(dev: Device, case: Case, ts: dict[str, hetero.Tensor], k: int) -> fl
     for _ in range(k):
         shared.next_call()
         case.record(shared, ts)
-    cb = ctx.encoder.finish()
-    t0 = time.perf_counter()
-    dev.wait(dev.submit([cb]))
-    dt = time.perf_counter() - t0
-    ctx.release_blocks()
-    return dt
+    return submit_timed(dev, ctx)
 
 
 def check(case: Case, got: np.ndarray, cb: int) -> dict[str, Any]:

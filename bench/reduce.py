@@ -43,28 +43,13 @@ from typing import Any
 import numpy as np
 
 import hetero
-from bench._common import cuda_seconds, empty_round_trip, human, parse_size, run_once, torch_cuda
+from bench._common import Spy, cuda_seconds, empty_round_trip, human, parse_size, run_once, submit_timed, torch_cuda
 import hetero.kernels.reduce as reduce_kernels
 import hetero.ops
 from hetero._device import Device
 
 def emit(**kw: Any) -> None:
     print(json.dumps({"bench": "reduce", **kw}), flush=True)
-
-
-class Spy:
-    """A GPUContext stand-in that notes the label of every kernel dispatched (the pass plan)."""
-
-    def __init__(self, gpu: hetero.GPUContext) -> None:
-        self._gpu = gpu
-        self.labels: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gpu, name)
-
-    def dispatch(self, kernel: Any, *args: Any) -> Any:
-        self.labels.append(kernel.label)
-        return self._gpu.dispatch(kernel, *args)
 
 
 def passes(labels: list[str]) -> int:
@@ -87,12 +72,7 @@ def timed_k(dev: Device, x: hetero.Tensor, k: int) -> float:
     ctx = hetero.GPUContext(dev, "bench")
     for _ in range(k):
         hetero.ops.sum(ctx, x)
-    cb = ctx.encoder.finish()
-    t0 = time.perf_counter()
-    dev.wait(dev.submit([cb]))
-    dt = time.perf_counter() - t0
-    ctx.release_blocks()
-    return dt
+    return submit_timed(dev, ctx)
 
 
 def torch_sum_seconds(torch: Any, host: np.ndarray, repeat: int, min_s: float) -> tuple[float, float, int]:

@@ -73,11 +73,7 @@ class BindCache:
         """Before ``buffers`` are destroyed: drop every bind group that binds one of them."""
         with self._lock:
             for b in buffers:
-                i = id(b)
-                self._stable.discard(i)
-                self._kept.pop(i, None)
-                for key in self._by_buffer.pop(i, ()):
-                    self._drop_locked(key)
+                self._forget_locked(id(b))
 
     # -- uniforms --------------------------------------------------------------------------
     def uniform(self, data: bytes) -> Any:
@@ -96,9 +92,7 @@ class BindCache:
             self._stable.add(id(buf))
             while len(self._uniforms) > self.max_uniforms:
                 _, evicted = self._uniforms.popitem(last=False)
-                self._stable.discard(id(evicted))
-                for key in self._by_buffer.pop(id(evicted), ()):
-                    self._drop_locked(key)
+                self._forget_locked(id(evicted))
         return buf
 
     # -- bind groups -----------------------------------------------------------------------
@@ -137,6 +131,13 @@ class BindCache:
                 old_key = next(iter(self._groups))
                 self._drop_locked(old_key)
         return group
+
+    def _forget_locked(self, buffer_id: int) -> None:
+        """The buffer is no longer cached against, and no cached group binds it."""
+        self._stable.discard(buffer_id)
+        self._kept.pop(buffer_id, None)
+        for key in self._by_buffer.pop(buffer_id, ()):
+            self._drop_locked(key)
 
     def _drop_locked(self, key: tuple[Any, ...]) -> None:
         entry = self._groups.pop(key, None)

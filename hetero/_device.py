@@ -191,14 +191,19 @@ class Device:
         consts = tuple(sorted(constants.items())) if constants else ()
         # Fast path by the source text itself: a str caches its hash, and kernel
         # generators return the same (memoised) str object, so a hit costs no sha256.
-        k = self._by_source.get((wgsl, entry_point, consts))
-        if k is not None:
-            return k
+        source_key = (wgsl, entry_point, consts)
+        k = self._by_source.get(source_key)
+        if k is None:
+            k = self._compiled(wgsl, entry_point, label, consts)
+            if len(self._by_source) < 4096:
+                self._by_source[source_key] = k
+        return k
+
+    def _compiled(self, wgsl: str, entry_point: str, label: str, consts: tuple[tuple[str, Any], ...]) -> Kernel:
+        """The kernel cached under the WGSL's hash, compiled first if it is not there."""
         key = (hashlib.sha256(wgsl.encode()).hexdigest(), entry_point, consts)
         k = self._kernels.get(key)
         if k is not None:
-            if len(self._by_source) < 4096:
-                self._by_source[(wgsl, entry_point, consts)] = k
             return k
         with self._kernel_lock:
             k = self._kernels.get(key)
@@ -221,8 +226,6 @@ class Device:
                 k = Kernel(pipeline, entry_point, label, n_bindings, _read_write_bindings(wgsl), grid, key,
                            tuple(layouts))
                 self._kernels[key] = k
-            if len(self._by_source) < 4096:
-                self._by_source[(wgsl, entry_point, consts)] = k
         return k
 
     # -- submission and fences ------------------------------------------------------

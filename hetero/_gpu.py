@@ -186,12 +186,8 @@ class GPUContext:
             cpass = rec.compute_pass()
             cpass.set_pipeline(k.pipeline)
             cpass.set_bind_group(0, bind_group)
-            if self._dev.tracer is not None:  # a trace shows (and the cost model learns) every dispatch
-                span = rec.begin_span(k.label, ("dispatch", k.key, total))
-                cpass.dispatch_workgroups(*groups)
-                rec.end_span(span)
-            else:
-                cpass.dispatch_workgroups(*groups)
+            # A trace shows (and the cost model learns from) every dispatch.
+            self._record(cpass, k, groups, total, timed=self._dev.tracer is not None)
             rec.note(k.key, total, est)
             return DispatchInfo(k.label, groups, 1, groups[0], ended, est / 1e6)
         per_x = groups[1] * groups[2]
@@ -208,15 +204,22 @@ class GPUContext:
             cpass.set_pipeline(k.pipeline)
             cpass.set_bind_group(0, bind_group)
             cpass.set_bind_group(1, bg1)
-            if self._dev.tracer is not None or cost.should_time(k.key):  # calibrates the cost model
-                span = rec.begin_span(k.label, ("dispatch", k.key, w * per_x))
-                cpass.dispatch_workgroups(w, groups[1], groups[2])
-                rec.end_span(span)
-            else:
-                cpass.dispatch_workgroups(w, groups[1], groups[2])
+            # Splittable kernels calibrate the cost model that sizes their chunks.
+            self._record(cpass, k, (w, groups[1], groups[2]), w * per_x,
+                         timed=self._dev.tracer is not None or cost.should_time(k.key))
             rec.note(k.key, w * per_x, est)
             n += 1
         return DispatchInfo(k.label, groups, n, chunk, ended, cost.estimate_ns(k.key, total) / 1e6)
+
+    def _record(self, cpass: Any, k: Kernel, groups: tuple[int, int, int], workgroups: int, *, timed: bool) -> None:
+        """One ``dispatch_workgroups``, inside a GPU timestamp span when ``timed``."""
+        if not timed:
+            cpass.dispatch_workgroups(*groups)
+            return
+        rec = self._recorder
+        span = rec.begin_span(k.label, ("dispatch", k.key, workgroups))
+        cpass.dispatch_workgroups(*groups)
+        rec.end_span(span)
 
     def _resource(self, b: Any, i: int, label: str) -> tuple[Any, int, int]:
         """``(buffer, offset, size)`` of binding ``i``: a Tensor's range, or a uniform holding the bytes."""

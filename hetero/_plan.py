@@ -116,6 +116,12 @@ class Plan:
                     if _is_node(v) and nodes[v.index].kind == "cpu":
                         gpu_readers[v.index].add(node.index)
         self.shared_uploads: dict[int, int] = {i: len(r) for i, r in enumerate(gpu_readers) if len(r) >= 2}
+        # For each GPU stage, the shared CPU values it reads (it drops one hold of each).
+        reads: dict[int, list[int]] = {}
+        for i in self.shared_uploads:
+            for reader in gpu_readers[i]:
+                reads.setdefault(reader, []).append(i)
+        self.shared_reads: dict[int, tuple[int, ...]] = {r: tuple(sorted(v)) for r, v in reads.items()}
         self.stages: tuple[StagePlan, ...] = tuple(stages)
         self.order: tuple[int, ...] = tuple(order)
         self.roots: tuple[int, ...] = tuple(sorted((i for i in order if not deps[i]), key=lambda i: -priority[i]))

@@ -77,8 +77,13 @@ class _Budget:
         if self._frame is not None and h >= 0 and epoch == self._epoch:
             self._frame.end(self._target(), h)
 
-    def _target(self) -> Any:
+    @property
+    def encoder(self) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _target(self) -> Any:
+        """Where a timestamp goes now: the open compute pass, else the encoder."""
+        return self._pass if self._pass is not None else self.encoder
 
     def _resolve_timing(self, encoder: Any) -> Callback | None:
         """Before ``encoder.finish()``: resolve its timestamps; the callback reads them after the fence."""
@@ -165,9 +170,6 @@ class StageRecorder(_Budget):
         self._reset_budget()
         self._init_timing()
 
-    def _target(self) -> Any:
-        return self._pass if self._pass is not None else self.encoder
-
     @property
     def encoder(self) -> Any:
         """The encoder, with no pass open (ready for copies or a pass of the caller's)."""
@@ -232,9 +234,6 @@ class SharedRecorder(_Budget):
         self._submitted: list[SubmitCallback] = []
         self._reset_budget()
         self._init_timing()
-
-    def _target(self) -> Any:
-        return self._pass if self._pass is not None else self.encoder
 
     @property
     def encoder(self) -> Any:

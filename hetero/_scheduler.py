@@ -568,7 +568,7 @@ class Scheduler:
             ctx.release_blocks()
         for d in st.gpu_deps:
             run.drop_hold(d)
-        for d in _shared_reads(st, share):
+        for d in run.plan.shared_reads.get(i, ()) if share else ():
             run.drop_hold(d)
         run.dev_values[i] = result
         run.drop_hold(i)  # the recording hold: from here only consumers and the download keep it
@@ -718,13 +718,6 @@ def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int]
         return map_values(v, ctx.upload, np.ndarray)
 
     return tuple(one(a) for a in st.args), {k: one(a) for k, a in st.kwargs}
-
-
-def _shared_reads(st: StagePlan, share: dict[int, int]) -> set[int]:
-    """The shared-upload CPU values stage ``st`` reads (each drops one hold once it committed)."""
-    if not share:
-        return set()
-    return {ref for kind, ref in (*st.args, *(a for _, a in st.kwargs)) if kind == ARG_NODE and ref in share}
 
 
 def _blocks_of(value: Any) -> list[Any]:

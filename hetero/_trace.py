@@ -57,12 +57,13 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from ._files import atomic_write_text
 
 __all__ = ["GPU_QUEUE", "Tracer"]
 
@@ -301,18 +302,8 @@ class Tracer:
         """
         data = self.to_json()
         with self._write_lock:
-            directory = os.path.dirname(os.path.abspath(self.path))
-            fd, tmp = tempfile.mkstemp(prefix=".hetero-trace-", suffix=".json", dir=directory)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(json.dumps(data, separators=(",", ":"), default=repr))  # dumps: the C encoder
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            # dumps: the C encoder
+            atomic_write_text(self.path, json.dumps(data, separators=(",", ":"), default=repr))
             self.writes += 1
             self._last_write = time.monotonic()
         return self.path

@@ -69,7 +69,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
@@ -79,6 +78,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from hetero._files import atomic_write_text
 from hetero._tensor import Tensor
 
 if TYPE_CHECKING:
@@ -893,18 +893,7 @@ def _save(path: Path, info: dict[str, str], new: dict[str, dict[str, Any]]) -> N
         pass
     doc["entries"].update(new)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 def choose_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *, dtype: Any = np.float32) -> MatmulConfig:

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from hetero._cli import _positive_int
 from hetero.errors import HeteroError
 
 __all__ = ["InputFileError", "add_parser", "read_lines", "run"]
@@ -23,16 +24,6 @@ __all__ = ["InputFileError", "add_parser", "read_lines", "run"]
 
 class InputFileError(HeteroError):
     """The input file of ``hetero embed`` cannot be read, or the output cannot be written."""
-
-
-def _batch_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -49,7 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'")
     p.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text, one sentence per line")
     p.add_argument("--output", required=True, metavar="OUT.npy", help="where to save the embeddings")
-    p.add_argument("--batch-size", type=_batch_size, default=32, metavar="N",
+    p.add_argument("--batch-size", type=_positive_int, default=32, metavar="N",
                    help="sentences per GPU batch (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (quantized per output channel; "

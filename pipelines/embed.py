@@ -340,8 +340,9 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     ``max_in_flight`` batches at once, so later batches are tokenized while the GPU
     encodes this one. ``int8``: see :func:`embed`.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"embed: batch_size must be an integer >= 1, got {batch_size!r}")
+    for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"embed: {name} must be an integer >= 1, got {v!r}")
     items = _check_texts(texts)
     m = get_model(model)
     order = _order(items)

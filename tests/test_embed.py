@@ -109,6 +109,13 @@ def test_batches_come_back_in_input_order(shared_rt: hetero.Runtime, tiny: Model
     rev = embed(SENTENCES[::-1], model=tiny, runtime=shared_rt, batch_size=3)
     np.testing.assert_allclose(rev, whole[::-1], atol=1e-6)
     assert embed([], model=tiny, runtime=shared_rt).shape == (0, 32)
+    np.testing.assert_allclose(embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=3, max_in_flight=1),
+                               whole, atol=1e-6)
+    for kw, msg in (({"batch_size": 0}, "embed: batch_size must be an integer >= 1, got 0"),
+                    ({"max_in_flight": 0}, "embed: max_in_flight must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError) as e:
+            embed(SENTENCES, model=tiny, runtime=shared_rt, **kw)
+        assert str(e.value) == msg
 
 
 def test_truncation_and_padding(tiny: Model) -> None:
