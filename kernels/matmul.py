@@ -235,6 +235,52 @@ def _emit_block(emit: Callable[[str], Any], lines: Iterable[str], indent: int) -
         emit(pad + line)
 
 
+def guard_slot(i: int, nt: int, count: int, body: list[str]) -> list[str]:
+    """``body`` for tile slot ``i`` of ``nt`` threads, guarded when the tile's ``count``
+    elements end inside the slot (a tile smaller than a multiple of the threads)."""
+    if (i + 1) * nt > count:
+        return [f"if ((tid + {i * nt}u) < {count}u) {{"] + ["    " + s for s in body] + ["}"]
+    return body
+
+
+def fragments(buf: int, k: int, gm: int, gn: int, rsa4: int, rsb4: int, ty_n: int, tx_n: int) -> list[str]:
+    """The thread's vec4s of K row ``k`` of the shared tiles: ``a{g}`` of As, ``b{h}`` of Bs."""
+    return ([f"    let a{g} = As{buf}[{k * rsa4 + g * ty_n}u + ty];" for g in range(gm)]
+            + [f"    let b{h} = Bs{buf}[{k * rsb4 + h * tx_n}u + tx];" for h in range(gn)])
+
+
+def fma_rows(g: int, gn: int) -> list[str]:
+    """Accumulate the outer product of ``a{g}`` (rows 4g..4g+3) and every ``b{h}`` in float32."""
+    out: list[str] = []
+    for i in range(4):
+        r = g * 4 + i
+        out.append(f"    let s{r} = vec4<f32>(a{g}.{_XYZW[i]});")
+        out += [f"    c{r}_{h} = fma(s{r}, b{h}, c{r}_{h});" for h in range(gn)]
+    return out
+
+
+def emit_store(emit: Callable[[str], Any], gm: int, gn: int, ty_n: int, tx_n: int,
+               tile: Callable[[int, int], list[str]], row: Callable[[int], list[str]] = lambda r: []) -> None:
+    """The store of a thread's (4*gm) x (4*gn) block, shared by the fp32 and int8 kernels.
+
+    Result row ``r = g*4 + i`` is ``m0 + g*4*TY + 4*ty + i`` (skipped past ``p.M``, after
+    the lines ``row(r)``); each column group ``h`` gets a scope with ``col`` =
+    ``n0 + h*4*TX + 4*tx`` and the lines ``tile(r, h)``, which hold its 4 columns in
+    accumulator ``r, h``.
+    """
+    for g in range(gm):
+        for i in range(4):
+            r = g * 4 + i
+            emit(f"    let row{r} = m0 + {g * 4 * ty_n + i}u + ty * 4u;")
+            emit(f"    if (row{r} < p.M) {{")
+            _emit_block(emit, row(r), 8)
+            for h in range(gn):
+                emit(f"        {{ let col = n0 + {h * 4 * tx_n}u + tx * 4u;")
+                _emit_block(emit, tile(r, h), 10)
+                emit("        }")
+            emit("    }")
+
+
 def emit_k_loop(emit: Callable[[str], Any], double_buffer: bool, next_k: Callable[[str], str],
                 load_all: Callable[[str], Iterable[str]], compute: Callable[[int], Iterable[str]],
                 store_all: Callable[[int], Iterable[str]]) -> None:
@@ -423,28 +469,16 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
             else:
                 name, rs4 = (f"As{buf}", rsa4) if tag == "a" else (f"Bs{buf}", rsb4)
                 body = [f"{name}[{tag}s{i} + {j * rs4}u][{tag}c{i}] = {tag}v{i}.{_XYZW[j]};" for j in range(4)]
-            if (i + 1) * nt > count:  # the last slots of a tile smaller than a multiple of the threads
-                out.append(f"if ((tid + {i * nt}u) < {count}u) {{")
-                out += ["    " + s for s in body]
-                out.append("}")
-            else:
-                out += body
+            out += guard_slot(i, nt, count, body)
         return out
 
     def compute(buf: int) -> list[str]:
         out: list[str] = []
         for k in range(c.bk):
             out.append("{")
+            out += fragments(buf, k, gm, gn, rsa4, rsb4, ty_n, tx_n)
             for g in range(gm):
-                out.append(f"    let a{g} = As{buf}[{k * rsa4 + g * ty_n}u + ty];")
-            for h in range(gn):
-                out.append(f"    let b{h} = Bs{buf}[{k * rsb4 + h * tx_n}u + tx];")
-            for g in range(gm):
-                for i in range(4):
-                    r = g * 4 + i
-                    out.append(f"    let s{r} = vec4<f32>(a{g}.{_XYZW[i]});")
-                    for h in range(gn):
-                        out.append(f"    c{r}_{h} = fma(s{r}, b{h}, c{r}_{h});")
+                out += fma_rows(g, gn)
             out.append("}")
         return out
 
@@ -453,42 +487,29 @@ def _wgsl(c: MatmulConfig, v: _Variant) -> str:
     emit("    var t = 0u;")
     emit_k_loop(emit, c.double_buffer, lambda t: f"kb + ({t} + 1u) * {c.bk}u", load_all, compute, store_all)
 
-    # The store: rows m0 + g*4*TY + 4*ty + i, columns n0 + h*4*TX + 4*tx + j.
-    for g in range(gm):
-        for i in range(4):
-            r = g * 4 + i
-            emit(f"    let row{r} = m0 + {g * 4 * ty_n + i}u + ty * 4u;")
-            emit(f"    if (row{r} < p.M) {{")
-            for h in range(gn):
-                emit(f"        {{ let col = n0 + {h * 4 * tx_n}u + tx * 4u;")
-                emit(f"          let e = bc + row{r} * p.N + col;")
-                acc = f"c{r}_{h}"
-                if v.vec_c:
-                    val = f"{acc} + {ld4('bias', 'col / 4u')}" if v.bias else acc
-                    if v.act:
-                        val = f"nn_gelu4({val})"
-                    if half_out:
-                        emit(f"          let q = {val};")
-                        val = "vec2<u32>(pack2x16float(q.xy), pack2x16float(q.zw))"
-                    emit(f"          if (col < p.N) {{ C[e / 4u] = {val}; }}")
-                    emit("        }")
-                    continue
-                vals = [f"{acc}.{_XYZW[j]}" + (f" + {ld1('bias', f'col + {j}u')}" if v.bias else "")
-                        for j in range(4)]
-                if v.act:
-                    vals = [f"nn_gelu({x})" for x in vals]
-                if not half_out:
-                    for j in range(4):
-                        emit(f"          if (col + {j}u < p.N) {{ C[e + {j}u] = {vals[j]}; }}")
-                elif not v.odd_n:  # N even: e is even, the thread owns whole words
-                    emit(f"          if (col < p.N) {{ C[e / 2u] = pack2x16float(vec2<f32>({vals[0]}, {vals[1]})); }}")
-                    emit(f"          if (col + 2u < p.N) {{ C[e / 2u + 1u] = "
-                         f"pack2x16float(vec2<f32>({vals[2]}, {vals[3]})); }}")
-                else:  # N odd: a word may hold halves of two threads' elements
-                    for j in range(4):
-                        emit(f"          if (col + {j}u < p.N) {{ store_half(e + {j}u, {vals[j]}); }}")
-                emit("        }")
-            emit("    }")
+    def tile(r: int, h: int) -> list[str]:
+        out = [f"let e = bc + row{r} * p.N + col;"]
+        acc = f"c{r}_{h}"
+        if v.vec_c:
+            val = f"{acc} + {ld4('bias', 'col / 4u')}" if v.bias else acc
+            if v.act:
+                val = f"nn_gelu4({val})"
+            if half_out:
+                out.append(f"let q = {val};")
+                val = "vec2<u32>(pack2x16float(q.xy), pack2x16float(q.zw))"
+            return out + [f"if (col < p.N) {{ C[e / 4u] = {val}; }}"]
+        vals = [f"{acc}.{_XYZW[j]}" + (f" + {ld1('bias', f'col + {j}u')}" if v.bias else "") for j in range(4)]
+        if v.act:
+            vals = [f"nn_gelu({x})" for x in vals]
+        if not half_out:
+            return out + [f"if (col + {j}u < p.N) {{ C[e + {j}u] = {vals[j]}; }}" for j in range(4)]
+        if not v.odd_n:  # N even: e is even, the thread owns whole words
+            return out + [f"if (col < p.N) {{ C[e / 2u] = pack2x16float(vec2<f32>({vals[0]}, {vals[1]})); }}",
+                          f"if (col + 2u < p.N) {{ C[e / 2u + 1u] = pack2x16float(vec2<f32>({vals[2]}, {vals[3]})); }}"]
+        # N odd: a word may hold halves of two threads' elements
+        return out + [f"if (col + {j}u < p.N) {{ store_half(e + {j}u, {vals[j]}); }}" for j in range(4)]
+
+    emit_store(emit, gm, gn, ty_n, tx_n, tile)
     emit("}")
     return "\n".join(L) + "\n"
 

@@ -76,7 +76,7 @@ import numpy as np
 
 from hetero._tensor import Tensor
 from hetero.kernels.matmul import (PAD, MatmulConfig, _adapter_info, _cdiv, _device_of, _emit_block,
-                                   default_config, emit_k_loop)
+                                   default_config, emit_k_loop, emit_store, fma_rows, fragments, guard_slot)
 
 if TYPE_CHECKING:
     from hetero._device import Device
@@ -416,16 +416,11 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
             out.append(f"bv{i} = select(vec4<u32>(0u), Q[be{i} + {k4} * p.NQ], bok{i} && {k4} + bk{i} < p.K4);")
         return out
 
-    def guarded(i: int, count: int, body: list[str]) -> list[str]:
-        if (i + 1) * nt > count:
-            return [f"if ((tid + {i * nt}u) < {count}u) {{"] + ["    " + s for s in body] + ["}"]
-        return body
-
     def store_all(buf: int) -> list[str]:
         out: list[str] = []
         for i in range(a_slots):
             body = [f"As{buf}[as{i} + {j * rsa4}u][ac{i}] = av{i}.{_XYZW[j]};" for j in range(4)]
-            out += guarded(i, a_count, body)
+            out += guard_slot(i, nt, a_count, body)
         for i in range(b_slots):
             if dp:
                 body = [f"Bs{buf}[bk{i} * {rsb4}u + bq{i}] = bv{i};"]
@@ -433,28 +428,23 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
                 body = [f"Bs{buf}[(bk{i} * 4u + {j}u) * {rsb4}u + bq{i}] = "
                         f"vec4<f32>(bitcast<vec4<i32>>(bv{i} << vec4<u32>({24 - 8 * j}u)) >> vec4<u32>(24u));"
                         for j in range(4)]
-            out += guarded(i, b_count, body)
+            out += guard_slot(i, nt, b_count, body)
         return out
 
     def compute(buf: int) -> list[str]:
         out: list[str] = []
         for k in range(rows):
             out.append("{")
+            out += fragments(buf, k, gm, gn, rsa4, rsb4, ty_n, tx_n)
             for g in range(gm):
-                out.append(f"    let a{g} = As{buf}[{k * rsa4 + g * ty_n}u + ty];")
-            for h in range(gn):
-                out.append(f"    let b{h} = Bs{buf}[{k * rsb4 + h * tx_n}u + tx];")
-            for g in range(gm):
+                if not dp:
+                    out += fma_rows(g, gn)
+                    continue
                 for i in range(4):
                     r = g * 4 + i
-                    if dp:
-                        for h in range(gn):
-                            dots = ", ".join(f"dot4I8Packed(a{g}.{_XYZW[i]}, b{h}.{_XYZW[j]})" for j in range(4))
-                            out.append(f"    c{r}_{h} = c{r}_{h} + vec4<i32>({dots});")
-                    else:
-                        out.append(f"    let s{r} = vec4<f32>(a{g}.{_XYZW[i]});")
-                        for h in range(gn):
-                            out.append(f"    c{r}_{h} = fma(s{r}, b{h}, c{r}_{h});")
+                    for h in range(gn):
+                        dots = ", ".join(f"dot4I8Packed(a{g}.{_XYZW[i]}, b{h}.{_XYZW[j]})" for j in range(4))
+                        out.append(f"    c{r}_{h} = c{r}_{h} + vec4<i32>({dots});")
             out.append("}")
             gw = grp // 4  # words per group
             if grp and grp <= c.bk and (k + 1) % gw == 0:  # groups inside the slice
@@ -472,33 +462,23 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     emit("    var t = 0u;")
     emit_k_loop(emit, c.double_buffer, lambda t: f"({t} + 1u) * {step}u", load_all, compute, store_all)
 
-    for g in range(gm):
-        for i in range(4):
-            r = g * 4 + i
-            emit(f"    let row{r} = m0 + {g * 4 * ty_n + i}u + ty * 4u;")
-            emit(f"    if (row{r} < p.M) {{")
-            if dp and not grp:
-                emit(f"        let rs{r} = RS[row{r}];")
-            for h in range(gn):
-                emit(f"        {{ let col = n0 + {h * 4 * tx_n}u + tx * 4u;")
-                emit("          if (col < p.N) {")
-                emit(f"          let e = row{r} * p.N + col;")
-                if grp:
-                    emit(f"          var y = f{r}_{h} * S[col / 4u];")
-                else:
-                    scale = f"S[col / 4u] * rs{r}" if dp else "S[col / 4u]"
-                    emit(f"          var y = vec4<f32>(c{r}_{h}) * ({scale});")
-                if bias and vec_c:
-                    emit("          y = y + vec4<f32>(bias[col], bias[col + 1u], bias[col + 2u], bias[col + 3u]);")
-                if vec_c:
-                    emit("          C[e / 4u] = y;")
-                else:
-                    for j in range(4):
-                        bj = f" + bias[col + {j}u]" if bias else ""
-                        emit(f"          if (col + {j}u < p.N) {{ C[e + {j}u] = y.{_XYZW[j]}{bj}; }}")
-                emit("          }")
-                emit("        }")
-            emit("    }")
+    def tile(r: int, h: int) -> list[str]:
+        out = ["if (col < p.N) {", f"let e = row{r} * p.N + col;"]
+        if grp:
+            out.append(f"var y = f{r}_{h} * S[col / 4u];")
+        else:
+            scale = f"S[col / 4u] * rs{r}" if dp else "S[col / 4u]"
+            out.append(f"var y = vec4<f32>(c{r}_{h}) * ({scale});")
+        if bias and vec_c:
+            out.append("y = y + vec4<f32>(bias[col], bias[col + 1u], bias[col + 2u], bias[col + 3u]);")
+        if vec_c:
+            out.append("C[e / 4u] = y;")
+        else:
+            out += [f"if (col + {j}u < p.N) {{ C[e + {j}u] = y.{_XYZW[j]}" + (f" + bias[col + {j}u]" if bias else "")
+                    + "; }" for j in range(4)]
+        return out + ["}"]
+
+    emit_store(emit, gm, gn, ty_n, tx_n, tile, row=lambda r: [f"let rs{r} = RS[row{r}];"] if dp and not grp else [])
     emit("}")
     return "\n".join(L) + "\n"
 
