@@ -324,7 +324,7 @@ class Device:
             self._inflight -= 1
             if self._batch and self._inflight == 0:
                 self._flush_locked()
-            idle = self._inflight == 0 and not self._batch
+            idle = self.idle
         if idle:
             for hook in self.on_idle:
                 hook()
