@@ -2,9 +2,10 @@
 
     python -m bench.gpu_runtime [--fences 2000] [--stages 1000]
 
-* fence: record an empty command buffer, then submit it and await its completion
-  from asyncio (hetero's fence thread waking the loop); the figure is submit ->
-  coroutine resumed, with the recording cost printed beside it. The reference is
+* fence: record an empty command buffer, then submit it and await its ``Fence`` from
+  asyncio; the figure is submit -> coroutine resumed, with the recording cost printed
+  beside it: once as hetero does it (the loop polls first, ``LOOP_POLL_US``), once with
+  the fence thread alone waking the loop (``spin_s=0``), under asyncio and under trio. The reference is
   torch launch + synchronize of a tiny kernel when torch with CUDA is importable.
 * coalesce: a chain of N tiny GPU stages run with ``submit_batch=1`` (one submission
   per stage) and with the default batch; the ratio is the gain.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import asyncio
 import json
 import statistics
@@ -22,7 +24,7 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero._bridge import loop_caller
+from hetero._fence import LOOP_POLL_US
 
 TINY = """
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
@@ -37,19 +39,18 @@ def emit(**kw: object) -> None:
     print(json.dumps({"bench": "gpu_runtime", **kw}), flush=True)
 
 
-async def fence_round_trip(rt: hetero.Runtime, n: int) -> tuple[list[float], list[float]]:
-    """(fence, encode) times: submit of a recorded empty command buffer until the awaiting
-    coroutine resumes, and the recording (create_command_encoder + finish) before it."""
-    dev = await asyncio.get_running_loop().run_in_executor(None, rt.device)
-    call = loop_caller()
+async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float) -> tuple[list[float], list[float]]:
+    """(fence, encode) times: submit of a recorded empty command buffer until the coroutine
+    awaiting its ``Fence`` resumes, and the recording (create_command_encoder + finish)
+    before it. ``spin_s``: how long the loop polls (0: the fence thread wakes it)."""
+    dev = await anyio.to_thread.run_sync(rt.device)
     fences, encodes = [], []
     for _ in range(n):
-        done = asyncio.Event()
         t0 = time.perf_counter()
         cb = dev.device.create_command_encoder().finish()
         t1 = time.perf_counter()
-        dev.enqueue(cb, lambda: call(done.set), flush=True)
-        await done.wait()
+        dev.enqueue(cb, flush=True)
+        await dev.fence().wait(spin_s)
         fences.append(time.perf_counter() - t1)
         encodes.append(t1 - t0)
     return fences, encodes
@@ -153,13 +154,21 @@ def main() -> None:
 
     with hetero.Runtime() as rt:
         emit(adapter=rt.device().summary["summary"])
-        fences, encodes = asyncio.run(fence_round_trip(rt, a.fences))
-        times, encodes = fences[a.fences // 10:], encodes[a.fences // 10:]
-        med = statistics.median(times) * 1e6
-        enc = statistics.median(encodes) * 1e6
-        emit(figure="fence_round_trip_asyncio", impl="hetero", what="submit -> awaiting coroutine resumed",
-             median_us=round(med, 1), p90_us=round(float(np.percentile(times, 90)) * 1e6, 1),
-             encode_empty_command_buffer_us=round(enc, 1), encode_plus_fence_us=round(enc + med, 1))
+        for backend, spin_s, impl in (("asyncio", LOOP_POLL_US / 1e6, "hetero"),
+                                      ("asyncio", 0.0, "hetero, fence thread wakes the loop"),
+                                      ("trio", LOOP_POLL_US / 1e6, "hetero")):
+            if backend == "trio" and importlib.util.find_spec("trio") is None:
+                emit(figure="fence_round_trip_trio", skipped="trio is not installed")
+                continue
+            fences, encodes = anyio.run(fence_round_trip, rt, a.fences, spin_s, backend=backend)
+            times, encodes = fences[a.fences // 10:], encodes[a.fences // 10:]
+            m = statistics.median(times) * 1e6
+            enc = statistics.median(encodes) * 1e6
+            if (backend, spin_s) == ("asyncio", LOOP_POLL_US / 1e6):
+                med = m
+            emit(figure=f"fence_round_trip_{backend}", impl=impl, what="submit -> awaiting coroutine resumed",
+                 median_us=round(m, 1), p90_us=round(float(np.percentile(times, 90)) * 1e6, 1),
+                 encode_empty_command_buffer_us=round(enc, 1), encode_plus_fence_us=round(enc + m, 1))
     ref = torch_round_trip(a.fences)
     if ref:
         tmed = statistics.median(ref[a.fences // 10:]) * 1e6

@@ -33,6 +33,7 @@ def _map_source_checkout() -> None:
 
 
 from ._device import Kernel
+from ._fence import Fence
 from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
 from ._runtime import Runtime, RuntimeOptions, run
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceLostError",
     "DispatchInfo",
+    "Fence",
     "GPUContext",
     "GPUError",
     "Graph",

@@ -6,6 +6,10 @@ so hetero does not use it. Each submission goes through wgpu-native's
 thread per device blocks in ``wgpuDevicePoll(wait=True, index)`` for the oldest
 pending index, then runs that submission's completion callback (downloads, waking
 consumers). The event loop never blocks; submissions resolve in submission order.
+Each submission also registers a work-done callback, which marks it complete from
+whichever device poll sees it finish first. A coroutine awaiting one submission
+(``Device.fence()``, see ``_fence``) polls from the loop first and is woken by the
+fence thread only after that.
 This reaches below wgpu-py's Python API into its cffi binding, which is why
 pyproject.toml pins wgpu to the tested version.
 """
@@ -24,7 +28,9 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import wgpu
+from wgpu.backends.wgpu_native._ffi import lib as _raw_lib
 
+from ._fence import Fence
 from ._split import CostModel, wants_grid, with_prelude
 from ._timing import GPUTimer
 from ._trace import Tracer
@@ -142,6 +148,12 @@ class Device:
         self._batch_submitted: list[Callable[[int], None]] = []
         self._submit_lock = threading.Lock()
         self._inflight = 0  # our submissions not yet completed
+        # Submission indices: the newest submitted, and the newest known to be complete
+        # (advanced by the fence thread and by non-blocking polls; see completed()).
+        self._submitted = -1
+        self._completed = -1
+        self._index_lock = threading.Lock()
+        self._sleepers: list[tuple[int, threading.Lock]] = []  # Fence.wait between polls
         self.before_flush: list[Callable[[], None]] = []  # recorders holding open encoders
         # Called on the fence thread when the GPU has nothing of ours left: a recorder
         # holding finished stages in an open encoder sends them now rather than at its
@@ -158,6 +170,7 @@ class Device:
         from wgpu.backends.wgpu_native import _api
 
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
+        self._work_done = _work_done_callback(self)
         from ._bindcache import BindCache
         from ._memory import BufferPool
         from ._transfer import StagingRing
@@ -262,7 +275,65 @@ class Device:
         """Submit in one call and return the submission index."""
         self.check_alive()
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
-        return int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+        index = int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+        with self._index_lock:
+            if index > self._submitted:
+                self._submitted = index
+        self._register_work_done(index)
+        return index
+
+    def fence(self) -> Fence:
+        """Submit everything recorded so far and return the ``Fence`` of the newest submission."""
+        self.flush()
+        return Fence(self, self._submitted)
+
+    def completed(self, index: int) -> bool:
+        """Whether submission ``index`` completed, without blocking (safe on the event loop).
+
+        Completion is learnt from the fence thread's waits and from the work-done
+        callback registered with each submission, which fires inside whichever device
+        poll sees the work finished: a non-blocking one made here included. Monotonic:
+        once an index is complete, every earlier one is too.
+        """
+        if index <= self._completed:
+            return True
+        self.check_alive()
+        self._lib.wgpuDevicePoll(self.device._internal, False, self._ffi.NULL)
+        return index <= self._completed
+
+    def _advance(self, index: int) -> None:
+        """Submission ``index`` (and so every earlier one) completed: wake who sleeps on it."""
+        with self._index_lock:
+            if index <= self._completed:
+                return
+            self._completed = index
+            ready = [lock for i, lock in self._sleepers if i <= index]
+            if ready:
+                self._sleepers = [(i, lock) for i, lock in self._sleepers if i > index]
+        for lock in ready:
+            lock.release()
+
+    def _sleeper(self, index: int) -> threading.Lock | None:
+        """A held lock that ``_advance`` releases once ``index`` completed (None: it already has)."""
+        lock = threading.Lock()
+        lock.acquire()
+        with self._index_lock:
+            if index <= self._completed:
+                return None
+            self._sleepers.append((index, lock))
+        return lock
+
+    def _drop_sleeper(self, lock: threading.Lock) -> None:
+        with self._index_lock:
+            self._sleepers = [(i, other) for i, other in self._sleepers if other is not lock]
+
+    def _register_work_done(self, index: int) -> None:
+        """Ask wgpu-native to call back once everything submitted so far completed."""
+        info = self._ffi.new("WGPUQueueWorkDoneCallbackInfo *")
+        info.mode = _raw_lib.WGPUCallbackMode_AllowSpontaneous
+        info.callback = self._work_done
+        info.userdata1 = self._ffi.cast("void *", index)
+        self._lib.wgpuQueueOnSubmittedWorkDone(self.queue._internal, info[0])
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
                 flush: bool = False, on_submit: Callable[[int], None] | None = None) -> None:
@@ -375,6 +446,8 @@ class Device:
                     self.wait(index)
             except Exception as e:  # pragma: no cover - wgpu-native reports loss this way
                 self.lost = repr(e)
+            else:
+                self._advance(index)
             try:
                 callback()
             except BaseException:  # pragma: no cover - callbacks handle their own errors
@@ -440,6 +513,32 @@ def _read_write_bindings(wgsl: str) -> frozenset[int]:
 # running lavapipe 94 µs without, 144 µs with (the spinner takes CPU the software GPU needs).
 FENCE_SPIN_US = 100.0
 FENCE_SPIN_MIN_CPUS = 8
+
+
+# Work-done callbacks live as long as the process: wgpu-native may still hold one for a
+# submission of a device that Python has already collected.
+_CALLBACKS: list[Any] = []
+
+
+def _work_done_callback(device: Device) -> Any:
+    """The work-done callback of ``device``'s submissions: userdata1 is the submission index.
+
+    It fires on whichever thread's device poll sees the work finished (wgpu-native
+    fires it spontaneously whatever the requested mode), and holds only a weak
+    reference to the device.
+    """
+    ffi = device._ffi
+    ref = weakref.ref(device)
+    success = _raw_lib.WGPUQueueWorkDoneStatus_Success
+
+    @ffi.callback("void(WGPUQueueWorkDoneStatus, WGPUStringView, void *, void *)")
+    def on_work_done(status: int, message: Any, userdata1: Any, userdata2: Any) -> None:
+        dev = ref()
+        if dev is not None and status == success:
+            dev._advance(int(ffi.cast("uintptr_t", userdata1)))
+
+    _CALLBACKS.append(on_work_done)
+    return on_work_done
 
 
 def _fence_spin_s() -> float:

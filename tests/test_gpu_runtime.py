@@ -238,6 +238,115 @@ async def test_fences_resolve_in_submission_order(shared_rt: hetero.Runtime) -> 
     assert order == list(range(n))
 
 
+BUSY = """
+@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var v = x[gid.x];
+    for (var i = 0u; i < 400000u; i = i + 1u) { v = v * 0.999999 + 1.0; }
+    x[gid.x] = v;
+}
+"""
+
+
+def _record_busy(dev, buf) -> object:
+    """A command buffer whose one dispatch keeps the device busy for a while (a loop per thread)."""
+    k = dev.kernel(BUSY, label="busy")
+    bg = dev.device.create_bind_group(layout=k.layouts[0], entries=[{"binding": 0, "resource": {"buffer": buf}}])
+    enc = dev.device.create_command_encoder()
+    p = enc.begin_compute_pass()
+    p.set_pipeline(k.pipeline)
+    p.set_bind_group(0, bg)
+    p.dispatch_workgroups(4)
+    p.end()
+    return enc.finish()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 200e-6, 10.0])
+async def test_awaited_fence_means_the_work_is_done(shared_rt: hetero.Runtime, spin_s: float) -> None:
+    """The loop polls (spin), the fence thread wakes it (no spin), or polling outlasts the work."""
+    import wgpu
+
+    dev = await anyio.to_thread.run_sync(shared_rt.device)
+    buf = dev.device.create_buffer(size=256 * 4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+    try:
+        dev.enqueue(_record_busy(dev, buf))
+        fence = dev.fence()
+        assert not fence.done()  # 400000 steps per thread are still running
+        assert "pending" in repr(fence)
+        await fence.wait(spin_s)
+        assert fence.done() and "done" in repr(fence)
+        # Everything before it is done too; the data is there.
+        earlier = hetero.Fence(dev, fence.index - 1)
+        assert earlier.done()
+        data = np.frombuffer(dev.queue.read_buffer(buf), np.float32)
+        assert np.all(data > 1000)
+    finally:
+        buf.destroy()
+
+
+async def test_many_fences_resolve_in_order_without_blocking_the_loop(shared_rt: hetero.Runtime) -> None:
+    import wgpu
+
+    dev = await anyio.to_thread.run_sync(shared_rt.device)
+    buf = dev.device.create_buffer(size=256 * 4, usage=wgpu.BufferUsage.STORAGE)
+    ticks = 0
+
+    async def ticker() -> None:  # runs only if waiting leaves the loop free
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    try:
+        fences = []
+        for _ in range(3):
+            dev.enqueue(_record_busy(dev, buf), flush=True)
+            fences.append(dev.fence())
+        seen: list[list[bool]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for f in fences:
+                await f.wait()
+                seen.append([g.done() for g in fences])
+            tg.cancel_scope.cancel()
+        # Whenever a fence is done, every earlier one is too.
+        for states in seen:
+            assert states == sorted(states, reverse=True)
+        assert all(seen[-1])
+        assert ticks > 10
+    finally:
+        buf.destroy()
+
+
+def test_completion_is_learnt_without_the_fence_thread(shared_rt: hetero.Runtime) -> None:
+    """A submission the fence thread never hears of still completes: its work-done callback fires in a poll."""
+    dev = shared_rt.device()
+    index = dev.submit([dev.device.create_command_encoder().finish()])
+    fence = hetero.Fence(dev, index)
+    deadline = time.monotonic() + 10
+    while not fence.done():
+        assert time.monotonic() < deadline, "the work-done callback never marked the submission complete"
+        time.sleep(0.001)
+    assert dev._completed >= index
+
+
+def test_fence_on_a_lost_device_raises() -> None:
+    with hetero.Runtime() as rt:
+        dev = rt.device()
+        dev.enqueue(dev.device.create_command_encoder().finish())
+        fence = dev.fence()
+        fence.wait_sync()
+        assert fence.done()
+        dev.lost = "test"
+        later = hetero.Fence(dev, fence.index + 1)
+        with pytest.raises(hetero.DeviceLostError, match="the GPU device was lost"):
+            later.done()
+        with pytest.raises(hetero.DeviceLostError):
+            anyio.run(later.wait)
+        dev.lost = None
+
+
 async def test_work_enqueued_while_the_gpu_is_busy_shares_one_submission(shared_rt: hetero.Runtime) -> None:
     """While a submission of ours is in flight, later command buffers are collected and sent together."""
     dev = await anyio.to_thread.run_sync(shared_rt.device)
