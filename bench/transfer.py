@@ -9,8 +9,8 @@ figures also print the phases of their best run (``phases_ms``):
   encoder, submit, wait for the fence (``ticket.complete()``, which re-maps the staging
   for the next upload, runs after the clock stops, as it does on the fence thread).
 * down, ``staging_ring``: device buffer -> a new numpy array: ``ring.download``, submit,
-  wait, ``complete()`` and ``read()`` (which allocates the array: first-touch page
-  faults included); ``staging_ring_out`` reads into a preallocated array instead;
+  wait, ``complete()`` and ``read()`` (a new array: allocated when the download is
+  recorded and touched by the copy threads while the GPU copies, page faults included); ``staging_ring_out`` reads into a preallocated array instead;
   ``staging_ring_zero_copy`` downloads with ``zero_copy=True``: the array returned is the
   mapped staging memory (no copy-out), and dropping it gives the buffer back.
 * ``write_buffer``: ``queue.write_buffer`` then an empty submit and the fence wait;
@@ -86,7 +86,7 @@ def wgpu_figures(dev: Device, ring: StagingRing, n: int, repeat: int, tag: str,
     def ring_down(into: np.ndarray | None) -> list[float]:
         t0 = time.perf_counter()
         enc = dev.device.create_command_encoder()
-        t = ring.download(enc, buf, 0, n)
+        t = ring.download(enc, buf, 0, n, prefault=into is None)
         dev.wait(dev.submit([enc.finish()]))
         t1 = time.perf_counter()
         t.complete()

@@ -29,6 +29,9 @@ Design.
   requested while the copy still runs is left to wgpu-py's poll thread, which blocks
   until the *newest* submission finished; an earlier version that did so stalled
   ~10 ms per transfer at times on an H200.)
+- A copied download of ``PREFAULT_MIN`` (16 MiB) or more allocates the array that
+  ``read()`` returns when it is recorded, and the copy threads touch its pages while
+  the GPU copies: a fresh array's page faults otherwise cost as much as the copy-out.
 - ``download(..., zero_copy=True)`` uses one staging buffer and ``read()`` returns an
   array *on the mapped staging memory* instead of copying out; the buffer is unmapped
   and goes back to the pool when that array and every view of it are gone. On an H200
@@ -124,6 +127,28 @@ def _out_array(what: str, shape: int | Sequence[int], dtype: Any, nbytes: int,
     return shp, dt, out
 
 
+PREFAULT_MIN = 16 << 20  # copied downloads from this size get their array touched during the GPU copy
+_PAGE = 4096
+
+
+def _touch(a: np.ndarray) -> None:
+    a[::_PAGE] = 0  # one write per page: the kernel maps (and zeroes) each page now
+
+
+class _Prefaulted:
+    """A fresh host array and the copy-thread tasks touching its pages."""
+
+    __slots__ = ("array", "futures")
+
+    def __init__(self, array: np.ndarray, futures: list[concurrent.futures.Future[None]]) -> None:
+        self.array = array
+        self.futures = futures
+
+    def take(self) -> np.ndarray:
+        concurrent.futures.wait(self.futures)
+        return self.array
+
+
 class _Staging:
     """One pooled staging buffer and the map it may have pending."""
 
@@ -160,12 +185,13 @@ class Ticket:
     buffers back for an encoder that will never be submitted.
     """
 
-    __slots__ = ("__weakref__", "_chunks", "_finalizer", "_lock", "_ring", "_state", "direction", "nbytes",
-                 "zero_copy")
+    __slots__ = ("__weakref__", "_chunks", "_finalizer", "_host", "_lock", "_ring", "_state", "direction",
+                 "nbytes", "zero_copy")
 
     def __init__(self, ring: StagingRing, direction: str, nbytes: int, chunks: list[tuple[_Staging, int]],
-                 zero_copy: bool = False) -> None:
+                 zero_copy: bool = False, host: _Prefaulted | None = None) -> None:
         self._ring = ring
+        self._host = host  # download: the array read() fills, being touched while the GPU copies
         self.direction = direction
         self.nbytes = nbytes  # bytes of data (the copies move that rounded up to 4)
         self.zero_copy = zero_copy
@@ -234,8 +260,9 @@ class Ticket:
                 return out if out is not None else np.empty(shp, dt)
             if self.zero_copy and out is None:
                 return self._ring._map_array(self._chunks[0][0], self.nbytes).view(dt).reshape(shp)
+            host, self._host = self._host, None
             if out is None:
-                out = np.empty(shp, dt)
+                out = host.take().view(dt).reshape(shp) if host is not None else np.empty(shp, dt)
             self._ring._read_into(self._chunks, out.reshape(-1).view(np.uint8))
         return out
 
@@ -248,6 +275,7 @@ class Ticket:
         with self._lock:
             if self._state == "released":
                 return
+            self._host = None
             # complete() may have started mapping a download: finish and undo that first,
             # since free download buffers must be unmapped.
             ok, bad = self._ring._settle(self._detach())
@@ -328,12 +356,16 @@ class StagingRing:
         return Ticket(self, "up", n, [(s, length) for s, (_, length) in zip(stagings, chunks)])
 
     def download(self, encoder: Any, src_buffer: Any, src_offset: int, nbytes: int, *,
-                 zero_copy: bool = False) -> Ticket:
+                 zero_copy: bool = False, prefault: bool = True) -> Ticket:
         """Record a copy of ``nbytes`` of ``src_buffer`` from ``src_offset`` into staging buffers.
 
         ``ticket.read(shape, dtype)`` returns the data once the submission completed. The
         copy moves ``nbytes`` rounded up to 4, so ``src_buffer`` needs that many bytes.
         ``zero_copy``: stage into one buffer, which ``read()`` returns as the array itself.
+        ``prefault``: for a copied download of ``PREFAULT_MIN`` bytes or more, allocate the
+        array ``read()`` will return now and let the copy threads touch its pages while the
+        GPU copies (a fresh array's page faults cost about as much as the copy-out into
+        it); pass False when ``read()`` will be given ``out``.
         """
         nbytes = int(nbytes)
         if nbytes < 0:
@@ -357,7 +389,9 @@ class StagingRing:
         except BaseException:
             self._forget(stagings)
             raise
-        return Ticket(self, "down", nbytes, [(s, length) for s, (_, length) in zip(stagings, chunks)], zero_copy)
+        host = self._prefault(nbytes) if prefault and not zero_copy and nbytes >= PREFAULT_MIN else None
+        return Ticket(self, "down", nbytes, [(s, length) for s, (_, length) in zip(stagings, chunks)], zero_copy,
+                      host)
 
     def completed(self, tickets: Sequence[Ticket]) -> None:
         """``complete()`` every ticket of a finished submission."""
@@ -581,6 +615,19 @@ class StagingRing:
             return self._executor
 
     # -- host copies -------------------------------------------------------------------
+    def _prefault(self, nbytes: int) -> _Prefaulted | None:
+        """A new ``nbytes`` array whose pages the copy threads are touching (None with one thread)."""
+        if self.copy_threads == 1:
+            return None
+        try:
+            host = np.empty(nbytes, np.uint8)
+            executor = self._get_executor()
+        except (MemoryError, RuntimeClosedError):
+            return None
+        step = -(-nbytes // self.copy_threads)
+        step = -(-step // _PAGE) * _PAGE
+        return _Prefaulted(host, [executor.submit(_touch, host[a:a + step]) for a in range(0, nbytes, step)])
+
     def _mapped(self, s: _Staging, nbytes: int) -> np.ndarray:
         """A uint8 array over the first ``nbytes`` of mapped ``s`` (invalid after unmap)."""
         ptr = self._lib.wgpuBufferGetMappedRange(s.buffer._internal, 0, nbytes)

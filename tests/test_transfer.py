@@ -116,6 +116,32 @@ def test_round_trip_copy_threads(dev: Device, copy_threads: int) -> None:
         assert a.tobytes() == round_trip(dev, ring, a).tobytes()
 
 
+@pytest.mark.parametrize("copy_threads", [1, 4])
+def test_large_download_into_a_prefaulted_array(dev: Device, copy_threads: int) -> None:
+    """From PREFAULT_MIN bytes the array is allocated at record time and touched meanwhile; the data is exact."""
+    from hetero._transfer import PREFAULT_MIN
+
+    with StagingRing(dev.device, copy_threads=copy_threads, chunk_bytes=1 << 20) as ring:
+        a = data((PREFAULT_MIN // 8 + 3, 2), np.float32, seed=7)
+        buf = new_buffer(dev, a.nbytes)
+        upload(dev, ring, a, buf, 0)
+        for kw, out in (({}, None), ({"prefault": False}, None), ({"prefault": False}, np.empty_like(a))):
+            enc = dev.device.create_command_encoder()
+            t = ring.download(enc, buf, 0, a.nbytes, **kw)
+            assert (t._host is not None) == (copy_threads > 1 and not kw)
+            submit_wait(dev, enc)
+            t.complete()
+            b = t.read(a.shape, a.dtype, out=out)
+            assert b.shape == a.shape and b.dtype == a.dtype and b.flags.writeable
+            assert out is None or b is out
+            np.testing.assert_array_equal(a, b)
+        # Discarded before reading: the array is dropped and the buffers go back.
+        enc = dev.device.create_command_encoder()
+        t = ring.download(enc, buf, 0, a.nbytes)
+        t.discard()
+        assert t._host is None and ring.stats()["in_use_bytes"] == 0
+
+
 @pytest.mark.parametrize(
     "make",
     [
