@@ -17,6 +17,7 @@ pyproject.toml pins wgpu to the tested version.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -170,7 +171,9 @@ class Device:
         from wgpu.backends.wgpu_native import _api
 
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
-        self._work_done = _work_done_callback(self)
+        self._work_done = _work_done_callback(self._ffi)
+        self._key = next(_device_keys)
+        _DEVICES[self._key] = self
         from ._bindcache import BindCache
         from ._memory import BufferPool
         from ._transfer import StagingRing
@@ -333,6 +336,7 @@ class Device:
         info.mode = _raw_lib.WGPUCallbackMode_AllowSpontaneous
         info.callback = self._work_done
         info.userdata1 = self._ffi.cast("void *", index)
+        info.userdata2 = self._ffi.cast("void *", self._key)
         self._lib.wgpuQueueOnSubmittedWorkDone(self.queue._internal, info[0])
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
@@ -515,30 +519,34 @@ FENCE_SPIN_US = 100.0
 FENCE_SPIN_MIN_CPUS = 8
 
 
-# Work-done callbacks live as long as the process: wgpu-native may still hold one for a
-# submission of a device that Python has already collected.
-_CALLBACKS: list[Any] = []
+# The one work-done callback of every device's submissions. userdata1 carries the
+# submission index, userdata2 the device's key here; the callback lives as long as the
+# process (wgpu-native may still hold it for a device Python has already collected).
+_DEVICES: weakref.WeakValueDictionary[int, Device] = weakref.WeakValueDictionary()
+_device_keys = itertools.count(1)
+_work_done: Any = None
+_work_done_lock = threading.Lock()
 
 
-def _work_done_callback(device: Device) -> Any:
-    """The work-done callback of ``device``'s submissions: userdata1 is the submission index.
+def _work_done_callback(ffi: Any) -> Any:
+    """The work-done callback: marks the submission complete on its device, if that still lives.
 
-    It fires on whichever thread's device poll sees the work finished (wgpu-native
-    fires it spontaneously whatever the requested mode), and holds only a weak
-    reference to the device.
+    It fires on whichever thread's device poll sees the work finished (wgpu-native fires
+    it spontaneously whatever the requested callback mode).
     """
-    ffi = device._ffi
-    ref = weakref.ref(device)
-    success = _raw_lib.WGPUQueueWorkDoneStatus_Success
+    global _work_done
+    with _work_done_lock:
+        if _work_done is None:
+            success = _raw_lib.WGPUQueueWorkDoneStatus_Success
 
-    @ffi.callback("void(WGPUQueueWorkDoneStatus, WGPUStringView, void *, void *)")
-    def on_work_done(status: int, message: Any, userdata1: Any, userdata2: Any) -> None:
-        dev = ref()
-        if dev is not None and status == success:
-            dev._advance(int(ffi.cast("uintptr_t", userdata1)))
+            @ffi.callback("void(WGPUQueueWorkDoneStatus, WGPUStringView, void *, void *)")
+            def on_work_done(status: int, message: Any, userdata1: Any, userdata2: Any) -> None:
+                dev = _DEVICES.get(int(ffi.cast("uintptr_t", userdata2)))
+                if dev is not None and status == success:
+                    dev._advance(int(ffi.cast("uintptr_t", userdata1)))
 
-    _CALLBACKS.append(on_work_done)
-    return on_work_done
+            _work_done = on_work_done
+        return _work_done
 
 
 def _fence_spin_s() -> float:

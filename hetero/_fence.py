@@ -11,8 +11,8 @@ device's fence thread wakes the loop. The loop is never held longer than one sli
 Why. A submission of little work completes tens of microseconds after it was
 submitted. Reaching the loop through the fence thread costs a thread hand-off and an
 event-loop wake-up: submit -> coroutine resumed took 108-126 µs on an H200 through
-Vulkan (``bench/gpu_runtime.py``); watched from the loop, 34-68 µs (medians of
-2000). Past ``spin_s`` the loop stops watching (long GPU work must not cost the loop's
+Vulkan with the fence thread alone (``bench/gpu_runtime.py``); with the work-done
+callbacks and the loop watching, 34-48 µs (medians of 1800, three runs). Past ``spin_s`` the loop stops watching (long GPU work must not cost the loop's
 CPU time) and the fence thread wakes it, in order with every other completion.
 
 ``wgpuDevicePoll(wait=False)`` returns true even while work is in flight (measured:
