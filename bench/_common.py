@@ -49,6 +49,18 @@ def empty_round_trip(dev: Any, repeat: int = 20) -> float:
     return best
 
 
+def best_of(fn: Callable[[], Any], repeat: int, *, warmup: bool = False) -> float:
+    """The shortest wall time of ``repeat`` calls of ``fn`` (after one untimed call if ``warmup``)."""
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def torch_cuda() -> Any:
     """The torch module when it is importable and sees a CUDA device, else None."""
     try:

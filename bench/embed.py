@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from bench._common import best_of
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
@@ -49,14 +51,6 @@ def sentences(n: int, max_words: int, vocab: list[str] | None, seed: int = 0) ->
     lens = rng.integers(4, max_words + 1, n)
     return [" ".join(words[j] for j in rng.integers(0, len(words), k)) for k in lens]
 
-
-def best(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int]) -> None:
@@ -140,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         def run_hetero() -> None:
             out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
 
-        t = best(run_hetero, args.repeats)
+        t = best_of(run_hetero, args.repeats)
         device = rt.device().summary.get("summary", "?")
     finally:
         rt.close()
@@ -169,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     st.encode(texts[: args.batch], batch_size=args.batch, show_progress_bar=False)  # warm-up
-    ts = best(run_st, args.repeats)
+    ts = best_of(run_st, args.repeats)
     s_rate = args.n / ts
     name = torch.cuda.get_device_name() if dev == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(json.dumps({"impl": "sentence-transformers", **common, "seconds": round(ts, 4),

@@ -15,9 +15,9 @@ import json
 import operator
 import os
 import platform
-import time
 
 import hetero
+from bench._common import best_of
 
 
 def build_hetero(width: int, depth: int) -> hetero.Graph:
@@ -58,14 +58,6 @@ async def asyncio_chains(width: int, depth: int, pool: concurrent.futures.Execut
     return await asyncio.gather(*(chain() for _ in range(width)))
 
 
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,7 +77,7 @@ def main() -> None:
         assert out == (a.depth,) * a.width
 
     run_hetero()  # plan once, start threads
-    results = {"hetero": best(run_hetero, a.repeat)}
+    results = {"hetero": best_of(run_hetero, a.repeat)}
     rt.close()
 
     try:
@@ -99,7 +91,7 @@ def main() -> None:
             assert tuple(out) == (a.depth,) * a.width
 
         run_dask()
-        results["dask.threaded"] = best(run_dask, a.repeat)
+        results["dask.threaded"] = best_of(run_dask, a.repeat)
     except ImportError:
         print("# dask not installed: skipping the dask reference")
 
@@ -108,7 +100,7 @@ def main() -> None:
             assert asyncio.run(asyncio_chains(a.width, a.depth, pool)) == [a.depth] * a.width
 
         run_asyncio()
-        results["asyncio+run_in_executor"] = best(run_asyncio, a.repeat)
+        results["asyncio+run_in_executor"] = best_of(run_asyncio, a.repeat)
 
     per = {k: v / n * 1e6 for k, v in results.items()}
     for k, us in per.items():

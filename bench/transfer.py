@@ -39,21 +39,11 @@ import wgpu
 
 from hetero._device import Device
 from hetero._transfer import StagingRing
-from bench._common import human, parse_size
+from bench._common import best_of, human, parse_size
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 def emit(**kw: Any) -> None:
     print(json.dumps({"bench": "transfer", **kw}), flush=True)
-
-
-def best_of(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm-up: staging allocation, first-touch page faults, lazy init
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def wgpu_figures(dev: Device, ring: StagingRing, n: int, repeat: int, tag: str,
@@ -125,8 +115,8 @@ def wgpu_figures(dev: Device, ring: StagingRing, n: int, repeat: int, tag: str,
     def read_buffer() -> np.ndarray:
         return np.frombuffer(queue.read_buffer(buf), np.uint32)
 
-    res[("up", "write_buffer")] = best_of(write_buffer, repeat)
-    res[("down", "read_buffer")] = best_of(read_buffer, repeat)
+    res[("up", "write_buffer")] = best_of(write_buffer, repeat, warmup=True)
+    res[("down", "read_buffer")] = best_of(read_buffer, repeat, warmup=True)
     buf.destroy()
     return res
 
@@ -141,7 +131,7 @@ def host_copy_figure(n: int, threads: int, repeat: int) -> float:
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         def run() -> None:
             list(pool.map(lambda i: np.copyto(dst[i:i + step], src[i:i + step]), range(0, n, step)))
-        return best_of(run, repeat)
+        return best_of(run, repeat, warmup=True)
 
 
 def torch_figures(n: int, repeat: int) -> dict[tuple[str, str], float]:
@@ -162,10 +152,10 @@ def torch_figures(n: int, repeat: int) -> dict[tuple[str, str], float]:
         return run
 
     res = {
-        ("up", "torch_pinned"): best_of(copy(gpu, pinned), repeat),
-        ("up", "torch_pageable"): best_of(copy(gpu, pageable), repeat),
-        ("down", "torch_pinned"): best_of(copy(pinned, gpu), repeat),
-        ("down", "torch_pageable"): best_of(copy(pageable, gpu), repeat),
+        ("up", "torch_pinned"): best_of(copy(gpu, pinned), repeat, warmup=True),
+        ("up", "torch_pageable"): best_of(copy(gpu, pageable), repeat, warmup=True),
+        ("down", "torch_pinned"): best_of(copy(pinned, gpu), repeat, warmup=True),
+        ("down", "torch_pageable"): best_of(copy(pageable, gpu), repeat, warmup=True),
     }
     del gpu, pinned, pageable
     torch.cuda.empty_cache()
