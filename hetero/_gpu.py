@@ -244,16 +244,18 @@ class GPUContext:
         """
         return self._recorder.encoder
 
-    def stage_download(self, t: Tensor, zero_copy: bool = False) -> Tensor:
+    def stage_download(self, t: Tensor, zero_copy: bool | str = False) -> Tensor:
         """Record a copy of ``t`` into host-readable staging memory (read after the fence).
 
         ``zero_copy``: the host array will be a view of the mapped staging memory
-        (no copy out; the staging buffer is recycled when the array is gone).
+        (no copy out; the staging buffer is recycled when the array is gone); ``"auto"``:
+        only where that reuses pooled memory (``StagingRing.download``).
         """
         ticket = None
         if t.nbytes:
-            ticket = self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes,
-                                             zero_copy=zero_copy and t.nbytes >= ZERO_COPY_MIN)
+            if zero_copy is True and t.nbytes < ZERO_COPY_MIN:
+                zero_copy = False
+            ticket = self._dev.ring.download(self.encoder, t.buffer, t.offset, t.nbytes, zero_copy=zero_copy)
         self.downloads.append((ticket, t))  # a zero-size tensor needs no copy, still arrives as an array
         return t
 

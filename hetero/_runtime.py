@@ -37,6 +37,7 @@ class RuntimeOptions:
     memory_budget: int | None = None
     gpu_budget_ms: float = 100.0
     gpu_timing: bool = False
+    zero_copy_outputs: bool = True
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -70,6 +71,10 @@ class Runtime:
     transfers and buffer-pool counters, rewritten after each run and at close.
     ``gpu_timing`` writes GPU timestamps around every GPU stage, for ``stats()``'s
     ``gpu_ms`` (on whenever tracing; it costs a readback per submission).
+    ``zero_copy_outputs``: a GPU-produced graph output of 16 MiB or more may arrive as
+    an array on pooled mapped staging memory instead of a copy, when that reuses memory
+    (an earlier such array was dropped; see "Transfers" in the README); False always
+    copies.
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
@@ -77,17 +82,17 @@ class Runtime:
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
-                 adapter: Any = None) -> None:
+                 adapter: Any = None, zero_copy_outputs: bool = True) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
-                                      bool(gpu_timing))
+                                      bool(gpu_timing), bool(zero_copy_outputs))
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
         self._tracer = Tracer(trace) if trace is not None else None
         o = self.options
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
-                                tracer=self._tracer)
+                                tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs)
         self._closed = False
         self._last_run: Run | None = None
 

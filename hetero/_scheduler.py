@@ -385,13 +385,15 @@ class Scheduler:
 
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
                  device_if_open: Callable[[], Device | None], submit_batch: int = 32,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, zero_copy_outputs: bool = True) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
         self.submit_batch = submit_batch
         self.tracer = tracer
+        # Graph outputs: zero-copy where the staging ring can reuse memory ("auto"), else copied.
+        self._output_zero_copy: bool | str = "auto" if zero_copy_outputs else False
         self._shared: SharedRecorder | None = None
         self._shared_dev: Device | None = None
         self._runs_lock = threading.Lock()
@@ -505,7 +507,8 @@ class Scheduler:
                     args, kwargs = _device_args(run, st, ctx, share, fresh)
                     result = st.fn(ctx, *args, **kwargs)
                     if st.download:
-                        zero_copy = i not in run.plan.output_stages
+                        # What only CPU stages read is a view of staging memory for the run.
+                        zero_copy = self._output_zero_copy if i in run.plan.output_stages else True
                         c = ctx
                         map_values(result, lambda t: c.stage_download(t, zero_copy), Tensor)
                     rec.end_span(span)

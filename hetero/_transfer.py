@@ -15,7 +15,12 @@ Design.
   downloads use those). A transfer larger than ``chunk_bytes`` uses one buffer per chunk
   and one ``copy_buffer_to_buffer`` per chunk in the caller's encoder. The pool hands
   out the buffer freed longest ago; past ``max_pooled_bytes`` of free staging, recycled
-  buffers are destroyed.
+  buffers are destroyed (except that the buffer of a dropped zero-copy array first
+  evicts free download buffers of other sizes). By default that cap is 512 MiB, raised
+  to twice the staging of the largest transfer so far (an upload and a download of that
+  size): a pool that cannot hold one transfer's chunks recreates them every time, and
+  creating a staging buffer costs more than copying through it (at 1 GiB the 512 MiB
+  cap made whole-graph downloads ~4 GB/s on an H200).
 - Host copies go straight into or out of mapped memory: the pointer of
   ``wgpuBufferGetMappedRange`` wrapped as a numpy array. ``np.copyto`` releases the GIL,
   so a large transfer is cut into pieces of 2 MiB or more that the ring's own
@@ -36,6 +41,14 @@ Design.
   array *on the mapped staging memory* instead of copying out; the buffer is unmapped
   and goes back to the pool when that array and every view of it are gone. On an H200
   the copy-out (and page faults of a new array) cost more than the device copy itself.
+- ``download(..., zero_copy="auto")`` is for results a caller may keep for long (graph
+  outputs): zero-copy only where that reuses memory, copied otherwise. Zero-copy when a
+  free buffer of the size class is pooled (an earlier array on one was dropped), or when
+  the class came before (not the first download of that size) and every buffer created
+  so far for it came back at least once; never for less than ``AUTO_ZERO_COPY_MIN``, nor
+  past ``max_pooled_bytes`` of live zero-copy arrays. A stream that drops its arrays thus
+  runs at zero-copy speed from its third download on, and a caller that keeps every
+  array costs one buffer creation, then gets copies.
 
 Measured on an H200 through Vulkan, 256 MiB, 16 copy threads (bench/transfer.py): the
 driver puts ``MAP_WRITE`` staging in device memory that the host writes through the PCIe
@@ -128,6 +141,8 @@ def _out_array(what: str, shape: int | Sequence[int], dtype: Any, nbytes: int,
 
 
 PREFAULT_MIN = 16 << 20  # copied downloads from this size get their array touched during the GPU copy
+DEFAULT_POOLED_BYTES = 512 << 20  # free staging kept, unless larger transfers need more
+AUTO_ZERO_COPY_MIN = PREFAULT_MIN  # zero_copy="auto" copies anything smaller (cheap, and no class rounding)
 _PAGE = 4096
 
 
@@ -289,11 +304,12 @@ class StagingRing:
     ``copy_threads``: threads that copy into and out of mapped memory (default: one per
     core, at most 16; 1 copies on the calling thread). ``chunk_bytes``: the largest
     staging buffer of a chunked transfer. ``max_pooled_bytes``: free staging kept for
-    reuse; recycled buffers beyond it are destroyed.
+    reuse; recycled buffers beyond it are destroyed (default: ``DEFAULT_POOLED_BYTES``,
+    raised to twice the staging of the largest transfer so far; an int fixes it).
     """
 
     def __init__(self, device: wgpu.GPUDevice, *, copy_threads: int | None = None, chunk_bytes: int = 8 << 20,
-                 max_pooled_bytes: int = 512 << 20) -> None:
+                 max_pooled_bytes: int | None = None) -> None:
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         self.max_buffer_size = int(device.limits["max-buffer-size"])
@@ -305,6 +321,9 @@ class StagingRing:
             copy_threads = min(16, os.cpu_count() or 1)
         if copy_threads < 1:
             raise ValueError(f"copy_threads must be at least 1, got {copy_threads}")
+        self._cap_grows = max_pooled_bytes is None
+        if max_pooled_bytes is None:
+            max_pooled_bytes = DEFAULT_POOLED_BYTES
         if max_pooled_bytes < 0:
             raise ValueError(f"max_pooled_bytes must not be negative, got {max_pooled_bytes}")
         self.device = device
@@ -324,6 +343,11 @@ class StagingRing:
         self._pooled_bytes = 0
         self._zero_copy_bytes = 0
         self._returned: collections.deque[_Staging] = collections.deque()  # from dead zero-copy arrays
+        # zero_copy="auto", per download size class: downloads seen, buffers created for
+        # it, zero-copy buffers given back (arrays dropped).
+        self._auto_seen: collections.Counter[int] = collections.Counter()
+        self._auto_created: collections.Counter[int] = collections.Counter()
+        self._auto_returned: collections.Counter[int] = collections.Counter()
         self._allocations = 0
         self._reuses = 0
         self._destroyed = 0
@@ -343,6 +367,7 @@ class StagingRing:
         self._check_range("upload", "dst", dst_buffer, dst_offset, _pad4(n))
         if n == 0:
             return Ticket(self, "up", 0, [])
+        self._grow_cap(_pad4(n))
         chunks = self._chunks(n)
         if len(chunks) > 1 and not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)  # a strided source spread over several buffers: compact it first
@@ -356,12 +381,13 @@ class StagingRing:
         return Ticket(self, "up", n, [(s, length) for s, (_, length) in zip(stagings, chunks)])
 
     def download(self, encoder: Any, src_buffer: Any, src_offset: int, nbytes: int, *,
-                 zero_copy: bool = False, prefault: bool = True) -> Ticket:
+                 zero_copy: bool | str = False, prefault: bool = True) -> Ticket:
         """Record a copy of ``nbytes`` of ``src_buffer`` from ``src_offset`` into staging buffers.
 
         ``ticket.read(shape, dtype)`` returns the data once the submission completed. The
         copy moves ``nbytes`` rounded up to 4, so ``src_buffer`` needs that many bytes.
-        ``zero_copy``: stage into one buffer, which ``read()`` returns as the array itself.
+        ``zero_copy``: stage into one buffer, which ``read()`` returns as the array itself;
+        ``"auto"``: do so only where it reuses pooled memory (see the module's notes).
         ``prefault``: for a copied download of ``PREFAULT_MIN`` bytes or more, allocate the
         array ``read()`` will return now and let the copy threads touch its pages while the
         GPU copies (a fresh array's page faults cost about as much as the copy-out into
@@ -370,12 +396,18 @@ class StagingRing:
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"download: nbytes must not be negative, got {nbytes}")
+        if zero_copy not in (True, False, "auto"):
+            raise ValueError(f"download: zero_copy must be True, False or 'auto', got {zero_copy!r}")
         self._check_range("download", "src", src_buffer, src_offset, _pad4(nbytes))
         if nbytes == 0:
             return Ticket(self, "down", 0, [])
-        zero_copy = zero_copy and self._class(_pad4(nbytes)) <= self.max_buffer_size
+        self._grow_cap(_pad4(nbytes))
+        auto = zero_copy == "auto"
+        reused = self._acquire_auto(_pad4(nbytes)) if auto else None
+        zero_copy = reused is not None or (not auto and bool(zero_copy)
+                                           and self._class(_pad4(nbytes)) <= self.max_buffer_size)
         chunks = [(0, nbytes)] if zero_copy else self._chunks(nbytes)
-        stagings = [self._acquire("down", _pad4(length)) for _, length in chunks]
+        stagings = [reused] if reused is not None else [self._acquire("down", _pad4(length)) for _, length in chunks]
         try:
             for s in stagings:
                 if not s.idle:  # pragma: no cover - free download buffers are unmapped
@@ -448,6 +480,14 @@ class StagingRing:
             return max(MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
         return -(-nbytes // self.chunk_bytes) * self.chunk_bytes
 
+    def _grow_cap(self, nbytes: int) -> None:
+        """Default cap: room for an upload and a download of the largest transfer so far."""
+        if self._cap_grows:
+            need = 2 * self._class(nbytes)
+            if need > self.max_pooled_bytes:
+                with self._lock:
+                    self.max_pooled_bytes = max(self.max_pooled_bytes, need)
+
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         """(offset, bytes of data) per staging buffer; offsets are multiples of chunk_bytes."""
         c = self.chunk_bytes
@@ -492,6 +532,26 @@ class StagingRing:
                 raise
         return s
 
+    def _acquire_auto(self, nbytes: int) -> _Staging | None:
+        """The buffer of a ``zero_copy="auto"`` download, or None for a copied one (module notes)."""
+        size = self._class(nbytes)
+        if nbytes < AUTO_ZERO_COPY_MIN or size > self.max_buffer_size:
+            return None
+        self._drain_returned()
+        with self._lock:
+            if self._closed:
+                raise RuntimeClosedError("the staging ring was used after close()")
+            seen = self._auto_seen[size]
+            self._auto_seen[size] = seen + 1
+            if self._free.get(("down", size)):
+                pass  # a dropped array's buffer (or a copied download's): _acquire takes it
+            elif (seen == 0 or self._auto_created[size] > self._auto_returned[size]
+                  or self._zero_copy_bytes + size > self.max_pooled_bytes):
+                return None
+            else:
+                self._auto_created[size] += 1
+        return self._acquire("down", nbytes)
+
     def _wait_mapped(self, s: _Staging) -> None:
         """Make a free upload buffer mapped for writing (finishing the map complete() requested)."""
         if s.future is not None:
@@ -525,12 +585,18 @@ class StagingRing:
             raise
         return stagings
 
-    def _recycle(self, stagings: list[_Staging], *, remap: bool) -> None:
-        """Return buffers (owned by the caller) to the pool; upload ones are mapped again if ``remap``."""
+    def _recycle(self, stagings: list[_Staging], *, remap: bool, evict: bool = False) -> list[_Staging]:
+        """Return buffers (owned by the caller) to the pool; upload ones are mapped again if ``remap``.
+
+        ``evict``: make room by destroying free download buffers of other size classes,
+        oldest first, rather than destroying these. Returns the buffers the pool kept.
+        """
         keep: list[_Staging] = []
         drop: list[_Staging] = []
         with self._lock:
             for s in stagings:
+                if evict and not self._closed and s.size <= self.max_pooled_bytes:
+                    drop += self._evict_down(self._pooled_bytes + s.size - self.max_pooled_bytes, s.size)
                 if not self._closed and self._pooled_bytes + s.size <= self.max_pooled_bytes:
                     self._pooled_bytes += s.size  # room reserved now; the buffer joins the pool below
                     keep.append(s)
@@ -539,7 +605,7 @@ class StagingRing:
         for s in drop:
             self._destroy(s)
         if not keep:
-            return
+            return keep
         remaps = [s for s in keep if remap and s.direction == "up" and s.buffer.map_state == "unmapped"]
         if remaps and not _loop_on_this_thread():
             for s in remaps:
@@ -564,6 +630,20 @@ class StagingRing:
         if closed:  # close() ran meanwhile: these would outlive its trim()
             for s in keep:
                 self._destroy(s)
+            return []
+        return keep
+
+    def _evict_down(self, excess: int, spare: int) -> list[_Staging]:
+        """Under the lock: take free download buffers not of class ``spare`` out of the pool
+        (oldest first in each class) until ``excess`` bytes are gone; the caller destroys them."""
+        out: list[_Staging] = []
+        for (direction, size), lst in self._free.items():
+            while excess > 0 and lst and direction == "down" and size != spare:
+                s = lst.popleft()
+                self._pooled_bytes -= s.size
+                excess -= s.size
+                out.append(s)
+        return out
 
     def _request_write_map(self, s: _Staging) -> None:
         s.promise = s.buffer.map_async("WRITE")
@@ -759,7 +839,11 @@ class StagingRing:
                 self._zero_copy_bytes -= s.size
             try:
                 s.buffer.unmap()
-                self._recycle([s], remap=False)
+                # A whole result's buffer outranks free chunk buffers (copied downloads of
+                # that size are what it replaces); it counts as given back only if pooled.
+                if self._recycle([s], remap=False, evict=True):
+                    with self._lock:
+                        self._auto_returned[s.size] += 1
             except Exception:  # pragma: no cover - device gone: nothing to give back
                 log.debug("staging ring: could not recycle a zero-copy buffer", exc_info=True)
                 self._forget([s])

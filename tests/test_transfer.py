@@ -447,3 +447,111 @@ def test_zero_copy_into_out_copies(dev: Device, ring: StagingRing) -> None:
     assert t.read(a.shape, a.dtype, out=out) is out  # with out= the data is copied after all
     np.testing.assert_array_equal(out, a)
     assert all(b.map_state == "unmapped" for b in t.buffers) and ring.stats()["in_use_bytes"] == 0
+
+
+# -- zero_copy="auto": zero-copy only where it reuses memory ----------------------------------
+AUTO_N = 300 << 10  # a 320 KiB size class (five 64 KiB chunks when copied)
+
+
+def is_mapped_view(a: np.ndarray) -> bool:
+    """Whether ``a`` lives on mapped staging memory (its base chain ends in the ring's owner)."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return type(a).__name__ == "_MappedMemory"
+
+
+def auto_download(dev: Device, ring: StagingRing, buf: Any, n: int = AUTO_N) -> tuple[Ticket, np.ndarray]:
+    enc = dev.device.create_command_encoder()
+    t = ring.download(enc, buf, 0, n, zero_copy="auto")
+    assert_unmapped(t)
+    submit_wait(dev, enc)
+    t.complete()
+    b = t.read((n,), np.uint8)
+    assert t.zero_copy == is_mapped_view(b)
+    return t, b
+
+
+@pytest.fixture
+def auto_min(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hetero._transfer.AUTO_ZERO_COPY_MIN", 128 << 10)  # lavapipe-sized
+
+
+def test_auto_zero_copy_reuses_dropped_arrays(dev: Device, ring: StagingRing, auto_min: None) -> None:
+    a = data((AUTO_N,), np.uint8)
+    buf = new_buffer(dev, AUTO_N)
+    upload(dev, ring, a, buf)
+    t1, b1 = auto_download(dev, ring, buf)
+    assert not t1.zero_copy  # the first download of a size is copied: it may never come again
+    t2, b2 = auto_download(dev, ring, buf)
+    assert t2.zero_copy and len(t2.buffers) == 1  # it came again: one whole buffer, handed out
+    t3, b3 = auto_download(dev, ring, buf)
+    assert not t3.zero_copy  # b2 is still held and none came back yet: no second buffer
+    allocations = ring.stats()["staging_allocations"]
+    del b2
+    gc.collect()
+    t4, b4 = auto_download(dev, ring, buf)
+    assert t4.zero_copy and t4.buffers == t2.buffers  # b2's buffer, reused
+    assert ring.stats()["staging_allocations"] == allocations
+    t5, b5 = auto_download(dev, ring, buf)
+    assert t5.zero_copy and t5.buffers != t4.buffers  # buffers came back: a second one may be made
+    t6, b6 = auto_download(dev, ring, buf)
+    assert not t6.zero_copy  # both held, only one ever came back: copies again
+    for b in (b1, b3, b4, b5, b6):
+        np.testing.assert_array_equal(b, a)
+    b4[:] = 7  # an ordinary writable array
+    assert (b4 == 7).all() and not np.shares_memory(b4, b5)
+    del b4, b5
+    gc.collect()
+    stats = ring.stats()
+    assert stats["zero_copy_bytes"] == 0 and stats["in_use_bytes"] == 0
+
+
+def test_auto_zero_copy_limits(dev: Device, auto_min: None) -> None:
+    a = data((AUTO_N,), np.uint8)
+    buf = new_buffer(dev, AUTO_N)
+    with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK) as ring:
+        upload(dev, ring, a, buf)
+        small = [auto_download(dev, ring, buf, 100 << 10)[0] for _ in range(3)]
+        assert not any(t.zero_copy for t in small)  # below AUTO_ZERO_COPY_MIN: always copied
+    # max_pooled_bytes bounds live zero-copy arrays too: a class above it is always copied.
+    with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=256 << 10) as ring:
+        upload(dev, ring, a, buf)
+        held = [auto_download(dev, ring, buf) for _ in range(3)]
+        assert not any(t.zero_copy for t, _ in held)
+        with pytest.raises(ValueError, match="zero_copy must be True, False or 'auto', got 'yes'"):
+            ring.download(dev.device.create_command_encoder(), buf, 0, 4, zero_copy="yes")
+
+
+def test_auto_zero_copy_buffer_evicts_free_chunks(dev: Device, auto_min: None) -> None:
+    """A dropped result's buffer takes the place of the copied path's free chunk buffers."""
+    a = data((AUTO_N,), np.uint8)
+    buf = new_buffer(dev, AUTO_N)
+    with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=640 << 10) as ring:
+        upload(dev, ring, a, buf)  # 320 KiB of free upload chunks
+        auto_download(dev, ring, buf)  # copied: 320 KiB of free download chunks, the pool is full
+        assert ring.stats()["pooled_bytes"] == 640 << 10
+        t2, b2 = auto_download(dev, ring, buf)
+        assert t2.zero_copy
+        del b2
+        gc.collect()
+        stats = ring.stats()
+        assert stats["staging_destroyed"] == 5 and stats["pooled_bytes"] == 640 << 10  # chunks out, it in
+        t3, b3 = auto_download(dev, ring, buf)
+        assert t3.zero_copy and t3.buffers == t2.buffers
+        np.testing.assert_array_equal(b3, a)
+        del b3
+
+
+def test_default_pool_cap_grows_to_the_largest_transfer(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round trip larger than the default cap still reuses its staging on the next round."""
+    monkeypatch.setattr("hetero._transfer.DEFAULT_POOLED_BYTES", 128 << 10)
+    a = data((AUTO_N,), np.uint8)  # five chunks each way: 640 KiB of staging
+    for cap, grows in ((None, True), (128 << 10, False)):
+        with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=cap) as ring:
+            assert ring.max_pooled_bytes == 128 << 10
+            counts = []
+            for _ in range(3):
+                np.testing.assert_array_equal(round_trip(dev, ring, a), a)
+                counts.append(ring.stats()["staging_allocations"])
+            assert ring.max_pooled_bytes == (640 << 10 if grows else 128 << 10)
+            assert (counts[2] == counts[0]) == grows  # a fixed cap too small recreates chunks every time
