@@ -4,11 +4,19 @@
 
 * fence: record an empty command buffer, then submit it and await its ``Fence`` from
   asyncio; the figure is submit -> coroutine resumed, with the recording cost printed
-  beside it: once as hetero does it (the loop polls first, ``LOOP_POLL_US``), once with
-  the fence thread alone waking the loop (``spin_s=0``), under asyncio and under trio. The reference is
-  torch launch + synchronize of a tiny kernel when torch with CUDA is importable.
+  beside it: as ``Fence.wait()`` does it by default (the loop watches for
+  ``LOOP_POLL_US`` first), with the fence thread alone waking the loop (``spin_s=0``),
+  and under trio. The reference is torch launch + synchronize of a tiny kernel when
+  torch with CUDA is importable.
 * coalesce: a chain of N tiny GPU stages run with ``submit_batch=1`` (one submission
   per stage) and with the default batch; the ratio is the gain.
+* graph_download (``--download-mib``): runs of a graph whose GPU stage fills a tensor of
+  that size and returns it as the graph output, each result dropped when the next one
+  arrives; GB/s = bytes / median run time, with ``zero_copy_outputs`` on (the default)
+  and off; then the times of six runs whose results are all kept. References: torch
+  ``.cpu()`` (a new pageable tensor) and a copy into preallocated pinned memory, after
+  the same fill.
+* graph_roundtrip (``--roundtrip-mib``): host array -> GPU stage -> host array.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ def emit(**kw: object) -> None:
 async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float) -> tuple[list[float], list[float]]:
     """(fence, encode) times: submit of a recorded empty command buffer until the coroutine
     awaiting its ``Fence`` resumes, and the recording (create_command_encoder + finish)
-    before it. ``spin_s``: how long the loop polls (0: the fence thread wakes it)."""
+    before it. ``spin_s``: how long the loop watches (0: the fence thread wakes it)."""
     dev = await anyio.to_thread.run_sync(rt.device)
     fences, encodes = [], []
     for _ in range(n):
@@ -108,6 +116,82 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 """
 
 
+FILL = """
+@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x + gid.y * 65535u * 64u;
+    if (i < arrayLength(&x)) { x[i] = f32(i); }
+}
+"""
+
+
+def graph_download(mib: int, runs: int) -> None:
+    n = mib << 18
+
+    def fill(gpu: hetero.GPUContext) -> hetero.Tensor:
+        t = gpu.empty((n,), np.float32)
+        groups = (n + 63) // 64
+        gpu.dispatch(FILL, (min(groups, 65535), (groups + 65534) // 65535), t)
+        return t
+
+    g = hetero.Graph("download")
+    g.output(g.gpu(fill))
+    medians = {}
+    for zero_copy in (True, False):
+        with hetero.Runtime(zero_copy_outputs=zero_copy) as rt:
+            async def loop() -> list[float]:
+                times = []
+                y = None
+                for _ in range(runs + 3):
+                    t0 = time.perf_counter()
+                    y = await rt.run(g)
+                    times.append(time.perf_counter() - t0)
+                assert y is not None and y[-1] == n - 1, "wrong result"
+                return times[3:]
+
+            async def keep_all() -> list[float]:
+                kept, times = [], []
+                for _ in range(6):
+                    t0 = time.perf_counter()
+                    kept.append(await rt.run(g))
+                    times.append(time.perf_counter() - t0)
+                return times
+
+            times = anyio.run(loop)
+            kept_ms = [round(t * 1e3, 1) for t in anyio.run(keep_all)]
+        med = statistics.median(times)
+        medians[zero_copy] = med
+        emit(figure="graph_download", mib=mib, impl=f"hetero zero_copy_outputs={zero_copy}",
+             GBps=round(n * 4 / med / 1e9, 1), best_GBps=round(n * 4 / min(times) / 1e9, 1),
+             median_ms=round(med * 1e3, 2), caller_keeps_every_result_ms=kept_ms)
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    d = torch.empty(n, dtype=torch.float32, device="cuda")
+    pinned = torch.empty(n, dtype=torch.float32).pin_memory()
+
+    def torch_times(step: object) -> list[float]:
+        out = []
+        for _ in range(runs + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.arange(n, out=d, dtype=torch.float32)
+            step()  # type: ignore[operator]
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out[3:]
+
+    for impl, step in (("torch .cpu() (new pageable tensor)", lambda: d.cpu()),
+                       ("torch copy into pinned", lambda: pinned.copy_(d, non_blocking=True))):
+        med = statistics.median(torch_times(step))
+        emit(figure="graph_download", mib=mib, impl=impl, GBps=round(n * 4 / med / 1e9, 1),
+             median_ms=round(med * 1e3, 2), ratio_hetero_over_this=round(med / medians[True], 2))
+
+
 def graph_roundtrip(mib: int, repeat: int) -> None:
     x = np.zeros(mib << 18, np.float32)
     g = roundtrip_graph()
@@ -149,6 +233,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--roundtrip-mib", type=int, default=256)
+    ap.add_argument("--download-mib", type=int, default=256)
+    ap.add_argument("--download-runs", type=int, default=20)
     a = ap.parse_args()
 
     with hetero.Runtime() as rt:
@@ -191,6 +277,8 @@ def main() -> None:
         emit(figure="tiny_gpu_stage_chain", submit_batch=batch, stages=a.stages,
              us_per_stage=round(per[batch], 2), submissions_total=subs)
     emit(figure="coalescing_gain", ratio=round(per[1] / per[32], 2))
+    if a.download_mib:
+        graph_download(a.download_mib, a.download_runs)
     if a.roundtrip_mib:
         graph_roundtrip(a.roundtrip_mib, a.repeat)
 

@@ -2,18 +2,23 @@
 
 ``await fence.wait()`` first watches the submission from the event loop itself, for
 up to ``spin_s`` (``LOOP_POLL_US``): each turn is a checkpoint (every other task
-runs), a non-blocking ``wgpuDevicePoll`` (which fires the work-done callbacks of what
-finished, marking it complete; see ``Device.completed``), then a sleep of at most
+runs), a look at the completed index (with a non-blocking ``wgpuDevicePoll`` unless
+the fence thread is polling, see ``Device.completed``), then a sleep of at most
 ``SLICE_S`` on a lock that the completion releases. Only then does it sleep until the
 device's fence thread wakes the loop. The loop is never held longer than one slice
 (20 µs plus the OS timer slack).
 
 Why. A submission of little work completes tens of microseconds after it was
 submitted. Reaching the loop through the fence thread costs a thread hand-off and an
-event-loop wake-up: submit -> coroutine resumed took 108-126 µs on an H200 through
-Vulkan with the fence thread alone (``bench/gpu_runtime.py``); with the work-done
-callbacks and the loop watching, 34-48 µs (medians of 1800, three runs). Past ``spin_s`` the loop stops watching (long GPU work must not cost the loop's
-CPU time) and the fence thread wakes it, in order with every other completion.
+event-loop wake-up; the lock hands the completion straight to the waiting thread.
+On an H200 through Vulkan (``bench/gpu_runtime.py``, submit -> coroutine resumed,
+medians of 1800, three runs): 47-49 µs watched (p90 79-82), 46-55 µs through the fence
+thread alone (p90 100-110). A fence thread that went straight into a blocking poll
+made both 80-97 µs: it held up every non-blocking poll, the loop's included, until
+the work finished; it now polls without blocking for its first 100 µs (where it
+spins at all, see ``Device._await_completion``). Past ``spin_s`` the loop stops
+watching (long GPU work must not cost the loop's CPU time) and the fence thread
+wakes it, in order with every other completion.
 
 ``wgpuDevicePoll(wait=False)`` returns true even while work is in flight (measured:
 it does so at once after a submit whose work runs for milliseconds, although
@@ -68,7 +73,7 @@ class Fence:
         return self._dev.completed(self.index)
 
     async def wait(self, spin_s: float = LOOP_POLL_US / 1e6) -> None:
-        """Wait without blocking the event loop for long: poll for up to ``spin_s``, then sleep until woken."""
+        """Wait without blocking the event loop for long: watch for up to ``spin_s``, then sleep until woken."""
         dev = self._dev
         if dev.completed(self.index):
             return

@@ -319,6 +319,30 @@ async def test_many_fences_resolve_in_order_without_blocking_the_loop(shared_rt:
         buf.destroy()
 
 
+async def test_spinning_fence_thread_reports_short_and_long_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fence thread polls without blocking first: tiny submissions and work outlasting the spin."""
+    import wgpu
+
+    monkeypatch.setenv("HETERO_FENCE_SPIN_US", "300")
+    async with hetero.Runtime() as rt:
+        dev = await anyio.to_thread.run_sync(rt.device)
+        for _ in range(50):  # reported by the fence thread's non-blocking polls
+            dev.enqueue(dev.device.create_command_encoder().finish(), flush=True)
+            fence = dev.fence()
+            await fence.wait()
+            assert fence.done() and dev._completed >= fence.index
+        buf = dev.device.create_buffer(size=256 * 4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        try:
+            dev.enqueue(_record_busy(dev, buf), flush=True)  # runs far longer than the 300 µs spin
+            fence = dev.fence()
+            assert not fence.done()
+            await fence.wait()
+            assert fence.done() and not dev._fence_polling
+            assert np.all(np.frombuffer(dev.queue.read_buffer(buf), np.float32) > 1000)
+        finally:
+            buf.destroy()
+
+
 def test_completion_is_learnt_without_the_fence_thread(shared_rt: hetero.Runtime) -> None:
     """A submission the fence thread never hears of still completes: its work-done callback fires in a poll."""
     dev = shared_rt.device()
@@ -588,3 +612,32 @@ async def test_spinning_fence_thread_runs_graphs(monkeypatch: pytest.MonkeyPatch
         results = [r async for r in rt.map(g, ({"x": x * k} for k in range(6)), max_in_flight=3)]
         for k, r in enumerate(results):
             np.testing.assert_array_equal(r, x * k * 32)
+
+
+def _mapped_view(a: np.ndarray) -> bool:
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return type(a).__name__ == "_MappedMemory"
+
+
+@pytest.mark.parametrize("zero_copy_outputs", [True, False])
+async def test_large_outputs_reuse_staging_memory(zero_copy_outputs: bool) -> None:
+    """A 16 MiB output: copied the first time, then on pooled staging memory while results are dropped."""
+    x = np.arange(4 * MiB, dtype=np.float32)
+    want = 2 * x
+    g = chain(1)
+    async with hetero.Runtime(zero_copy_outputs=zero_copy_outputs) as rt:
+        y1 = await rt.run(g, x=x)
+        y2 = await rt.run(g, x=x)
+        y3 = await rt.run(g, x=x)  # y2 still held: copied
+        del y2
+        y4 = await rt.run(g, x=x)
+        views = [_mapped_view(y) for y in (y1, y3, y4)]
+        assert views == ([False, False, True] if zero_copy_outputs else [False, False, False])
+        for y in (y1, y3, y4):
+            np.testing.assert_array_equal(y, want)
+        y4 += 1  # writable
+        ring = rt.device().ring.stats()
+        assert ring["zero_copy_bytes"] == (16 * MiB if zero_copy_outputs else 0)
+    np.testing.assert_array_equal(y4, want + 1)  # still valid after the runtime closed
+    del y4
