@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# adapter: {dev.summary['summary']}", flush=True)
     # Enough pooled staging for the largest transfer three ways (upload chunks, download
     # chunks, one zero-copy buffer): the figures show the steady state, not the pool cap
-    # (the ring's default cap is 512 MiB; a staging buffer created anew costs far more
-    # than the copy, e.g. ~250 ms for 1 GiB on an H200).
+    # (the ring's default cap grows to twice the largest transfer, which is one short
+    # here; a staging buffer created anew costs far more than the copy, e.g. ~250 ms for
+    # 1 GiB on an H200).
     pool = 3 * max(sizes) + chunk
     rings = [StagingRing(dev.device, copy_threads=t, chunk_bytes=chunk, max_pooled_bytes=pool)
              for t in threads]
