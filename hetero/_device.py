@@ -149,7 +149,7 @@ class Device:
         self._batch_submitted: list[Callable[[int], None]] = []
         self._submit_lock = threading.Lock()
         self._inflight = 0  # our submissions not yet completed
-        self._fence_polling = False  # the fence thread is inside a blocking device poll
+        self._fence_polling = False  # the fence thread is polling for a submission (see completed())
         # Submission indices: the newest submitted, and the newest known to be complete
         # (advanced by the fence thread and by non-blocking polls; see completed()).
         self._submitted = -1
@@ -296,8 +296,9 @@ class Device:
 
         Completion is learnt from the fence thread's waits and from the work-done
         callback registered with each submission, which fires inside whichever device
-        poll sees the work finished: a non-blocking one made here included. Monotonic:
-        once an index is complete, every earlier one is too.
+        poll sees the work finished: a non-blocking one made here included (unless the
+        fence thread is polling, which then reports it). Monotonic: once an index is
+        complete, every earlier one is too.
         """
         if index <= self._completed:
             return True

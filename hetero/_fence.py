@@ -66,7 +66,7 @@ class Fence:
         return f"<Fence #{self.index} {'done' if self.done() else 'pending'}>"
 
     def done(self) -> bool:
-        """Whether the submission completed (a non-blocking device poll; safe on the event loop).
+        """Whether the submission completed (never blocks; safe on the event loop).
 
         Raises ``DeviceLostError`` once the device is lost.
         """
