@@ -257,8 +257,9 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
     x1 = ops.layernorm(gpu, o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
                        eps=c.layer_norm_eps, residual=x2)
     # gelu(x1 @ W.T + b) as a matmul and a gelu-with-bias kernel. ops.matmul(activation="gelu")
-    # would make it one dispatch; the pipeline keeps the two kernels its H200 figures were
-    # measured with until the fused form is measured there too (its epilogue adds registers).
+    # makes it one dispatch, but on the H200 its erf epilogue made that matmul 0.50 ms
+    # instead of 0.30 (batch 128): 4.7 ms more GPU time per 1024 sentences than the two
+    # kernels, for no gain in throughput (BENCHMARKS.md, sentence embeddings).
     inter = ops.gelu(gpu, linear(x1, "intermediate.dense", bias=False), bias=w[p + "intermediate.dense.bias"])
     out = linear(inter, "output.dense")
     y = ops.layernorm(gpu, out, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
