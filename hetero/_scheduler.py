@@ -203,15 +203,19 @@ class Run:
         finally:
             if not self.stopped:  # cancelled by the caller
                 self.stop()
-        if self.error is not None:
+        if not self.cleaned:
             # Let GPU stages being recorded finish and the run's buffers go back to the
-            # pool before raising (recording is short; a stage's GPU work is not awaited).
+            # pool before returning or raising (recording is short; a stage's GPU work is
+            # not awaited). Even a run that succeeded can get here: its last stage's GPU
+            # work may complete on the fence thread while the recording thread is still
+            # letting go of that stage's inputs.
             with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT):
                 while not self.cleaned:
                     event = self._event = anyio.Event()
                     if self.cleaned:
                         break
                     await event.wait()
+        if self.error is not None:
             raise self.error
         return self.outputs()
 

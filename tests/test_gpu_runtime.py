@@ -319,6 +319,25 @@ async def test_many_fences_resolve_in_order_without_blocking_the_loop(shared_rt:
         buf.destroy()
 
 
+async def test_run_returns_after_its_recording_thread_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last stage's GPU work may finish before its recording thread released that stage's
+    inputs; the run still returns with every block back in the pool."""
+    from hetero._gpu import GPUContext
+
+    release = GPUContext.release_blocks
+
+    def slow_release(self: GPUContext) -> None:
+        time.sleep(0.05)  # the fence thread completes the stage meanwhile
+        release(self)
+
+    monkeypatch.setattr(GPUContext, "release_blocks", slow_release)
+    g, x = chain(2, "slow-release"), np.ones(1024, np.float32)
+    async with hetero.Runtime() as rt:
+        for _ in range(3):
+            np.testing.assert_array_equal(await rt.run(g, x=x), x * 4)
+            assert rt.memory_stats().in_use_bytes == 0
+
+
 async def test_spinning_fence_thread_reports_short_and_long_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fence thread polls without blocking first: tiny submissions and work outlasting the spin."""
     import wgpu
