@@ -38,6 +38,11 @@ def emitter(bench: str) -> Callable[..., None]:
     return emit
 
 
+def adapter_fields(dev: Any) -> dict[str, Any]:
+    """The adapter line's fields of a benchmark: summary, backend and type of ``dev``'s adapter."""
+    return {"adapter": dev.summary["summary"], "backend": dev.summary["backend"], "type": dev.summary["type"]}
+
+
 def empty_round_trip(dev: Any, repeat: int = 20) -> float:
     """Best seconds to submit an empty command buffer and wait for it (subtracted from timings)."""
     best = math.inf

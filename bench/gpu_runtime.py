@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import time
 
@@ -32,6 +31,7 @@ import numpy as np
 
 import hetero
 from hetero._fence import LOOP_POLL_US
+from bench._common import emitter
 
 TINY = """
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
@@ -42,8 +42,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 """
 
 
-def emit(**kw: object) -> None:
-    print(json.dumps({"bench": "gpu_runtime", **kw}), flush=True)
+emit = emitter("gpu_runtime")
 
 
 async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float) -> tuple[list[float], list[float]]:

@@ -28,7 +28,6 @@ reference's line and ``{"ratio": "hetero/<ref>", "value": ...}`` (> 1: hetero fa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from typing import Any
@@ -38,13 +37,12 @@ import numpy as np
 import hetero
 import hetero.kernels.matmul as mm
 from hetero._device import Device
-from bench._common import cuda_seconds, empty_round_trip, replay_timed, run_once
+from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, replay_timed, run_once
 
 TARGETS = {1024: 0.3, 4096: 0.5}
 
 
-def emit(**kw: Any) -> None:
-    print(json.dumps({"bench": "matmul", **kw}), flush=True)
+emit = emitter("matmul")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -183,8 +181,7 @@ def main() -> None:
     try:
         dev = rt.device()
         torch = torch_cuda()
-        emit(adapter=dev.summary["summary"], backend=dev.summary["backend"], type=dev.summary["type"],
-             cache=str(mm.cache_path(dev)),
+        emit(**adapter_fields(dev), cache=str(mm.cache_path(dev)),
              reference="torch.matmul (CUDA, TF32 off)" if torch is not None else "numpy.matmul (host)")
         rtt = empty_round_trip(dev)
         emit(empty_submission_ms=round(rtt * 1e3, 4))

@@ -29,7 +29,6 @@ float32 matmul's line, and ``{"ratio": "int8-<strategy>/fp32", "value": ...}``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any, Callable
 
@@ -40,13 +39,12 @@ import hetero.kernels.matmul as mm
 import hetero.kernels.matmul_int8 as q8
 from bench.matmul import empty_round_trip, parse_shape, upload
 from hetero._device import Device
-from bench._common import replay_timed, run_once
+from bench._common import adapter_fields, emitter, replay_timed, run_once
 
 TARGET = (4096, 1.5)
 
 
-def emit(**kw: Any) -> None:
-    print(json.dumps({"bench": "matmul_int8", **kw}), flush=True)
+emit = emitter("matmul_int8")
 
 
 def seconds(dev: Device, record: Callable[[Any], Any], a_: argparse.Namespace, rtt: float) -> tuple[float, int]:
@@ -142,8 +140,7 @@ def main() -> None:
     rt = hetero.Runtime(gpu_budget_ms=1e9)  # K products stay in one submission
     try:
         dev = rt.device()
-        emit(adapter=dev.summary["summary"], backend=dev.summary["backend"], type=dev.summary["type"],
-             auto=q8.choose(dev, 1024, 1024)[0])
+        emit(**adapter_fields(dev), auto=q8.choose(dev, 1024, 1024)[0])
         rtt = empty_round_trip(dev)
         emit(empty_submission_ms=round(rtt * 1e3, 4))
         for shape in shapes:

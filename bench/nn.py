@@ -52,7 +52,6 @@ hetero line, the reference's line and ``{"ratio": "hetero/<ref>", "value": t_ref
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -63,14 +62,13 @@ import numpy as np
 import hetero
 import hetero.kernels.nn as nn
 from hetero._device import Device
-from bench._common import cuda_seconds, empty_round_trip, run_once, submit_timed, torch_cuda
+from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, run_once, submit_timed, torch_cuda
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 384, 12, 32, 1536, 30522
 F32_MIN = float(np.finfo(np.float32).min)
 
 
-def emit(**kw: Any) -> None:
-    print(json.dumps({"bench": "nn", **kw}), flush=True)
+emit = emitter("nn")
 
 
 class SharedOutputs:
@@ -369,7 +367,7 @@ def main() -> None:
     try:
         dev = rt.device()
         torch = torch_cuda()
-        emit(adapter=dev.summary["summary"], backend=dev.summary["backend"], type=dev.summary["type"],
+        emit(**adapter_fields(dev),
              batch=a.batch, seq=a.seq, reference="torch (CUDA)" if torch is not None else "numpy (host)")
         rtt = empty_round_trip(dev)
         emit(empty_submission_ms=round(rtt * 1e3, 4))

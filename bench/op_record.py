@@ -17,7 +17,6 @@ hits, misses) after it.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -28,12 +27,15 @@ import numpy as np
 
 import hetero
 from hetero import ops
+from bench._common import emitter
 
 TOUCH = """
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) { if (gid.x < 4u) { x[gid.x] += 1.0; } }
 """
+
+emit = emitter("op_record")
 
 
 def graph(kind: str, r: int) -> hetero.Graph:
@@ -62,8 +64,8 @@ def measure(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: dict[str
         g = graph(kind, r)
         anyio.run(lambda: rt.run(g, **arrays))
         us = [float(anyio.run(lambda: rt.run(g, **arrays))) for _ in range(3)]
-        print(json.dumps({"bench": "op_record", "op": kind, **extra, "record_us_per_op": round(min(us), 1),
-                          "adapter": rt.device().summary["summary"], **rt.device().binds.stats()}), flush=True)
+        emit(op=kind, **extra, record_us_per_op=round(min(us), 1), adapter=rt.device().summary["summary"],
+             **rt.device().binds.stats())
 
 
 def main() -> None:

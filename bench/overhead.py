@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import json
 import operator
 import os
 import platform
 
 import hetero
-from bench._common import best_of
+from bench._common import best_of, emitter
+
+emit = emitter("overhead")
 
 
 def build_hetero(width: int, depth: int) -> hetero.Graph:
@@ -104,12 +105,10 @@ def main() -> None:
 
     per = {k: v / n * 1e6 for k, v in results.items()}
     for k, us in per.items():
-        print(json.dumps({"bench": "overhead", "impl": k, "stages": n, "threads": threads,
-                          "us_per_stage": round(us, 2), "seconds": round(results[k], 4)}))
+        emit(impl=k, stages=n, threads=threads, us_per_stage=round(us, 2), seconds=round(results[k], 4))
     for ref in ("dask.threaded", "asyncio+run_in_executor"):
         if ref in per:
-            print(json.dumps({"bench": "overhead", "reference": ref,
-                              "speedup_of_hetero": round(per[ref] / per["hetero"], 2)}))
+            emit(reference=ref, speedup_of_hetero=round(per[ref] / per["hetero"], 2))
     print(f"# {platform.processor() or platform.machine()}, {threads} threads, python {platform.python_version()}")
 
 

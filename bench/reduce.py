@@ -35,7 +35,6 @@ then ``{"check": "accuracy", ...}`` lines.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from typing import Any
@@ -43,13 +42,13 @@ from typing import Any
 import numpy as np
 
 import hetero
-from bench._common import Spy, cuda_seconds, empty_round_trip, human, parse_size, run_once, submit_timed, torch_cuda
+from bench._common import (Spy, adapter_fields, cuda_seconds, emitter, empty_round_trip, human, parse_size, run_once,
+                           submit_timed, torch_cuda)
 import hetero.kernels.reduce as reduce_kernels
 import hetero.ops
 from hetero._device import Device
 
-def emit(**kw: Any) -> None:
-    print(json.dumps({"bench": "reduce", **kw}), flush=True)
+emit = emitter("reduce")
 
 
 def passes(labels: list[str]) -> int:
@@ -194,7 +193,7 @@ def main() -> None:
     try:
         dev = rt.device()
         torch = torch_cuda()
-        emit(adapter=dev.summary["summary"], backend=dev.summary["backend"], type=dev.summary["type"],
+        emit(**adapter_fields(dev),
              subgroups="subgroup" in dev.features,
              max_storage_buffer_binding_size=dev.limits["max-storage-buffer-binding-size"],
              reference="torch.sum (CUDA)" if torch is not None else "numpy.sum (host)")

@@ -12,13 +12,13 @@ time against the unsplit run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import anyio
 import numpy as np
 
 import hetero
+from bench._common import emitter
 
 HEAVY = """
 @group(0) @binding(0) var<storage, read_write> out: array<u32>;
@@ -35,8 +35,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 """
 
 
-def emit(**kw: object) -> None:
-    print(json.dumps({"bench": "split", **kw}), flush=True)
+emit = emitter("split")
 
 
 def graph(n: int, iters: int, infos: list) -> hetero.Graph:

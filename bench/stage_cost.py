@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import time
 from typing import Callable
@@ -19,7 +18,10 @@ import anyio
 import numpy as np
 
 import hetero
+from bench._common import emitter
 from bench.gpu_runtime import TINY, chain_graph
+
+emit = emitter("stage_cost")
 
 
 def per_iter(fn, n: int) -> float:
@@ -109,7 +111,7 @@ def main() -> None:
         anyio.run(lambda: rt.run(g, x=x))
     rows["scheduler: chain stage"] = (time.perf_counter() - t0) / 600 * 1e6
     for name, us in rows.items():
-        print(json.dumps({"bench": "stage_cost", "layer": name, "us": round(us, 1)}))
+        emit(layer=name, us=round(us, 1))
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()

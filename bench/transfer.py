@@ -10,9 +10,10 @@ figures also print the phases of their best run (``phases_ms``):
   for the next upload, runs after the clock stops, as it does on the fence thread).
 * down, ``staging_ring``: device buffer -> a new numpy array: ``ring.download``, submit,
   wait, ``complete()`` and ``read()`` (a new array: allocated when the download is
-  recorded and touched by the copy threads while the GPU copies, page faults included); ``staging_ring_out`` reads into a preallocated array instead;
-  ``staging_ring_zero_copy`` downloads with ``zero_copy=True``: the array returned is the
-  mapped staging memory (no copy-out), and dropping it gives the buffer back.
+  recorded and touched by the copy threads while the GPU copies, page faults included);
+  ``staging_ring_out`` reads into a preallocated array instead; ``staging_ring_zero_copy``
+  downloads with ``zero_copy=True``: the array returned is the mapped staging memory (no
+  copy-out), and dropping it gives the buffer back.
 * ``write_buffer``: ``queue.write_buffer`` then an empty submit and the fence wait;
   ``read_buffer``: ``queue.read_buffer`` into a numpy array.
 * ``numpy_copy``: a host-to-host copy of the same size on the ring's thread count, the
@@ -28,7 +29,6 @@ wgpu queue call of the same direction.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -39,11 +39,10 @@ import wgpu
 
 from hetero._device import Device
 from hetero._transfer import StagingRing
-from bench._common import best_of, human, parse_size
+from bench._common import best_of, emitter, human, parse_size
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-def emit(**kw: Any) -> None:
-    print(json.dumps({"bench": "transfer", **kw}), flush=True)
+emit = emitter("transfer")
 
 
 def wgpu_figures(dev: Device, ring: StagingRing, n: int, repeat: int, tag: str,
