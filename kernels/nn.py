@@ -275,31 +275,20 @@ var<workgroup> red: array<f32, 256>;
 
 // Sum / max of one value per thread over the TPR threads of each row (a tree in
 // workgroup memory); every thread gets its row's result. Uniform control flow only.
-fn row_sum(li: u32, v: f32) -> f32 {
+""" + "".join(Template("""fn row_$NAME(li: u32, v: f32) -> f32 {
     let lane = li % TPR;
     red[li] = v;
     workgroupBarrier();
     for (var s = TPR / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) { red[li] = red[li] + red[li + s]; }
+        if (lane < s) { red[li] = $COMBINE; }
         workgroupBarrier();
     }
     let r = red[li - lane];
     workgroupBarrier();
     return r;
 }
-fn row_max(li: u32, v: f32) -> f32 {
-    let lane = li % TPR;
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = TPR / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) { red[li] = max(red[li], red[li + s]); }
-        workgroupBarrier();
-    }
-    let r = red[li - lane];
-    workgroupBarrier();
-    return r;
-}
-"""
+""").substitute(NAME=name, COMBINE=combine) for name, combine in (("sum", "red[li] + red[li + s]"),
+                                                                   ("max", "max(red[li], red[li + s])")))
 
 _SOFTMAX = Template(_ROW_COMMON + """
 struct Params { rows: u32, n: u32, mask_div: u32, scale: f32 }
