@@ -70,17 +70,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from hetero._tensor import Tensor
-from hetero.kernels.matmul import (PAD, MatmulConfig, _adapter_info, _cdiv, _device_of, _emit_block,
-                                   default_config, emit_k_loop, emit_store, fma_rows, fragments, guard_slot)
-
-if TYPE_CHECKING:
-    from hetero._device import Device
-    from hetero._gpu import GPUContext
+from hetero.kernels.matmul.cache import adapter_info
+from hetero.kernels.matmul.config import PAD, MatmulConfig, default_config
+from hetero.kernels.matmul.emit import XYZW, emit_block, emit_k_loop, emit_store, fma_rows, fragments, guard_slot
+from hetero.kernels.matmul.op import cdiv
+from hetero.lowlevel import Device, GPUContext, Tensor, device_of
 
 __all__ = ["DP4A_CANDIDATES", "DEQUANT_CANDIDATES", "GPUWeight", "QuantizedWeight", "Strategy", "choose",
            "dequantize", "matmul_int8", "quantize_activations", "quantize_weight", "resident", "wgsl"]
@@ -148,7 +146,7 @@ class QuantizedWeight:
             bound = bound + 0.5 * rs * np.abs(self.dequantize().astype(np.float64)).sum(axis=0)
         elif strategy in GROUPS:  # per group: (rs_mg / 2) * sum_{k in g} |dequant[k, n]|
             g = GROUPS[strategy]
-            ng = _cdiv(max(self.k, 1), g)
+            ng = cdiv(max(self.k, 1), g)
             xp = np.zeros((*x64.shape[:-1], ng * g))
             xp[..., :self.k] = np.abs(x64)
             rs = xp.reshape(*x64.shape[:-1], ng, g).max(axis=-1) / 127.0  # [.., NG]
@@ -194,7 +192,7 @@ def quantize_weight(w: np.ndarray, *, transpose_b: bool = False) -> QuantizedWei
     scales = (amax / np.float32(127.0)).astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1.0))
     q = np.clip(np.rint(wk / safe[None, :]), -127, 127).astype(np.int8)
-    kp, np_ = _cdiv(max(k, 1), K_ALIGN) * K_ALIGN, _cdiv(max(n, 1), 4) * 4
+    kp, np_ = cdiv(max(k, 1), K_ALIGN) * K_ALIGN, cdiv(max(n, 1), 4) * 4
     full = np.zeros((kp, np_), np.int8)
     full[:k, :n] = q
     # word [k4, n] = bytes q[4 k4 + 0..3, n] (little-endian: byte j is K index 4 k4 + j)
@@ -218,7 +216,7 @@ def quantize_activations(x: np.ndarray, group: int = 0) -> tuple[np.ndarray, np.
     x = np.asarray(x, np.float32)
     if group:
         k = x.shape[-1]
-        ng = _cdiv(max(k, 1), group)
+        ng = cdiv(max(k, 1), group)
         xp = np.zeros((*x.shape[:-1], ng * group), np.float32)
         xp[..., :k] = x
         q, rs = quantize_activations(xp.reshape(*x.shape[:-1], ng, group))
@@ -235,9 +233,7 @@ def resident(target: Any, qw: QuantizedWeight) -> GPUWeight:
     Blocks until the copy completed (call it outside stages, e.g. before running graphs);
     the returned :class:`GPUWeight` may be passed to any stage of any run on that device.
     """
-    from hetero._gpu import GPUContext
-
-    dev: Device = _device_of(target)
+    dev: Device = device_of(target)
     holder = GPUContext(dev, "int8-weight")
     g = qw.to_gpu(holder)
     dev.wait(dev.submit([holder.encoder.finish()]))
@@ -283,7 +279,7 @@ def default_int8_config(strategy: str, adapter_type: str, m: int, n: int,
 
 def choose(gpu: Any, m: int, n: int, strategy: str = "auto") -> tuple[str, MatmulConfig]:
     """The strategy and tile ``matmul_int8`` uses on ``gpu``'s adapter for an ``M x N`` output."""
-    info = _adapter_info(gpu)
+    info = adapter_info(gpu)
     if strategy == "auto":
         strategy = "dp4a"  # measured faster on lavapipe; see the module doc
     if strategy not in STRATEGIES:
@@ -293,7 +289,6 @@ def choose(gpu: Any, m: int, n: int, strategy: str = "auto") -> tuple[str, Matmu
 
 
 # -- WGSL ---------------------------------------------------------------------------------------
-_XYZW = "xyzw"
 # M, N: the output; K: the activations' row length; K4: u32 words per packed row (Kp / 4);
 # NQ: vec4<u32> per weight row (Np / 4); y0: the first row tile of this dispatch.
 _PARAMS = "struct Params { M: u32, N: u32, K: u32, K4: u32, NQ: u32, y0: u32, pad0: u32, pad1: u32 }"
@@ -376,7 +371,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     # A slots: a row of the tile and a quad along it (4 floats, or 4 words = 16 int8).
     qa = kq4 // 4 if dp else kq4  # quads per row and slice
     a_count = c.bm * qa
-    a_slots = _cdiv(a_count, nt)
+    a_slots = cdiv(a_count, nt)
     for i in range(a_slots):
         idx = f"(tid + {i * nt}u)"
         guard = f" && {idx} < {a_count}u" if (i + 1) * nt > a_count else ""
@@ -390,7 +385,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     # B slots: a packed row (4 K) and a quad of channels.
     nq = c.bn // 4
     b_count = kq4 * nq
-    b_slots = _cdiv(b_count, nt)
+    b_slots = cdiv(b_count, nt)
     for i in range(b_slots):
         idx = f"(tid + {i * nt}u)"
         guard = f" && {idx} < {b_count}u" if (i + 1) * nt > b_count else ""
@@ -419,7 +414,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     def store_all(buf: int) -> list[str]:
         out: list[str] = []
         for i in range(a_slots):
-            body = [f"As{buf}[as{i} + {j * rsa4}u][ac{i}] = av{i}.{_XYZW[j]};" for j in range(4)]
+            body = [f"As{buf}[as{i} + {j * rsa4}u][ac{i}] = av{i}.{XYZW[j]};" for j in range(4)]
             out += guard_slot(i, nt, a_count, body)
         for i in range(b_slots):
             if dp:
@@ -443,7 +438,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
                 for i in range(4):
                     r = g * 4 + i
                     for h in range(gn):
-                        dots = ", ".join(f"dot4I8Packed(a{g}.{_XYZW[i]}, b{h}.{_XYZW[j]})" for j in range(4))
+                        dots = ", ".join(f"dot4I8Packed(a{g}.{XYZW[i]}, b{h}.{XYZW[j]})" for j in range(4))
                         out.append(f"    c{r}_{h} = c{r}_{h} + vec4<i32>({dots});")
             out.append("}")
             gw = grp // 4  # words per group
@@ -458,7 +453,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
     step = kq4 if dp else c.bk
     end = "p.K4" if dp else "p.K"
     emit(f"    let nt = ({end} + {step - 1}u) / {step}u;")
-    _emit_block(emit, load_all("0u"), 4)
+    emit_block(emit, load_all("0u"), 4)
     emit("    var t = 0u;")
     emit_k_loop(emit, c.double_buffer, lambda t: f"({t} + 1u) * {step}u", load_all, compute, store_all)
 
@@ -474,7 +469,7 @@ def _wgsl(c: MatmulConfig, strategy: str, vec_a: bool, vec_c: bool, bias: bool) 
         if vec_c:
             out.append("C[e / 4u] = y;")
         else:
-            out += [f"if (col + {j}u < p.N) {{ C[e + {j}u] = y.{_XYZW[j]}" + (f" + bias[col + {j}u]" if bias else "")
+            out += [f"if (col + {j}u < p.N) {{ C[e + {j}u] = y.{XYZW[j]}" + (f" + bias[col + {j}u]" if bias else "")
                     + "; }" for j in range(4)]
         return out + ["}"]
 
@@ -599,7 +594,7 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
     k4, nq = int(qw.packed.shape[0]), int(qw.packed.shape[1]) // 4
     extra = (bias,) if bias is not None else ()
     grp = _group(strat)
-    ng = _cdiv(k, grp) if grp else 0
+    ng = cdiv(k, grp) if grp else 0
     if grp:
         xq = gpu.empty((m, k4), np.uint32)
         rs = gpu.empty((m, ng), np.float32)
@@ -619,8 +614,8 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
         first = (a, qw.packed, qw.scales)
     kern = gpu.kernel(src, "main", label=f"matmul_int8 {strat} {c.name}")
     limit = gpu.limits["max-compute-workgroups-per-dimension"]
-    tiles_m = _cdiv(m, c.bm)
+    tiles_m = cdiv(m, c.bm)
     for y0 in range(0, tiles_m, limit):
         params = np.array([m, n, k, k4, nq, y0, ng, 0], np.uint32)
-        gpu.dispatch(kern, (_cdiv(n, c.bn), min(limit, tiles_m - y0), 1), *first, out, params, *extra)
+        gpu.dispatch(kern, (cdiv(n, c.bn), min(limit, tiles_m - y0), 1), *first, out, params, *extra)
     return out

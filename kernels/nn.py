@@ -114,23 +114,19 @@ from __future__ import annotations
 
 import math
 import struct
-from functools import lru_cache
-from string import Template
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from hetero._tensor import Tensor
-
-if TYPE_CHECKING:
-    from hetero._device import Kernel
-    from hetero._gpu import GPUContext
+from hetero.kernels import nn_wgsl
+from hetero.kernels.matmul import matmul
+from hetero.kernels.nn_wgsl import WORKGROUP
+from hetero.lowlevel import GPUContext, Kernel, Tensor
 
 __all__ = ["add", "add_bias", "attention", "attention_packed", "embedding", "erf", "gelu", "layernorm", "softmax",
            "transpose"]
 
 # -- tuning and test hooks ---------------------------------------------------------------
-WORKGROUP = 256
 ROW_ITEMS = 4
 """Values per thread a row kernel aims for when choosing threads per row."""
 ROW_CACHE_MAX = 16
@@ -147,451 +143,6 @@ ATTN_MATMUL_MIN_SEQ = 128
 _F32 = np.dtype(np.float32)
 _WORD_DTYPES = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint32))
 _ID_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32))
-
-# -- WGSL: shared numerics -------------------------------------------------------------------
-_MATH = """
-const NN_FLT_MAX: f32 = 3.40282347e38;
-fn nn_is_nan(v: f32) -> bool { return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u; }
-fn nn_nan() -> f32 { return bitcast<f32>(0x7fc00000u); }
-fn nn_inf() -> f32 { return bitcast<f32>(0x7f800000u); }
-
-// A zero the compiler cannot know (kernels set it from their uniform): OR-ing it into
-// a value's bits stops optimisers from reassociating exact steps with their neighbours
-// (lavapipe's compiler turns (a - k*c1) + (b + k*c2) into (a + b) + k*(c2 - c1),
-// which loses the exactness the range reduction below depends on: 4e-6 instead of 5e-7).
-var<private> nn_zero: u32;
-fn nn_keep(v: f32) -> f32 { return bitcast<f32>(bitcast<u32>(v) | nn_zero); }
-
-// exp(a + b) for a large, exactly known a and a small correction b: Cody-Waite range
-// reduction (ln 2 in a 9-bit head and a tail, so k * head and a - k * head are exact)
-// keeps the relative error at a few ulp for any a, unlike exp() of a rounded sum.
-fn nn_exp_parts(a: f32, b: f32) -> f32 {
-    let kf = floor((a + b) * 1.44269504 + 0.5);
-    let r = nn_keep(a - kf * 0.693359375) + (b + kf * 2.12194440e-4);
-    var q = 1.98412698e-4;          // Taylor series of exp(r), |r| < 0.36: error < 3e-9
-    q = q * r + 1.38888889e-3;
-    q = q * r + 8.33333333e-3;
-    q = q * r + 4.16666667e-2;
-    q = q * r + 1.66666667e-1;
-    q = q * r + 0.5;
-    q = q * r + 1.0;
-    q = q * r + 1.0;
-    return ldexp(q, max(i32(kf), -160));
-}
-
-// x * x = hi + lo, hi exact: x split into 12-bit halves by masking bits (so no
-// compiler can turn it into something else, and no fused fma is needed).
-fn nn_square_parts(x: f32) -> vec2<f32> {
-    let xh = bitcast<f32>(bitcast<u32>(x) & 0xfffff000u);
-    let xl = x - xh;
-    return vec2<f32>(xh * xh, (2.0 * xh) * xl + xl * xl);
-}
-
-// erfc(z) for z >= 0, given z*z = zz.x + zz.y: u * exp(-z*z + c(u)), u = 1 / (1 + z/2),
-// c from Numerical Recipes' erfcc (relative error 1.2e-7 in exact arithmetic).
-fn nn_erfc_core(z: f32, zz: vec2<f32>) -> f32 {
-    let u = 1.0 / (1.0 + 0.5 * z);
-    var c = 0.17087277;
-    c = c * u - 0.82215223;
-    c = c * u + 1.48851587;
-    c = c * u - 1.13520398;
-    c = c * u + 0.27886807;
-    c = c * u - 0.18628806;
-    c = c * u + 0.09678418;
-    c = c * u + 0.37409196;
-    c = c * u + 1.00002368;
-    c = c * u - 1.26551223;
-    return u * nn_exp_parts(-zz.x, c - zz.y);
-}
-
-// erf(z) / z for z*z = s in [0, 1]: least-squares fit on Chebyshev nodes (error 1.2e-9).
-fn nn_erf_small(s: f32) -> f32 {
-    var p = 7.88249745e-05;
-    p = p * s - 8.01885501e-04;
-    p = p * s + 5.18931216e-03;
-    p = p * s - 2.68543288e-02;
-    p = p * s + 1.12835974e-01;
-    p = p * s - 3.76126260e-01;
-    p = p * s + 1.12837911e+00;
-    return p;
-}
-
-fn nn_erf(z: f32) -> f32 {
-    if (nn_is_nan(z)) { return z; }
-    let a = abs(z);
-    if (a < 1.0) { return z * nn_erf_small(z * z); }
-    var r = 1.0;
-    if (a < 4.5) { r = 1.0 - nn_erfc_core(a, nn_square_parts(a)); }  // erfc(4.5) < 2e-10
-    return select(r, -r, z < 0.0);
-}
-
-// The standard normal CDF Phi(x) = erfc(-x / sqrt 2) / 2, relatively accurate for x < 0.
-fn nn_phi(x: f32) -> f32 {
-    if (x >= 0.0 && x < 1.41421356) {
-        let z = x * 0.707106781;
-        return 0.5 + 0.5 * (z * nn_erf_small(z * z));
-    }
-    if (x >= 10.0) { return 1.0; }   // 1 - Phi(10) = 7.6e-24
-    let a = abs(x);
-    let sq = nn_square_parts(a);
-    let e = 0.5 * nn_erfc_core(a * 0.707106781, 0.5 * sq);  // z*z = x*x / 2, still exact
-    return select(1.0 - e, e, x < 0.0);
-}
-
-fn nn_gelu(x: f32) -> f32 {
-    if (nn_is_nan(x)) { return x; }
-    if (x < -14.0) { return 0.0; }   // |gelu| < 1e-43 (and the limit 0 at -inf)
-    return x * nn_phi(x);
-}
-"""
-
-# -- WGSL: elementwise -------------------------------------------------------------------------
-_ELEMENTWISE = Template("""
-alias T = $T;
-struct Params { n: u32, nb: u32, zero: u32, pad: u32 }
-@group(0) @binding(0) var<storage, read> x: array<T>;
-$SECOND
-@group(0) @binding($OUT) var<storage, read_write> dst: array<T>;
-@group(0) @binding($PARAMS) var<uniform> p: Params;
-$MATH
-fn gelu4(v: vec4<f32>) -> vec4<f32> { return vec4<f32>(nn_gelu(v.x), nn_gelu(v.y), nn_gelu(v.z), nn_gelu(v.w)); }
-fn erf4(v: vec4<f32>) -> vec4<f32> { return vec4<f32>(nn_erf(v.x), nn_erf(v.y), nn_erf(v.z), nn_erf(v.w)); }
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    nn_zero = p.zero;
-    let i = hetero_workgroup_id(wid).x * 256u + li;
-    if (i >= p.n) { return; }
-    dst[i] = $EXPR;
-}
-""")
-
-# -- WGSL: row kernels ---------------------------------------------------------------------------
-_ROW_COMMON = """
-const TPR: u32 = ${TPR}u;   // threads per row
-const RPW: u32 = ${RPW}u;   // rows per workgroup
-const K: u32 = ${K}u;       // values per thread kept in registers
-var<workgroup> red: array<f32, 256>;
-
-// Sum / max of one value per thread over the TPR threads of each row (a tree in
-// workgroup memory); every thread gets its row's result. Uniform control flow only.
-""" + "".join(Template("""fn row_$NAME(li: u32, v: f32) -> f32 {
-    let lane = li % TPR;
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = TPR / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) { red[li] = $COMBINE; }
-        workgroupBarrier();
-    }
-    let r = red[li - lane];
-    workgroupBarrier();
-    return r;
-}
-""").substitute(NAME=name, COMBINE=combine) for name, combine in (("sum", "red[li] + red[li + s]"),
-                                                                   ("max", "max(red[li], red[li + s])")))
-
-_SOFTMAX = Template(_ROW_COMMON + """
-struct Params { rows: u32, n: u32, mask_div: u32, scale: f32 }
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-$MASK_DECL
-@group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
-@group(0) @binding($PARAMS) var<uniform> p: Params;
-$MATH
-
-// x * scale (+ mask), with NaN mapped to +inf: either makes the row's maximum +inf, and the row NaN.
-fn val(row: u32, i: u32, mrow: u32) -> f32 {
-    var v = x[row * p.n + i] * p.scale;
-    $MASK_ADD
-    return select(v, nn_inf(), nn_is_nan(v));
-}
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let lane = li % TPR;
-    let row = hetero_workgroup_id(wid).x * RPW + li / TPR;
-    let live = row < p.rows;
-    let n = p.n;
-    let neg_inf = -nn_inf();
-    let mrow = (row / p.mask_div) * n;   // first mask element of this row's group
-$BODY
-}
-""")
-
-_SOFTMAX_CACHED = """
-    var v: array<f32, K>;
-    var m = neg_inf;
-    for (var j = 0u; j < K; j++) {
-        let i = lane + j * TPR;
-        var t = neg_inf;
-        if (live && i < n) { t = val(row, i, mrow); }
-        v[j] = t;
-        m = max(m, t);
-    }
-    let mx = row_max(li, m);
-    // +-inf: a NaN or +inf in the row, or nothing but -inf: numpy's exp(x - max) is NaN there
-    let bad = (bitcast<u32>(mx) & 0x7fffffffu) == 0x7f800000u;
-    var s = 0.0;
-    for (var j = 0u; j < K; j++) {
-        var e = 0.0;
-        if (live && !bad && lane + j * TPR < n) { e = exp(v[j] - mx); }
-        v[j] = e;
-        s += e;
-    }
-    let tot = row_sum(li, s);
-    if (live) {
-        for (var j = 0u; j < K; j++) {
-            let i = lane + j * TPR;
-            if (i < n) { y[row * n + i] = select(v[j] / tot, nn_nan(), bad); }
-        }
-    }
-"""
-
-_SOFTMAX_LOOP = """
-    var m = neg_inf;
-    if (live) { for (var i = lane; i < n; i += TPR) { m = max(m, val(row, i, mrow)); } }
-    let mx = row_max(li, m);
-    let bad = (bitcast<u32>(mx) & 0x7fffffffu) == 0x7f800000u;
-    var s = 0.0;
-    if (live && !bad) { for (var i = lane; i < n; i += TPR) { s += exp(val(row, i, mrow) - mx); } }
-    let tot = row_sum(li, s);
-    if (live) {
-        for (var i = lane; i < n; i += TPR) {
-            y[row * n + i] = select(exp(val(row, i, mrow) - mx) / tot, nn_nan(), bad);
-        }
-    }
-"""
-
-_LAYERNORM = Template(_ROW_COMMON + """
-struct Params { rows: u32, n: u32, eps: f32, pad: u32 }
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-$RES_DECL
-@group(0) @binding($G) var<storage, read> gamma: array<f32>;
-@group(0) @binding($B) var<storage, read> beta: array<f32>;
-@group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
-@group(0) @binding($PARAMS) var<uniform> p: Params;
-
-fn val(k: u32) -> f32 { return $VAL; }
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let lane = li % TPR;
-    let row = hetero_workgroup_id(wid).x * RPW + li / TPR;
-    let live = row < p.rows;
-    let n = p.n;
-    let base = row * n;
-    let nf = f32(n);
-    // Shifted data: sums of v - v[0] keep the mean exact-ish for rows with a large offset
-    // (a float32 sum of 384 values near 1e4 alone would be off by ~1e-3).
-    var shift = 0.0;
-    if (live) { shift = val(base); }
-$BODY
-}
-""")
-
-_LAYERNORM_CACHED = """
-    var v: array<f32, K>;
-    var s = 0.0;
-    for (var j = 0u; j < K; j++) {
-        let i = lane + j * TPR;
-        var t = 0.0;
-        if (live && i < n) { t = val(base + i) - shift; }
-        v[j] = t;
-        s += t;
-    }
-    let mean = row_sum(li, s) / nf;   // of the shifted values
-    var q = 0.0;
-    for (var j = 0u; j < K; j++) {
-        if (lane + j * TPR < n) {
-            let d = v[j] - mean;
-            v[j] = d;
-            q += d * d;
-        }
-    }
-    let rstd = inverseSqrt(row_sum(li, q) / nf + p.eps);
-    if (live) {
-        for (var j = 0u; j < K; j++) {
-            let i = lane + j * TPR;
-            if (i < n) { y[base + i] = (v[j] * rstd) * gamma[i] + beta[i]; }
-        }
-    }
-"""
-
-_LAYERNORM_LOOP = """
-    var s = 0.0;
-    if (live) { for (var i = lane; i < n; i += TPR) { s += val(base + i) - shift; } }
-    let mean = row_sum(li, s) / nf;
-    var q = 0.0;
-    if (live) {
-        for (var i = lane; i < n; i += TPR) {
-            let d = (val(base + i) - shift) - mean;
-            q += d * d;
-        }
-    }
-    let rstd = inverseSqrt(row_sum(li, q) / nf + p.eps);
-    if (live) {
-        for (var i = lane; i < n; i += TPR) {
-            y[base + i] = (((val(base + i) - shift) - mean) * rstd) * gamma[i] + beta[i];
-        }
-    }
-"""
-
-# -- WGSL: data movement --------------------------------------------------------------------------
-_TRANSPOSE = Template("""
-alias T = $T;
-struct Params { n: u32, pad0: u32, pad1: u32, pad2: u32, dims: vec4<u32>, strides: vec4<u32> }
-@group(0) @binding(0) var<storage, read> x: array<T>;
-@group(0) @binding(1) var<storage, read_write> y: array<T>;
-@group(0) @binding(2) var<uniform> p: Params;
-
-// Thread i writes output element i (coalesced); dims are the output's (outermost
-// first), strides the input's for each output axis.
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let i = hetero_workgroup_id(wid).x * 256u + li;
-    if (i >= p.n) { return; }
-    var r = i;
-    let c3 = r % p.dims.w;
-    r = r / p.dims.w;
-    let c2 = r % p.dims.z;
-    r = r / p.dims.z;
-    let c1 = r % p.dims.y;
-    r = r / p.dims.y;
-    y[i] = x[r * p.strides.x + c1 * p.strides.y + c2 * p.strides.z + c3 * p.strides.w];
-}
-""")
-
-_EMBEDDING = Template("""
-alias T = $T;
-struct Params { n: u32, h: u32, vocab: u32, pad: u32 }
-@group(0) @binding(0) var<storage, read> table: array<T>;
-@group(0) @binding(1) var<storage, read> ids: array<u32>;
-@group(0) @binding(2) var<storage, read_write> y: array<T>;
-@group(0) @binding(3) var<uniform> p: Params;
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let i = hetero_workgroup_id(wid).x * 256u + li;
-    if (i >= p.n) { return; }
-    let row = i / p.h;
-    let id = ids[row];  // int32 ids as u32: negative ones are >= 2**31, out of range too
-    var v = T(0);
-    if (id < p.vocab) { v = table[id * p.h + (i - row * p.h)]; }
-    y[i] = v;
-}
-""")
-
-# -- WGSL: attention ------------------------------------------------------------------------------
-_ATTENTION = Template("""
-const BQ: u32 = ${BQ}u;   // query rows per workgroup, one per thread
-const BK: u32 = ${BK}u;   // keys per tile in workgroup memory
-const D4: u32 = ${D4}u;   // head dimension in vec4s (zero-padded)
-struct Params {
-    sq: u32, sk: u32, h: u32, nqb: u32,
-    d: u32, qs_b: u32, qs_h: u32, qs_s: u32,    // strides of q, in elements
-    ks_b: u32, ks_h: u32, ks_s: u32, q0: u32,   // strides of k and v; q's first element
-    scale: f32, k0: u32, v0: u32, pad0: u32,    // softmax scale times log2(e); k's and v's first elements
-    os_b: u32, os_h: u32, os_s: u32, pad1: u32, // strides of the output
-}
-@group(0) @binding(0) var<storage, read> q: array<$T>;
-@group(0) @binding(1) var<storage, read> k: array<$T>;
-@group(0) @binding(2) var<storage, read> v: array<$T>;
-@group(0) @binding(3) var<storage, read_write> o: array<$T>;
-@group(0) @binding(4) var<uniform> p: Params;
-$MASK_DECL
-const NN_FLT_MAX: f32 = 3.40282347e38;
-
-var<workgroup> tk: array<vec4<f32>, BK * D4>;
-var<workgroup> tv: array<vec4<f32>, BK * D4>;
-var<workgroup> tm: array<u32, BK>;   // 1: a real key, 0: padding
-
-fn ld_q(base: u32, c: u32) -> vec4<f32> { $LD_Q }
-fn ld_k(base: u32, c: u32) -> vec4<f32> { $LD_K }
-fn ld_v(base: u32, c: u32) -> vec4<f32> { $LD_V }
-fn key_real(b: u32, key: u32) -> u32 { $KEY_REAL }
-
-@compute @workgroup_size(BQ)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let w = hetero_workgroup_id(wid).x;
-    let qb = w % p.nqb;
-    let bh = w / p.nqb;
-    let b = bh / p.h;
-    let hh = bh % p.h;
-    let qi = qb * BQ + li;
-    let live = qi < p.sq;
-    let qbase = p.q0 + b * p.qs_b + hh * p.qs_h + qi * p.qs_s;
-    let obase = b * p.os_b + hh * p.os_h + qi * p.os_s;
-    let kbase = b * p.ks_b + hh * p.ks_h;
-
-    // The query row and the accumulator live in named registers, one vec4 each (the
-    // generator unrolls every loop over the head dimension): arrays indexed in loops
-    // ended up in local memory on NVIDIA's compiler.
-$DECL
-    // Running maximum (log2 units) and sum. Scores of padded keys are finfo.min, as in HF:
-    // they count (with weight 1 each) only while no real key was seen.
-    var m = -NN_FLT_MAX;
-    var l = 0.0;
-    for (var t0 = 0u; t0 < p.sk; t0 += BK) {
-        workgroupBarrier();   // the previous tile is consumed
-        for (var e = li; e < BK * D4; e += BQ) {
-            let key = t0 + e / D4;
-            let c = e % D4;
-            var kk = vec4<f32>(0.0);
-            var vv = vec4<f32>(0.0);
-            if (key < p.sk) {
-                let kb = kbase + key * p.ks_s;
-                kk = ld_k(p.k0 + kb, c);
-                vv = ld_v(p.v0 + kb, c);
-            }
-            tk[e] = kk;
-            tv[e] = vv;
-        }
-        for (var j = li; j < BK; j += BQ) {
-            tm[j] = select(0u, key_real(b, t0 + j), t0 + j < p.sk);
-        }
-        workgroupBarrier();
-        let cnt = min(BK, p.sk - t0);
-        if (live) {
-            for (var j = 0u; j < cnt; j++) {
-                let r = j * D4;
-                if (tm[j] == 0u) {
-                    if (m == -NN_FLT_MAX) {
-                        l += 1.0;
-$ACC_PAD
-                    }
-                    continue;
-                }
-                var s4 = vec4<f32>(0.0);
-                var u4 = vec4<f32>(0.0);   // two partial sums: half the dependency chain
-$DOT
-                s4 += u4;
-                let s = (s4.x + s4.y) + (s4.z + s4.w);
-                if (s > m) {
-                    let alpha = select(exp2(m - s), 0.0, m == -NN_FLT_MAX);
-                    l *= alpha;
-$RESCALE
-                    m = s;
-                }
-                let pj = exp2(s - m);
-                l += pj;
-$ACC
-            }
-        }
-    }
-    if (live) {
-        let inv = 1.0 / l;
-$STORE
-    }
-}
-""")
-
-_LD_VEC = "return {buf}[(base >> 2u) + c];"
-_LD_SCALAR = """let d0 = c * 4u;
-    var r = vec4<f32>(0.0);
-    for (var i = 0u; i < 4u; i++) {{ if (d0 + i < p.d) {{ r[i] = {buf}[base + d0 + i]; }} }}
-    return r;"""
-_ST_VEC = "o[(obase >> 2u) + {c}u] = a{c} * inv;"
-_ST_SCALAR = """{{ let r = a{c} * inv;
-            for (var i = 0u; i < 4u; i++) {{ if ({c}u * 4u + i < p.d) {{ o[obase + {c}u * 4u + i] = r[i]; }} }} }}"""
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -651,15 +202,6 @@ def _row_plan(n: int) -> tuple[int, int, bool]:
 
 
 # -- elementwise ----------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _elementwise_wgsl(expr: str, vec: bool, second: str | None) -> str:
-    t = "vec4<f32>" if vec else "f32"
-    decl = f"@group(0) @binding(1) var<storage, read> {second}: array<T>;" if second else ""
-    out = 2 if second else 1
-    e = expr.replace("G(", "gelu4(" if vec else "nn_gelu(").replace("E(", "erf4(" if vec else "nn_erf(")
-    return _ELEMENTWISE.substitute(T=t, SECOND=decl, OUT=out, PARAMS=out + 1, EXPR=e, MATH=_MATH)
-
-
 def _elementwise(gpu: GPUContext, op: str, expr: str, x: Tensor, second: Tensor | None, shape: tuple[int, ...],
                  nb: int = 0, second_name: str | None = None) -> Tensor:
     """y = expr over ``x`` (and ``second``: ``y`` or ``b``), vec4 when every length allows."""
@@ -669,7 +211,7 @@ def _elementwise(gpu: GPUContext, op: str, expr: str, x: Tensor, second: Tensor 
     if n == 0:
         return out
     w = 4 if vec else 1
-    k = _compile(gpu, f"nn.{op}.{'vec4' if vec else 'scalar'}", _elementwise_wgsl(expr, vec, second_name))
+    k = _compile(gpu, f"nn.{op}.{'vec4' if vec else 'scalar'}", nn_wgsl.elementwise(expr, vec, second_name))
     params = struct.pack("<4I", n // w, max(nb // w, 1), 0, 0)
     bindings: list[Any] = [x] + ([second] if second is not None else []) + [out, params]
     gpu.dispatch(k, _groups(n // w, WORKGROUP), *bindings)
@@ -807,29 +349,13 @@ def _softmax_rows(gpu: GPUContext, xt: Tensor, shape: tuple[int, ...], mt: Tenso
     tpr, k, cached = _row_plan(n)
     rpw = WORKGROUP // tpr
     kind = None if mt is None else mode if mode == "add" else ("keep_f32" if mt.dtype == _F32 else "keep_u32")
-    wgsl = _softmax_wgsl(tpr, k, cached, kind)
+    wgsl = nn_wgsl.softmax(tpr, k, cached, kind)
     tag = "" if kind is None else ".mask" if kind == "add" else ".keep"
     kern = _compile(gpu, f"nn.softmax.tpr{tpr}.k{k if cached else 'loop'}{tag}", wgsl)
     params = struct.pack("<3If", rows, n, mask_div, scale)
     bindings: list[Any] = [xt] + ([mt] if mt is not None else []) + [out, params]
     gpu.dispatch(kern, _groups(rows, rpw), *bindings)
     return out
-
-
-@lru_cache(maxsize=None)
-def _softmax_wgsl(tpr: int, k: int, cached: bool, masked: str | None) -> str:
-    if masked is None:
-        decl, add = "", ""
-    elif masked == "add":
-        decl, add = "@group(0) @binding(1) var<storage, read> mask: array<f32>;", "v = v + mask[mrow + i];"
-    else:
-        decl = "@group(0) @binding(1) var<storage, read> mask: array<u32>;"
-        bits = "(mask[mrow + i] & 0x7fffffffu)" if masked == "keep_f32" else "mask[mrow + i]"
-        add = f"if ({bits} == 0u) {{ v = -NN_FLT_MAX; }}"
-    out = 2 if masked else 1
-    body = _SOFTMAX_CACHED if cached else _SOFTMAX_LOOP
-    return _SOFTMAX.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, MASK_DECL=decl, MASK_ADD=add, OUT=out,
-                               PARAMS=out + 1, MATH=_MATH, BODY=body)
 
 
 def layernorm(gpu: GPUContext, x: Tensor | np.ndarray, gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray,
@@ -867,23 +393,13 @@ def layernorm(gpu: GPUContext, x: Tensor | np.ndarray, gamma: Tensor | np.ndarra
     if rows * n == 0:
         return out
     tpr, k, cached = _row_plan(n)
-    wgsl = _layernorm_wgsl(tpr, k, cached, rt is not None)
+    wgsl = nn_wgsl.layernorm(tpr, k, cached, rt is not None)
     label = f"nn.layernorm.tpr{tpr}.k{k if cached else 'loop'}{'.residual' if rt is not None else ''}"
     kern = _compile(gpu, label, wgsl)
     params = struct.pack("<2If I", rows, n, float(eps), 0)
     bindings: list[Any] = [xt] + ([rt] if rt is not None else []) + [gt, bt, out, params]
     gpu.dispatch(kern, _groups(rows, WORKGROUP // tpr), *bindings)
     return out
-
-
-@lru_cache(maxsize=None)
-def _layernorm_wgsl(tpr: int, k: int, cached: bool, residual: bool) -> str:
-    b = 2 if residual else 1
-    decl = "@group(0) @binding(1) var<storage, read> res: array<f32>;" if residual else ""
-    val = "x[k] + res[k]" if residual else "x[k]"
-    body = _LAYERNORM_CACHED if cached else _LAYERNORM_LOOP
-    return _LAYERNORM.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, RES_DECL=decl, G=b, B=b + 1, OUT=b + 2,
-                                 PARAMS=b + 3, VAL=val, BODY=body)
 
 
 # -- transpose and embedding ------------------------------------------------------------------------
@@ -952,8 +468,7 @@ def transpose(gpu: GPUContext, x: Tensor | np.ndarray, axes: Sequence[int]) -> T
     size = [1] * (4 - len(size)) + size
     stride = [0] * (4 - len(stride)) + stride
     w = 4 if vec else 1
-    t = "vec4<u32>" if vec else "u32"
-    kern = _compile(gpu, f"nn.transpose.{'vec4' if vec else 'scalar'}", _TRANSPOSE.substitute(T=t))
+    kern = _compile(gpu, f"nn.transpose.{'vec4' if vec else 'scalar'}", nn_wgsl.transpose(vec))
     params = struct.pack("<12I", n // w, 0, 0, 0, *size, *stride)
     gpu.dispatch(kern, _groups(n // w, WORKGROUP), xt, out, params)
     return out
@@ -1005,8 +520,7 @@ def embedding(gpu: GPUContext, table: Tensor | np.ndarray, ids: Tensor | np.ndar
         return out
     vec = hidden % 4 == 0
     w = 4 if vec else 1
-    t = "vec4<u32>" if vec else "u32"
-    kern = _compile(gpu, f"nn.embedding.{'vec4' if vec else 'scalar'}", _EMBEDDING.substitute(T=t))
+    kern = _compile(gpu, f"nn.embedding.{'vec4' if vec else 'scalar'}", nn_wgsl.embedding(vec))
     params = struct.pack("<4I", n // w, hidden // w, vocab, 0)
     gpu.dispatch(kern, _groups(n // w, WORKGROUP), tt, it, out, params)
     return out
@@ -1177,7 +691,7 @@ def _attention_fused(gpu: GPUContext, qkv: tuple[Tensor, Tensor, Tensor], first:
     bq, bk = _attn_tiles(gpu, sq, sk, d4)
     vec = d % 4 == 0 and all(f % 4 == 0 for f in first)
     float_mask = mtt is not None and mtt.dtype == _F32
-    wgsl = _attention_wgsl(bq, bk, d4, vec, None if mtt is None else float_mask)
+    wgsl = nn_wgsl.attention(bq, bk, d4, vec, None if mtt is None else float_mask)
     label = f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
     kern = _compile(gpu, label, wgsl)
     nqb = _groups(sq, bq)
@@ -1191,8 +705,6 @@ def _attention_fused(gpu: GPUContext, qkv: tuple[Tensor, Tensor, Tensor], first:
 def _attention_matmul(gpu: GPUContext, q: Any, k: Any, v: Any, mt: Any, sc: float, layout: str,
                       dims: tuple[int, int, int, int, int]) -> Tensor:
     """The three-kernel path of :func:`attention` (inputs checked; ``mt`` a padding mask or None)."""
-    from hetero.kernels.matmul import matmul
-
     bsz, heads, sq, sk, d = dims
     qt, kt, vt = _dev(gpu, q), _dev(gpu, k), _dev(gpu, v)
     mtt = _dev(gpu, mt) if mt is not None else None
@@ -1209,28 +721,3 @@ def _attention_matmul(gpu: GPUContext, q: Any, k: Any, v: Any, mt: Any, sc: floa
     if layout == "bshd":
         return transpose(gpu, _view(out, (bsz, heads, sq, d)), (0, 2, 1, 3))
     return _view(out, (bsz, heads, sq, d))
-
-
-@lru_cache(maxsize=None)
-def _attention_wgsl(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None) -> str:
-    t = "vec4<f32>" if vec else "f32"
-    ld = _LD_VEC if vec else _LD_SCALAR
-    if float_mask is None:
-        decl, real = "", "return 1u;"
-    else:
-        decl = "@group(0) @binding(5) var<storage, read> mask: array<u32>;"
-        bits = "mask[b * p.sk + key]"
-        real = (f"return select(0u, 1u, ({bits} & 0x7fffffffu) != 0u);" if float_mask
-                else f"return select(0u, 1u, {bits} != 0u);")
-    def each(line: str, indent: int) -> str:
-        return "\n".join(" " * indent + line.format(c=c) for c in range(d4))
-
-    return _ATTENTION.substitute(
-        BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
-        LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
-        DECL=each("var a{c} = vec4<f32>(0.0);\n    var q{c} = vec4<f32>(0.0);\n"
-                  "    if (live) {{ q{c} = ld_q(qbase, {c}u) * p.scale; }}", 4),
-        ACC_PAD=each("a{c} += tv[r + {c}u];", 24),
-        DOT="\n".join(" " * 16 + f"{'su'[c % 2]}4 += q{c} * tk[r + {c}u];" for c in range(d4)),
-        RESCALE=each("a{c} *= alpha;", 20), ACC=each("a{c} += pj * tv[r + {c}u];", 16),
-        STORE=each(_ST_VEC if vec else _ST_SCALAR, 8))

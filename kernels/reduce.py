@@ -84,14 +84,11 @@ import builtins
 import struct
 from dataclasses import dataclass
 from string import Template
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from hetero._tensor import Tensor
-
-if TYPE_CHECKING:
-    from hetero._gpu import GPUContext
+from hetero.lowlevel import GPUContext, Tensor
 
 __all__ = ["argmax", "argmin", "max", "mean", "min", "sum"]
 

@@ -16,7 +16,6 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from hetero._cli import _positive_int
 from hetero.errors import HeteroError
 
 __all__ = ["InputFileError", "add_parser", "read_lines", "run"]
@@ -24,6 +23,17 @@ __all__ = ["InputFileError", "add_parser", "read_lines", "run"]
 
 class InputFileError(HeteroError):
     """The input file of ``hetero embed`` cannot be read, or the output cannot be written."""
+
+
+def _positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

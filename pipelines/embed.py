@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 import hetero
 from hetero import GPUContext, Tensor, ops
+from hetero.lowlevel import default_runtime, device_of
 from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, matmul_int8, quantize_weight
 
 from .minilm import Model, load_model
@@ -174,7 +175,7 @@ def resident_weights(gpu: GPUContext, model: Model) -> dict[str, Tensor]:
     model and the device both do. The query, key and value projections are stored
     stacked, as ``encoder.layer.N.attention.self.qkv.weight`` / ``.bias``.
     """
-    dev = gpu._dev
+    dev = device_of(gpu)
     with model.lock:
         w: dict[str, Tensor] | None = model.resident.get(dev)
         if w is None:
@@ -215,7 +216,7 @@ def resident_int8_weights(gpu: GPUContext, model: Model) -> dict[str, GPUWeight]
     Like :func:`resident_weights`: plain wgpu buffers (packed words and padded scales as
     block-less Tensors), cached in ``model.resident_int8`` per device.
     """
-    dev = gpu._dev
+    dev = device_of(gpu)
     with model.lock:
         w: dict[str, GPUWeight] | None = model.resident_int8.get(dev)
         if w is None:
@@ -394,7 +395,7 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     stderr (default: for long inputs when stderr is a terminal). ``max_in_flight``:
     batches tokenized or encoded at once. Synchronous: from async code use :func:`aembed`.
     """
-    rt = runtime if runtime is not None else _default_runtime()
+    rt = runtime if runtime is not None else default_runtime()
     result: list[np.ndarray] = []
 
     async def main() -> None:
@@ -403,10 +404,3 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
     anyio.run(main)
     return result[0]
-
-
-def _default_runtime() -> hetero.Runtime:
-    from hetero._runtime import _default_runtime as default
-
-    return default()
-

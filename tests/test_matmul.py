@@ -12,6 +12,8 @@ import pytest
 
 import hetero
 import hetero.kernels.matmul as MM
+import hetero.kernels.matmul.cache as MC
+import hetero.kernels.matmul.codegen as MG
 from hetero import StageError, Tensor
 from hetero.kernels.matmul import MatmulConfig, matmul
 
@@ -343,7 +345,7 @@ def test_tune_writes_the_cache_and_matmul_reads_it(shared_rt: hetero.Runtime, pr
                                                                                 limits=dev.limits)
     # another size merges into the same file
     other = SMALL[1] if r.best == SMALL[0] else SMALL[0]
-    MM._save(path, MM._adapter_info(dev), {"f32:n9": {"config": other.to_dict()}})
+    MC.save(path, MC.adapter_info(dev), {"f32:n9": {"config": other.to_dict()}})
     doc = json.loads(path.read_text())
     assert set(doc["entries"]) == {"f32:n5", "f32:n9"}
     assert MM.choose_config(MockGPU(dev), 512, 512, 512) == other
@@ -384,12 +386,12 @@ def test_tuner_skips_configurations_that_cannot_run(shared_rt: hetero.Runtime,
     dev = shared_rt.device()
     too_big = MatmulConfig(128, 128, 64, 8, 8)  # 132 KB of workgroup memory
     broken = MatmulConfig(16, 32, 4, 4, 4)
-    real = MM._wgsl
+    real = MG.source
 
     def wgsl(c: MatmulConfig, v: Any) -> str:
         return "fn main( {" if c == broken else real(c, v)
 
-    monkeypatch.setattr(MM, "_wgsl", wgsl)
+    monkeypatch.setattr(MG, "source", wgsl)
     r = MM.tune(dev, 20, 20, 20, configs=(too_big, broken, SMALL[0]), min_ms=1, repeat=1, save=False)
     assert r.best == SMALL[0] and r.path is None
     notes = {name: note for name, _, note in r.results}

@@ -1,0 +1,83 @@
+"""The extension API for kernel and pipeline authors: what ``hetero.kernels`` and ``hetero.pipelines`` build on.
+
+``hetero`` itself is for people who declare and run graphs; this namespace is for
+people who write the GPU ops those graphs call (as ``trio.lowlevel`` is for people
+who extend trio). Everything a kernel or pipeline needs from hetero's runtime is
+named here; the ``hetero._x`` modules behind it are implementation and may change.
+
+Recording work (inside a GPU stage, or a context of your own):
+
+- :class:`GPUContext`: the ``gpu`` a stage receives. ``gpu.kernel(wgsl)`` compiles (cached
+  per device), ``gpu.dispatch(kernel, workgroups, *bindings)`` records one dispatch and
+  returns a :class:`DispatchInfo`; ``gpu.empty``/``gpu.upload``/``gpu.resident`` make
+  :class:`Tensor` objects; ``gpu.limits`` holds the device's limits. Outside a stage
+  (a tuner, weights kept across runs), ``GPUContext(device, label)`` records into a
+  context of your own: submit ``ctx.encoder.finish()`` with ``device.submit``, wait
+  with ``device.wait``, then ``ctx.settle(ran=True)``; ``ctx.release_blocks()`` gives
+  its pool blocks back.
+- :class:`Kernel`: a compiled pipeline (``kernel.pipeline``; ``kernel.grid`` is true when
+  the WGSL uses ``hetero_workgroup_id`` and so takes the grid uniform at group 1).
+- :class:`Tensor`: a typed view of a GPU buffer (``buffer``, ``offset``, ``shape``, ``dtype``).
+
+Devices and caches:
+
+- :func:`device_of`: the :class:`Device` behind a GPUContext, Runtime or Device. It is
+  the per-device key for caches (hashable by identity, weakly referenceable, alive as
+  long as the device is): key a ``weakref.WeakKeyDictionary`` with it.
+- :class:`Device`: one WebGPU device. Supported for extensions: ``device`` (the
+  ``wgpu.GPUDevice``; its ``adapter_info`` names the adapter), ``limits``, ``summary``,
+  ``kernel(wgsl, ...)``, ``submit(command_buffers)`` (returns a submission index) and
+  ``wait(index)``.
+- :func:`default_runtime`: the shared Runtime behind ``hetero.run``.
+
+Recording outside ``gpu.dispatch`` (timing one submission, for instance):
+:func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
+written with :func:`atomic_write_text`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._device import Device, Kernel
+from ._files import atomic_write_text
+from ._gpu import GPUContext
+from ._runtime import Runtime, _default_runtime
+from ._split import DispatchInfo, grid_uniform
+from ._tensor import Tensor
+
+__all__ = [
+    "Device",
+    "DispatchInfo",
+    "GPUContext",
+    "Kernel",
+    "Tensor",
+    "atomic_write_text",
+    "default_runtime",
+    "device_of",
+    "grid_uniform",
+]
+
+
+def device_of(target: Any) -> Device:
+    """The :class:`Device` behind ``target``: a :class:`GPUContext`, a ``hetero.Runtime`` or a Device.
+
+    The Device is also the per-device key for caches (weights kept on a device, tuned
+    choices): it is hashable by identity and weakly referenceable, and a
+    ``weakref.WeakKeyDictionary`` keyed by it forgets the entry with the device.
+    """
+    if isinstance(target, Device):
+        return target
+    if isinstance(target, GPUContext):
+        return target._dev
+    device = getattr(target, "device", None)
+    if callable(device):  # a Runtime: its device, opened on first use
+        dev = device()
+        if isinstance(dev, Device):
+            return dev
+    raise TypeError(f"device_of: expected a GPUContext, Runtime or Device, got {type(target).__name__}")
+
+
+def default_runtime() -> Runtime:
+    """The shared ``hetero.Runtime`` behind ``hetero.run()``: created on first use, closed at exit."""
+    return _default_runtime()
