@@ -4,6 +4,30 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 (WebGPU compute recorded through wgpu-py); run it from sync code, asyncio or trio.
 """
 
+# Layout. Two layers, one concept per module; imports point down this list (the one
+# exception: Graph.plan() builds its Plan).
+#
+#   graph and scheduling layer
+#     _cli        the ``hetero`` command line
+#     _runtime    Runtime: worker pools, the device, the run/map entry points
+#     _scheduler  executes a Plan from the event loop over worker threads
+#     _plan       a Graph validated once: order, consumers, last uses, transfers
+#     _graph      Graph, Input, Node: declaration only
+#
+#   GPU runtime layer
+#     _gpu        GPUContext: what a GPU stage records into (allocate, upload, dispatch)
+#     _recorder   the command encoders stages record into
+#     _device     adapter, device, pipeline cache, submission, the fence thread
+#     _fence      Fence: awaiting a submission from asyncio or trio
+#     _memory     the buffer pool           _transfer   the staging ring (uploads, downloads)
+#     _bindcache  uniforms, bind groups     _split      TDR-safe dispatch splitting
+#     _timing     GPU timestamps            _tensor     Tensor
+#
+#   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors
+#
+#   public faces: this module (graphs), ops (GPU ops), lowlevel (the extension API);
+#   built on lowlevel only: kernels/ (hetero.kernels) and pipelines/ (hetero.pipelines)
+
 from __future__ import annotations
 
 
@@ -54,6 +78,7 @@ from .errors import (
 )
 
 _map_source_checkout()
+from . import lowlevel  # noqa: E402  (the extension API for kernel and pipeline authors)
 from . import ops  # noqa: E402  (the op namespace: hetero.ops.sum, ...)
 
 __version__ = "0.1.0"
