@@ -47,16 +47,13 @@ double buffering; no split-K):
   On the MiniLM fixture (min / mean cosine against sentence-transformers): dp4a 0.9857 /
   0.9952, dp4a-g32 0.9948 / 0.9986, dp4a-g64 0.9946 / 0.9984, dequant 0.9965 / 0.9991.
 
-Choosing. Measured on Mesa lavapipe (llvmpipe, 2 cores; ``bench/matmul_int8.py``, square
-sizes, GFLOP/s-equivalent): 256^3 fp32 2.2, dequant 2.1, dp4a 2.7; 512^3 fp32 4.2,
-dequant 6.1, dp4a 7.7. dp4a wins there, and on GPUs it has 4x the multiply-adds per
-instruction and a quarter of the workgroup-memory traffic of float32, so
-``strategy="auto"`` (default) picks ``"dp4a"`` on every adapter. ``"dequant"`` keeps the
-activations exact (only the weight's error), at float32 arithmetic speed. On the H200
-(4096^3, against float32): dp4a 2.36x, dequant 0.77x; the grouped variants have not been
-measured there yet (on lavapipe they run at about 0.92-0.95x dp4a at 512^3, within the
-noise elsewhere). The bench measures every strategy (``--strategy all``) so the choice
-can be confirmed per device; pass ``strategy=`` to force one.
+Choosing. ``strategy="auto"`` (default) picks ``"dp4a"`` on every adapter: it has 4x the
+multiply-adds per instruction and a quarter of the workgroup-memory traffic of float32,
+and it is the fastest strategy on lavapipe and on the H200 (BENCHMARKS.md, "INT8
+weight-quantized matmul" and "Kernel defaults on lavapipe"). ``"dequant"`` keeps the
+activations exact (only the weight's error), at float32 arithmetic speed.
+``python -m bench.matmul_int8 --strategy all`` measures every strategy, so the choice can
+be confirmed per device; pass ``strategy=`` to force one.
 
 Keeping the weight on the device. ``matmul_int8`` accepts a :class:`QuantizedWeight`
 (its packed words and scales are uploaded by every call) or a :class:`GPUWeight`:
@@ -281,7 +278,7 @@ def choose(gpu: Any, m: int, n: int, strategy: str = "auto") -> tuple[str, Matmu
     """The strategy and tile ``matmul_int8`` uses on ``gpu``'s adapter for an ``M x N`` output."""
     info = adapter_info(gpu)
     if strategy == "auto":
-        strategy = "dp4a"  # measured faster on lavapipe; see the module doc
+        strategy = "dp4a"  # see "Choosing" in the module doc
     if strategy not in STRATEGIES:
         raise ValueError(f"matmul_int8: strategy must be 'auto' or one of {', '.join(STRATEGIES)}, "
                          f"got {strategy!r}")

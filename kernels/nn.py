@@ -49,22 +49,10 @@ torch.softmax agree): entries of -inf get exactly 0; a row holding NaN or +inf, 
 ``(B, 1, 1, n)`` for scores ``(B, H, S, n)``): one mask row serves a group of
 consecutive rows.
 
-GELU and erf. WGSL has no erf, and ``1 + erf(x / sqrt 2)`` cancels for negative x
-(in float32 even with a correctly rounded erf: 4% error at x = -5, 0 instead of -6e-9 at
--6), so gelu computes x * Phi(x) with the
-normal CDF Phi taken from erfc where that is small: ``erfc(z) = u * exp(-z*z + c(u))``,
-``u = 1 / (1 + z/2)``, with the degree-9 polynomial ``c`` of Numerical Recipes' erfcc
-(relative error 1.2e-7 in exact arithmetic). ``-z*z`` is split exactly into a large and
-a small part (bit-masked 12-bit halves, no reliance on a fused fma) and exp runs a
-Cody-Waite range reduction on the two parts, so the result keeps its relative accuracy
-down to underflow whatever the hardware's exp accuracy. The exact step is fenced off by
-OR-ing a zero the compiler cannot know into its bits: lavapipe's compiler otherwise
-reassociates it with its neighbours (measured: 4e-6 instead of 4.5e-7). For |z| < 1 erf is an odd
-degree-13 polynomial fitted to math.erf. Measured against float64 math.erf/erfc
-(``python -m bench.nn`` on lavapipe; a float32 emulation in numpy agrees): gelu relative
-error 4.5e-7 at most over [-14, 14] (the textbook float32 formula reaches 100% there);
-erf absolute error 1.3e-7 (relative 1.7e-7) over [-6, 6]. gelu(NaN) = NaN,
-gelu(+inf) = +inf, gelu(-inf) = 0 (the limit; the textbook formula gives NaN).
+GELU and erf use the float32 numerics of :mod:`hetero.kernels.wgsl_math` (``x * Phi(x)``
+with Phi from an erfc that keeps its relative accuracy down to underflow): gelu's
+relative error is 4.5e-7 at most over [-14, 14], erf's absolute error 1.3e-7 over
+[-6, 6]; gelu(NaN) = NaN, gelu(+inf) = +inf, gelu(-inf) = 0.
 
 Attention (``attention``). One fused kernel, as FlashAttention does it: a workgroup
 takes one (batch, head) and a block of ``BQ`` query rows (64; fewer for short
@@ -81,25 +69,22 @@ the design point (registers); larger D works but spills. The ``mask`` ([B, Sk] o
 keys are all padding gets equal weights over all keys (the mean of ``v``, as HF
 computes), never NaN.
 
-Attention as three kernels (``impl="matmul"``). The fused kernel runs one thread per
-query row, a serial walk over the keys (its row of q and its accumulator unrolled into
-named vec4 registers: as arrays indexed in loops the kernel ran at 0.16x torch's speed
-instead of 0.23x, below): on an NVIDIA H200 at MiniLM's [128, 12, 128, 32] with a padding mask
-it runs at 0.23x the speed of torch's scaled_dot_product_attention (the three kernels:
-0.47x), at [128, 12, 64, 32] at 0.72x (the three kernels: 0.31x). So attention
-can also run as scores = q @ k^T (``matmul`` batched over B*H, ``transpose_b``), the
-softmax kernel with the scale multiplied in and the padding mask applied as a keep mask
-(padded entries become -finfo(float32).max, HF's ``(1 - mask) * finfo.min`` for finite
-scores, so a fully padded row again gets the mean of ``v`` and never NaN), then
-probs @ v. The scores and probabilities are stage temporaries of B*H*Sq*Sk floats
-(100 MB each at MiniLM's shape), back in the pool after the stage. ``impl="auto"``
-takes it on discrete and integrated GPUs when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (128)
-and the scores fit one storage binding, and keeps the fused kernel on CPU adapters
-(lavapipe: no wide parallel matmul to gain, and less memory traffic) and for short
-sequences (little parallel work per score matrix; one dispatch instead of three). The
-threshold follows the H200 measurement of ``python -m bench.nn``, whose
-``attention_fused`` and ``attention_matmul`` figures time both paths (``attention`` is
-what "auto" picks); re-check it there when tuning.
+Attention as three kernels (``impl="matmul"``): scores = q @ k^T (``matmul`` batched over
+B*H, ``transpose_b``), the softmax kernel with the scale multiplied in and the padding
+mask applied as a keep mask (padded entries become -finfo(float32).max, HF's
+``(1 - mask) * finfo.min`` for finite scores, so a fully padded row again gets the mean
+of ``v`` and never NaN), then probs @ v. The scores and probabilities are stage
+temporaries of B*H*Sq*Sk floats (100 MB each at MiniLM's shape), back in the pool after
+the stage. The fused kernel walks the keys serially, one thread per query row (its row
+of q and its accumulator unrolled into named vec4 registers, never arrays indexed in
+loops), so on a large GPU the three kernels win for long sequences: ``impl="auto"``
+takes them on discrete and integrated GPUs when Sk >= :data:`ATTN_MATMUL_MIN_SEQ` (128)
+and the scores fit one storage binding, and keeps the fused kernel on CPU adapters (no
+wide parallel matmul to gain, and less memory traffic) and for short sequences (little
+parallel work per score matrix; one dispatch instead of three). The threshold comes
+from ``python -m bench.nn`` on an H200 (BENCHMARKS.md, "BERT kernels at MiniLM
+shapes"), whose ``attention_fused`` and ``attention_matmul`` figures time both paths;
+re-check it there when tuning.
 
 Embedding ids out of range ([0, V)) cannot raise on the GPU: their output rows are
 zeros (negative int32 ids too), which is easier to spot than a clamped real row. Ids

@@ -111,9 +111,9 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
     """The configuration used when nothing was tuned: by adapter type and output size.
 
     On GPUs the largest tile that still gives a few hundred workgroups (enough to
-    fill a large GPU's compute units), on CPU adapters (lavapipe, SwiftShader) a small
-    one (on lavapipe with 2 cores, 256^3: 64x64 tiles of 8x8 blocks 3.9 GFLOP/s, 128x128
-    2.5-2.9, 32x32 of 4x4 2.9).
+    fill a large GPU's compute units); on CPU adapters (lavapipe, SwiftShader) 64x64
+    tiles of 8x8 blocks when the output holds at least four of them, else 32x32 tiles
+    (the fastest on lavapipe: BENCHMARKS.md, "Kernel defaults on lavapipe").
     """
     def tiles(c: MatmulConfig) -> int:
         return batch * -(-m // c.bm) * -(-n // c.bn)
