@@ -26,7 +26,7 @@ op                              what
 
 Grids. Every kernel finds its workgroup with ``hetero_workgroup_id``, so any number of
 workgroups is fine: hetero splits large grids into sub-dispatches (and, past the GPU-time
-budget, submissions) along x (see ``hetero._split``).
+budget, submissions) along x inside ``gpu.dispatch``.
 
 Row kernels (softmax, layernorm). A workgroup has 256 threads; ``TPR`` threads (a power
 of two) share a row and a workgroup holds ``256 / TPR`` rows, so short rows do not leave
