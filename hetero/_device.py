@@ -35,6 +35,7 @@ from ._fence import Fence
 from ._split import CostModel, wants_grid, with_prelude
 from ._timing import GPUTimer
 from ._trace import Tracer
+from ._wgsl import Binding, group_bindings
 from .errors import DeviceLostError, NoAdapterError
 
 __all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
@@ -113,6 +114,9 @@ class Kernel:
     grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see _split)
     key: Any = None  # the cache key, also the cost model's key
     layouts: tuple[Any, ...] = ()  # bind group layouts of groups 0 (and 1 for grid kernels), fetched once
+    # The @group(0) declarations (see _wgsl): entry i declares @binding(i), the binding a
+    # dispatch's i-th argument fills; None where the WGSL declares no such binding.
+    bindings: tuple[Binding | None, ...] = ()
 
     def writes(self, binding: int) -> bool:
         return binding in self.read_write
@@ -233,15 +237,17 @@ class Device:
                     compute["constants"] = dict(consts)
                 pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
                 layouts: list[Any] = []
-                n_bindings = _count_group0_bindings(wgsl)
+                decls = group_bindings(wgsl, 0)
+                n_bindings = len(decls)
                 layouts.append(_layout(pipeline, 0) if n_bindings else None)
                 if grid:
                     try:
                         layouts.append(pipeline.get_bind_group_layout(1))
                     except Exception:
                         grid = False  # the helpers are named but never used by the entry point
-                k = Kernel(pipeline, entry_point, label, n_bindings, _read_write_bindings(wgsl), grid, key,
-                           tuple(layouts))
+                read_write = frozenset(n for n, b in decls.items() if b.access == "read_write")
+                k = Kernel(pipeline, entry_point, label, n_bindings, read_write, grid, key, tuple(layouts),
+                           tuple(decls.get(n) for n in range(n_bindings)))
                 self._kernels[key] = k
         return k
 
@@ -535,14 +541,6 @@ class _LostWatcher(logging.Handler):
         threading.Thread(target=probe, name="hetero-lost-probe", daemon=True).start()
 
 
-def _read_write_bindings(wgsl: str) -> frozenset[int]:
-    """``@group(0)`` bindings declared ``var<storage, read_write>``."""
-    import re
-
-    pattern = r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)\s*var\s*<\s*storage\s*,\s*read_write\s*>"
-    return frozenset(int(m) for m in re.findall(pattern, wgsl))
-
-
 # The fence thread's spin, on hosts with at least FENCE_SPIN_MIN_CPUS cores: for a new
 # submission before it sleeps (``_next_fence``), and polling a fresh one without blocking
 # before a blocking poll (``_await_completion``). Measured with ``python -m
@@ -603,9 +601,3 @@ def _layout(pipeline: Any, group: int) -> Any:
     except Exception:
         return None
 
-
-def _count_group0_bindings(wgsl: str) -> int:
-    """Number of ``@group(0) @binding(n)`` declarations (used to explain binding-count errors)."""
-    import re
-
-    return len(set(re.findall(r"@group\(\s*0\s*\)\s*@binding\(\s*(\d+)\s*\)", wgsl)))

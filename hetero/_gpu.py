@@ -7,6 +7,7 @@ the scheduler submits the stage's command buffer after the function returns.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from ._memory import Block, MemoryWait
 from ._recorder import StageRecorder
 from ._split import DispatchInfo, grid_uniform
 from ._tensor import Tensor
+from ._wgsl import dtype_mismatch
 
 __all__ = ["GPUContext", "map_values"]
 
@@ -71,12 +73,13 @@ class GPUContext:
 
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
-        """A new uninitialised Tensor from the pool."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if any(int(s) < 0 for s in shape):
-            raise ValueError(f"gpu.empty: shape {shape} has a negative dimension")
-        dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        """A new uninitialised Tensor from the pool.
+
+        Raises where the shape is not a tuple of non-negative ints, the dtype holds
+        Python objects, or the size exceeds the adapter's max-buffer-size (sizes are
+        computed in Python ints: a shape whose bytes would overflow 64 bits is refused).
+        """
+        shape, dt, nbytes = _sized("gpu.empty", shape, dtype, self.limits["max-buffer-size"])
         try:
             block = self._dev.pool.acquire(nbytes, _STORAGE, stage=self.stage, overcommit=self._overcommit)
         except MemoryWait as w:
@@ -110,6 +113,7 @@ class GPUContext:
         a = np.ascontiguousarray(array)
         if a.dtype == object:
             raise TypeError(f"gpu.resident: cannot upload an array of Python objects (shape {a.shape})")
+        _sized("gpu.resident", a.shape, a.dtype, self.limits["max-buffer-size"])
         data = a.reshape(-1).view(np.uint8)
         if data.nbytes % 4:
             data = np.concatenate([data, np.zeros(4 - data.nbytes % 4, np.uint8)])
@@ -167,9 +171,10 @@ class GPUContext:
                 f"kernel {k.label!r} declares {k.n_bindings} binding(s) in @group(0), "
                 f"dispatch got {len(bindings)}"
             )
+        _check_bindings(k, bindings, self.limits)
         _check_aliasing(k, bindings)
         binds = self._dev.binds
-        resources = [self._resource(b, i, k.label) for i, b in enumerate(bindings)]
+        resources = [self._resource(b) for b in bindings]
         try:
             layout = k.layouts[0] if k.layouts and k.layouts[0] is not None else k.pipeline.get_bind_group_layout(0)
             bind_group = binds.bind_group((k.key, 0), layout, resources)
@@ -221,18 +226,13 @@ class GPUContext:
         cpass.dispatch_workgroups(*groups)
         rec.end_span(span)
 
-    def _resource(self, b: Any, i: int, label: str) -> tuple[Any, int, int]:
-        """``(buffer, offset, size)`` of binding ``i``: a Tensor's range, or a uniform holding the bytes."""
+    def _resource(self, b: Any) -> tuple[Any, int, int]:
+        """``(buffer, offset, size)`` of a binding: a Tensor's range, or a uniform holding the bytes."""
         if isinstance(b, Tensor):
             return (b.buffer, b.offset, b.binding_size)
-        if isinstance(b, (np.ndarray, np.generic, bytes, bytearray, memoryview)):
-            data = bytes(b) if isinstance(b, (bytes, bytearray, memoryview)) else np.ascontiguousarray(b).tobytes()
-            size = _uniform_size(len(data))
-            return (self._dev.binds.uniform(data.ljust(size, b"\0")), 0, size)
-        raise TypeError(
-            f"kernel {label!r} binding {i}: expected a Tensor (storage) or a numpy array/bytes (uniform), "
-            f"got {type(b).__name__}"
-        )
+        data = bytes(b) if isinstance(b, (bytes, bytearray, memoryview)) else np.ascontiguousarray(b).tobytes()
+        size = _uniform_size(len(data))
+        return (self._dev.binds.uniform(data.ljust(size, b"\0")), 0, size)
 
     # -- recording ------------------------------------------------------------------
     @property
@@ -267,6 +267,86 @@ class GPUContext:
         return out
 
 
+_UNIFORM_DATA = (np.ndarray, np.generic, bytes, bytearray, memoryview)
+
+
+def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]) -> None:
+    """Refuse, naming the binding, what the shader's declaration or the adapter's limits cannot take.
+
+    A Tensor binds as storage, a numpy array or bytes as a uniform; a storage Tensor's
+    dtype must fit the declared element type (the rule is in ``hetero._wgsl``).
+    """
+    decls = k.bindings
+    for i, b in enumerate(bindings):
+        d = decls[i] if i < len(decls) else None
+        where = f"kernel {k.label!r} binding {i}" + (f" ({d.name})" if d is not None else "")
+        if isinstance(b, Tensor):
+            if d is not None and d.space != "storage":
+                raise TypeError(f"{where}: got a Tensor ({b.dtype.name}, shape {b.shape}) where the shader declares "
+                                f"{d.declared}; " + ("pass a numpy array or bytes for a uniform"
+                                                     if d.space == "uniform" else _HANDLE_HINT))
+            if d is not None and d.scalar is not None:
+                want = dtype_mismatch(d, b.dtype)
+                if want is not None:
+                    raise TypeError(
+                        f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(b.dtype.name)} "
+                        f"{b.dtype.name} Tensor where the shader reads {want}; pass {want} data "
+                        f"(e.g. .astype(np.{want}) in a CPU stage)"
+                    )
+            limit = limits["max-storage-buffer-binding-size"]
+            if b.binding_size > limit:
+                raise ValueError(f"{where}: a Tensor of {b.nbytes} bytes exceeds the adapter's "
+                                 f"max-storage-buffer-binding-size of {limit} bytes; split the work into smaller tensors")
+        elif isinstance(b, _UNIFORM_DATA):
+            if d is not None and d.space != "uniform":
+                raise TypeError(f"{where}: got {_describe(b)}, which binds as a uniform, where the shader declares "
+                                f"{d.declared}; " + ("pass a Tensor (gpu.upload(array) or gpu.empty(...))"
+                                                     if d.space == "storage" else _HANDLE_HINT))
+            nbytes = memoryview(b).nbytes if isinstance(b, (bytes, bytearray, memoryview)) else np.asarray(b).nbytes
+            limit = limits["max-uniform-buffer-binding-size"]
+            if nbytes > limit:
+                raise ValueError(f"{where}: a uniform of {nbytes} bytes exceeds the adapter's "
+                                 f"max-uniform-buffer-binding-size of {limit} bytes; pass it as a Tensor and "
+                                 "declare var<storage, read>")
+        else:
+            raise TypeError(f"{where}: expected a Tensor (storage) or a numpy array/bytes (uniform), "
+                            f"got {type(b).__name__}")
+
+
+_HANDLE_HINT = "hetero binds buffers only: bind textures and samplers through gpu.device and gpu.encoder"
+
+
+def _describe(b: Any) -> str:
+    """What a uniform binding was given, in a few words."""
+    if isinstance(b, (np.ndarray, np.generic)):
+        a = np.asarray(b)
+        return f"a numpy array ({a.dtype.name}, shape {a.shape})"
+    return f"{type(b).__name__} ({memoryview(b).nbytes} bytes)"
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeio" else "a"
+
+
+def _sized(what: str, shape: Any, dtype: Any, limit: int) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    """``(shape, dtype, nbytes)`` of a new tensor, checked: ints, non-negative, within ``limit`` bytes."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    for s in dims:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"{what}: shape {dims} must hold ints, got {type(s).__name__} {s!r}")
+    dims = tuple(int(s) for s in dims)
+    if any(s < 0 for s in dims):
+        raise ValueError(f"{what}: shape {dims} has a negative dimension")
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"{what}: dtype {dt.name} holds Python objects, which cannot live on the GPU")
+    nbytes = math.prod(dims) * dt.itemsize  # Python ints: no overflow
+    if nbytes > limit:
+        raise ValueError(f"{what}: shape {dims} of {dt.name} is {nbytes} bytes, more than the adapter's "
+                         f"max-buffer-size of {limit} bytes; split the work into smaller tensors")
+    return dims, dt, nbytes
+
+
 def _check_aliasing(k: Kernel, bindings: tuple[Any, ...]) -> None:
     """Refuse one buffer bound twice in a dispatch that writes it (a deferred WebGPU error)."""
     seen: dict[int, int] = {}
@@ -295,12 +375,16 @@ def _explain_bind_error(label: str, bindings: tuple[Any, ...], err: Exception) -
         where = "binding " + " or ".join(map(str, which)) if which else "a binding"
         return (f"kernel {label!r}: {where} is {got} bytes, smaller than the {need} bytes the shader "
                 "declares for it; pass a larger tensor or fix the WGSL struct")
-    if "required usage flags" in text and "UNIFORM" in text:
-        return (f"kernel {label!r}: a Tensor was bound where the shader declares var<uniform>; "
-                "pass a numpy array or bytes for uniform bindings")
-    if "required usage flags" in text and "STORAGE" in text:
-        return (f"kernel {label!r}: a uniform (numpy array or bytes) was bound where the shader declares "
-                "var<storage>; pass a Tensor")
+    # wgpu: "Usage flags BufferUsages(GIVEN) of Buffer ... do not contain required usage flags BufferUsages(NEEDED)"
+    m = re.search(r"required usage flags BufferUsages\((\w+)\)", text)
+    if m and m.group(1) == "UNIFORM":
+        which = [i for i, b in enumerate(bindings) if isinstance(b, Tensor)]
+        return (f"kernel {label!r}: a Tensor (binding {' or '.join(map(str, which))}) was bound where the shader "
+                "declares var<uniform>; pass a numpy array or bytes for uniform bindings")
+    if m and m.group(1) == "STORAGE":
+        which = [i for i, b in enumerate(bindings) if not isinstance(b, Tensor)]
+        return (f"kernel {label!r}: a numpy array or bytes (binding {' or '.join(map(str, which))}), which binds as "
+                "a uniform, was bound where the shader declares var<storage>; pass a Tensor")
     first = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), text)
     return f"kernel {label!r}: the bindings do not match the shader: {first}"
 

@@ -35,10 +35,13 @@ the budget errs towards more, smaller submissions.
 
 from __future__ import annotations
 
+import re
 import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from ._wgsl import strip_comments
 
 __all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "PRELUDE", "grid_uniform", "wants_grid", "with_prelude"]
 
@@ -57,21 +60,24 @@ DEFAULT_NS_PER_WORKGROUP = 2000.0
 
 def with_prelude(wgsl: str) -> str:
     """The WGSL with the grid prelude inserted after its ``enable``/``requires`` directives
-    (WGSL wants directives before any declaration)."""
+    (WGSL wants directives before any declaration); comments are skipped over."""
     lines = wgsl.splitlines(keepends=True)
+    code = strip_comments(wgsl).splitlines(keepends=True)  # same lines, comments blanked
     cut = 0
-    for n, line in enumerate(lines):
+    for n, line in enumerate(code):
         text = line.strip()
         if text.startswith(("enable ", "requires ", "diagnostic(")) and text.endswith(";"):
             cut = n + 1
-        elif text and not text.startswith("//"):
+        elif text:
             break
     return "".join(lines[:cut]) + PRELUDE + "".join(lines[cut:])
 
 
 def wants_grid(wgsl: str) -> bool:
-    """Does this WGSL use the grid helpers (and not declare them itself)?"""
-    return any(name in wgsl for name in GRID_NAMES) and "struct HeteroGrid" not in wgsl
+    """Does this WGSL use the grid helpers (and not declare them itself)? Comments do not count."""
+    code = strip_comments(wgsl)
+    uses = any(re.search(rf"\b{name}\b", code) for name in GRID_NAMES)
+    return uses and not re.search(r"\bstruct\s+HeteroGrid\b", code)
 
 
 def grid_uniform(base: tuple[int, int, int], total: tuple[int, int, int]) -> bytes:

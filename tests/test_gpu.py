@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
 
@@ -166,8 +167,10 @@ async def test_wrong_binding_type(shared_rt: hetero.Runtime) -> None:
 
     g = hetero.Graph("btype")
     g.output(g.gpu(wrong, g.input("x"), name="wrong"))
-    with pytest.raises(StageError, match=r"binding 1: expected a Tensor \(storage\) or a numpy array/bytes"):
+    with pytest.raises(StageError) as e:
         await shared_rt.run(g, x=np.ones(4, np.float32))
+    assert str(e.value) == ("gpu stage 'wrong' failed: TypeError: kernel 'main' binding 1 (dst): expected a Tensor "
+                            "(storage) or a numpy array/bytes (uniform), got str")
 
 
 async def test_workgroups_over_the_limit(shared_rt: hetero.Runtime) -> None:
@@ -218,3 +221,60 @@ async def test_zero_size_results_arrive_as_empty_arrays(shared_rt: hetero.Runtim
     out, shape = await shared_rt.run(g)
     assert isinstance(out, np.ndarray) and out.shape == (0, 3) and out.dtype == np.float32
     assert shape == (0, 3)
+
+
+async def test_empty_refuses_sizes_past_the_limits(shared_rt: hetero.Runtime) -> None:
+    """Sizes are computed in Python ints: a shape whose bytes overflow 64 bits is refused, not wrapped."""
+    shapes: dict[str, tuple] = {
+        "overflow": ((1 << 32, 1 << 32), np.float32),
+        "wraps_to_small": ((1 << 62, 4), np.uint8),
+        "too_big": ((1 << 31,), np.float32),
+        "negative": ((3, -1), np.float32),
+        "fractional": ((2.5,), np.float32),
+        "objects": ((4,), object),
+    }
+
+    def alloc(gpu: hetero.GPUContext, which: str) -> Tensor:
+        shape, dtype = shapes[which]
+        return gpu.empty(shape, dtype)
+
+    limit = shared_rt.device().limits["max-buffer-size"]
+    want = {
+        "overflow": "ValueError: gpu.empty: shape (4294967296, 4294967296) of float32 is 73786976294838206464 bytes, "
+                    f"more than the adapter's max-buffer-size of {limit} bytes; split the work into smaller tensors",
+        "wraps_to_small": "ValueError: gpu.empty: shape (4611686018427387904, 4) of uint8 is 18446744073709551616 "
+                          f"bytes, more than the adapter's max-buffer-size of {limit} bytes; split the work into "
+                          "smaller tensors",
+        "too_big": "ValueError: gpu.empty: shape (2147483648,) of float32 is 8589934592 bytes, more than the "
+                   f"adapter's max-buffer-size of {limit} bytes; split the work into smaller tensors",
+        "negative": "ValueError: gpu.empty: shape (3, -1) has a negative dimension",
+        "fractional": "TypeError: gpu.empty: shape (2.5,) must hold ints, got float 2.5",
+        "objects": "TypeError: gpu.empty: dtype object holds Python objects, which cannot live on the GPU",
+    }
+    for which, tail in want.items():
+        g = hetero.Graph(f"alloc_{which}")
+        g.output(g.gpu(alloc, which, name=which))
+        with pytest.raises(StageError) as e:
+            await shared_rt.run(g)
+        assert e.value.stage == which
+        assert str(e.value) == f"gpu stage {which!r} failed: {tail}"
+    assert shared_rt.memory_stats().in_use_bytes == 0
+
+
+async def test_resident_refuses_arrays_past_max_buffer_size() -> None:
+    """``gpu.resident`` makes its own buffer: the same limit holds (here lowered to 1 KiB)."""
+    def weights(gpu: hetero.GPUContext, n: int) -> Tensor:
+        return gpu.resident(np.ones(n, np.float32))
+
+    g = hetero.Graph("resident")
+    g.output(g.gpu(weights, g.input("n"), name="weights"))
+    async with hetero.Runtime() as rt:
+        dev = await anyio.to_thread.run_sync(rt.device)
+        dev.limits["max-buffer-size"] = 1024
+        with pytest.raises(StageError) as e:
+            await rt.run(g, n=257)
+        assert str(e.value) == (
+            "gpu stage 'weights' failed: ValueError: gpu.resident: shape (257,) of float32 is 1028 bytes, more than "
+            "the adapter's max-buffer-size of 1024 bytes; split the work into smaller tensors"
+        )
+        np.testing.assert_array_equal(await rt.run(g, n=256), np.ones(256))
