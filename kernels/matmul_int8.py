@@ -65,6 +65,7 @@ Device's device and keeps the weight there across runs until ``.release()``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
@@ -570,7 +571,7 @@ def matmul_int8(gpu: GPUContext, a: Tensor | np.ndarray, qw: QuantizedWeight | G
                          f"inner dimensions {a.shape[-1]} and {k} differ")
     if bias is not None and (bias.ndim != 1 or bias.shape[0] != n or bias.dtype != np.float32):
         raise ValueError(f"matmul_int8: bias is {list(bias.shape)} {bias.dtype}: bias must be float32 [{n}]")
-    m = int(np.prod(a.shape[:-1]))
+    m = math.prod(a.shape[:-1])
     out = gpu.empty((*a.shape[:-1], n), np.float32)
     if m == 0 or n == 0:
         return out

@@ -154,7 +154,7 @@ def _dev(gpu: GPUContext, x: Any) -> Tensor:
 
 
 def _size(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(int(s) for s in shape)  # Python ints: no wrap-around
 
 
 def _fits(gpu: GPUContext, op: str, what: str, shape: Sequence[int], itemsize: int = 4) -> None:
