@@ -279,12 +279,11 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
     decls = k.bindings
     for i, b in enumerate(bindings):
         d = decls[i] if i < len(decls) else None
-        where = f"kernel {k.label!r} binding {i}" + (f" ({d.name})" if d is not None else "")
         if isinstance(b, Tensor):
             if d is not None and d.space != "storage":
-                raise TypeError(f"{where}: got a Tensor ({b.dtype.name}, shape {b.shape}) where the shader declares "
-                                f"{d.declared}; " + ("pass a numpy array or bytes for a uniform"
-                                                     if d.space == "uniform" else _HANDLE_HINT))
+                raise TypeError(f"{_where(k, i)}: got a Tensor ({b.dtype.name}, shape {b.shape}) where the shader "
+                                f"declares {d.declared}; " + ("pass a numpy array or bytes for a uniform"
+                                                              if d.space == "uniform" else _HANDLE_HINT))
             if d is not None and d.scalar is not None:
                 want = dtype_mismatch(d, b.dtype)
                 if want is not None:
@@ -295,22 +294,28 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
                     )
             limit = limits["max-storage-buffer-binding-size"]
             if b.binding_size > limit:
-                raise ValueError(f"{where}: a Tensor of {b.nbytes} bytes exceeds the adapter's "
+                raise ValueError(f"{_where(k, i)}: a Tensor of {b.nbytes} bytes exceeds the adapter's "
                                  f"max-storage-buffer-binding-size of {limit} bytes; split the work into smaller tensors")
         elif isinstance(b, _UNIFORM_DATA):
             if d is not None and d.space != "uniform":
-                raise TypeError(f"{where}: got {_describe(b)}, which binds as a uniform, where the shader declares "
-                                f"{d.declared}; " + ("pass a Tensor (gpu.upload(array) or gpu.empty(...))"
-                                                     if d.space == "storage" else _HANDLE_HINT))
-            nbytes = memoryview(b).nbytes if isinstance(b, (bytes, bytearray, memoryview)) else np.asarray(b).nbytes
+                raise TypeError(f"{_where(k, i)}: got {_describe(b)}, which binds as a uniform, where the shader "
+                                f"declares {d.declared}; " + ("pass a Tensor (gpu.upload(array) or gpu.empty(...))"
+                                                              if d.space == "storage" else _HANDLE_HINT))
+            nbytes = b.nbytes if isinstance(b, (np.ndarray, np.generic, memoryview)) else len(b)
             limit = limits["max-uniform-buffer-binding-size"]
             if nbytes > limit:
-                raise ValueError(f"{where}: a uniform of {nbytes} bytes exceeds the adapter's "
+                raise ValueError(f"{_where(k, i)}: a uniform of {nbytes} bytes exceeds the adapter's "
                                  f"max-uniform-buffer-binding-size of {limit} bytes; pass it as a Tensor and "
                                  "declare var<storage, read>")
         else:
-            raise TypeError(f"{where}: expected a Tensor (storage) or a numpy array/bytes (uniform), "
+            raise TypeError(f"{_where(k, i)}: expected a Tensor (storage) or a numpy array/bytes (uniform), "
                             f"got {type(b).__name__}")
+
+
+def _where(k: Kernel, i: int) -> str:
+    """``kernel 'label' binding i (name)``: where a binding error is."""
+    d = k.bindings[i] if i < len(k.bindings) else None
+    return f"kernel {k.label!r} binding {i}" + (f" ({d.name})" if d is not None else "")
 
 
 _HANDLE_HINT = "hetero binds buffers only: bind textures and samplers through gpu.device and gpu.encoder"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -175,12 +176,16 @@ def dtype_mismatch(b: Binding, dtype: Any) -> str | None:
     """The numpy dtype a storage binding needs where ``dtype`` does not fit it (see the module doc), else None."""
     if b.scalar is None or b.element_bytes is None:
         return None
-    dt = np.dtype(dtype)
+    return _dtype_rule(b.scalar, b.element_bytes, dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
+
+
+@lru_cache(maxsize=4096)  # called on every dispatch: a few (element, dtype) pairs recur
+def _dtype_rule(scalar: str, element_bytes: int, dt: np.dtype[Any]) -> str | None:
     if dt.fields is not None or dt.kind == "V":
         return None
-    want = NUMPY_OF[b.scalar]
-    if b.scalar in ("f32", "f16"):
+    want = NUMPY_OF[scalar]
+    if scalar in ("f32", "f16"):
         return None if dt == np.dtype(want) else want
-    if dt.itemsize == 0 or dt.hasobject or b.element_bytes % dt.itemsize:
+    if dt.itemsize == 0 or dt.hasobject or element_bytes % dt.itemsize:
         return want
     return None
