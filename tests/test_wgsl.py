@@ -353,3 +353,23 @@ def test_dtype_rule() -> None:
     assert dtype_mismatch(b("i32", 4), np.float64) == "int32"
     assert dtype_mismatch(b("u32", 8), np.int64) is None  # vec2<u32>
     assert dtype_mismatch(b("u32", 4), np.dtype([("a", "<f4"), ("b", "<u8")])) is None  # records: the caller's layout
+
+
+def test_wgpu_usage_errors_are_explained_the_right_way_round() -> None:
+    """Where hetero could not read a declaration, wgpu's usage error is turned around correctly."""
+    from hetero._gpu import _explain_bind_error
+
+    head = "Validation Error\n\nCaused by:\n  In wgpuDeviceCreateBindGroup\n    "
+    t = Tensor(None, (8,), np.float32)  # type: ignore[arg-type]  # no buffer needed to describe it
+    storage_needed = head + ("Usage flags BufferUsages(UNIFORM) of Buffer with '' label do not contain required "
+                             "usage flags BufferUsages(STORAGE)")
+    assert _explain_bind_error("k", (t, np.zeros(8, np.float32)), Exception(storage_needed)) == (
+        "kernel 'k': a numpy array or bytes (binding 1), which binds as a uniform, was bound where the shader "
+        "declares var<storage>; pass a Tensor"
+    )
+    uniform_needed = head + ("Usage flags BufferUsages(STORAGE) of Buffer with '' label do not contain required "
+                             "usage flags BufferUsages(UNIFORM)")
+    assert _explain_bind_error("k", (t, np.zeros(8, np.float32)), Exception(uniform_needed)) == (
+        "kernel 'k': a Tensor (binding 0) was bound where the shader declares var<uniform>; pass a numpy array or "
+        "bytes for uniform bindings"
+    )
