@@ -295,7 +295,8 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
             limit = limits["max-storage-buffer-binding-size"]
             if b.binding_size > limit:
                 raise ValueError(f"{_where(k, i)}: a Tensor of {b.nbytes} bytes exceeds the adapter's "
-                                 f"max-storage-buffer-binding-size of {limit} bytes; split the work into smaller tensors")
+                                 f"max-storage-buffer-binding-size of {limit} bytes; "
+                                 "split the work into smaller tensors")
         elif isinstance(b, _UNIFORM_DATA):
             if d is not None and d.space != "uniform":
                 raise TypeError(f"{_where(k, i)}: got {_describe(b)}, which binds as a uniform, where the shader "
