@@ -22,6 +22,7 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _memory     the buffer pool           _transfer   the staging ring (uploads, downloads)
 #     _bindcache  uniforms, bind groups     _split      TDR-safe dispatch splitting
 #     _timing     GPU timestamps            _tensor     Tensor
+#     _wgsl       what hetero reads of WGSL: bindings, element types, comments out
 #
 #   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors
 #
