@@ -273,8 +273,9 @@ _UNIFORM_DATA = (np.ndarray, np.generic, bytes, bytearray, memoryview)
 def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]) -> None:
     """Refuse, naming the binding, what the shader's declaration or the adapter's limits cannot take.
 
-    A Tensor binds as storage, a numpy array or bytes as a uniform; a storage Tensor's
-    dtype must fit the declared element type (the rule is in ``hetero._wgsl``).
+    A Tensor binds as storage, a numpy array or bytes as a uniform; the dtype of a Tensor
+    or of a uniform's array must fit the declared element type (the rule is in
+    ``hetero._wgsl``; bytes are not checked).
     """
     decls = k.bindings
     for i, b in enumerate(bindings):
@@ -302,6 +303,14 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
                 raise TypeError(f"{_where(k, i)}: got {_describe(b)}, which binds as a uniform, where the shader "
                                 f"declares {d.declared}; " + ("pass a Tensor (gpu.upload(array) or gpu.empty(...))"
                                                               if d.space == "storage" else _HANDLE_HINT))
+            if d is not None and d.scalar is not None and isinstance(b, (np.ndarray, np.generic)):
+                want = dtype_mismatch(d, b.dtype)
+                if want is not None:
+                    raise TypeError(
+                        f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(b.dtype.name)} "
+                        f"{b.dtype.name} array where the shader reads {want}; pass {want} data "
+                        f"(e.g. np.array([...], np.{want}))"
+                    )
             nbytes = b.nbytes if isinstance(b, (np.ndarray, np.generic, memoryview)) else len(b)
             limit = limits["max-uniform-buffer-binding-size"]
             if nbytes > limit:

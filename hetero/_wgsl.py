@@ -4,11 +4,12 @@ hetero never compiles WGSL itself (wgpu does); it reads just enough of it to che
 dispatch before anything is recorded: how many ``@group(0)`` bindings the shader
 declares, the address space and access of each (``var<uniform>``, ``var<storage,
 read>``, ``var<storage, read_write>``, or a texture or sampler), and the element type of
-storage buffers (``array<f32>``, ``array<vec4<u32>>``, ``atomic<i32>``, through ``alias``
+buffers (``array<f32>``, ``array<vec4<u32>>``, ``atomic<i32>``, ``u32``, through ``alias``
 declarations). Every reading works on :func:`strip_comments` of the source, so a
 declaration inside ``//`` or (nested) ``/* */`` comments counts for nothing.
 
-The dtype rule a storage binding is checked against (:func:`dtype_mismatch`):
+The dtype rule a storage Tensor, or a numpy array bound as a uniform, is checked
+against (:func:`dtype_mismatch`); ``bytes`` are taken as they are:
 
 * ``f32`` and ``f16`` elements (scalars, vectors, matrices) hold float32 and float16
   data only: any other dtype would be read as garbage.
@@ -52,7 +53,8 @@ class Binding:
     ``space`` is ``"uniform"``, ``"storage"`` or ``"handle"`` (textures and samplers,
     declared without an address space); ``access`` is ``"read"`` or ``"read_write"``
     for storage. ``scalar`` (``f32``, ``f16``, ``i32``, ``u32``) and ``element_bytes``
-    describe one element of a storage buffer, None where hetero does not check it.
+    describe one element of the buffer (of an array, or the whole type), None where
+    hetero does not check it (structs).
     """
 
     group: int
@@ -122,7 +124,7 @@ def group_bindings(wgsl: str, group: int = 0) -> dict[int, Binding]:
         space = template[0] if template[0] else "handle"
         access = (template[1] if len(template) > 1 else "read") if space == "storage" else None
         type_ = " ".join(m.group(4).split())
-        scalar, size = _element(type_, aliases) if space == "storage" else (None, None)
+        scalar, size = _element(type_, aliases) if space != "handle" else (None, None)
         found[attrs["binding"]] = Binding(group, attrs["binding"], m.group(3), space, access, type_, scalar, size)
     return found
 

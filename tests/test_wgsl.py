@@ -373,3 +373,32 @@ def test_wgpu_usage_errors_are_explained_the_right_way_round() -> None:
         "kernel 'k': a Tensor (binding 0) was bound where the shader declares var<uniform>; pass a numpy array or "
         "bytes for uniform bindings"
     )
+
+
+async def test_a_uniform_array_of_the_wrong_dtype(shared_rt: hetero.Runtime) -> None:
+    """``np.array([2.0])`` for a ``var<uniform> k: f32`` would be read as the low half of a double."""
+    scale = """
+    @group(0) @binding(0) var<storage, read_write> y: array<f32>;
+    @group(0) @binding(1) var<uniform> k: f32;
+    @compute @workgroup_size(64)
+    fn main(@builtin(global_invocation_id) id: vec3<u32>) { if (id.x < arrayLength(&y)) { y[id.x] *= k; } }
+    """
+
+    ks: dict[str, Any] = {"float64": np.array([2.0]), "float32": np.array([2.0], np.float32),
+                          "scalar": np.float32(2.0), "bytes": np.float32(2.0).tobytes()}
+
+    def scaled(gpu: hetero.GPUContext, y: Tensor, which: str) -> Tensor:
+        gpu.dispatch(scale, 1, y, ks[which])  # made here: an array reaching a GPU stage would be uploaded
+        return y
+
+    g = hetero.Graph("scaled")
+    g.output(g.gpu(scaled, g.input("x"), g.input("k"), name="scaled"))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g, x=np.ones(4, np.float32), k="float64")
+    assert str(e.value) == (
+        "gpu stage 'scaled' failed: TypeError: kernel 'main' binding 1 (k: f32): got a float64 array where the "
+        "shader reads float32; pass float32 data (e.g. np.array([...], np.float32))"
+    )
+    assert shared_rt.memory_stats().in_use_bytes == 0
+    for which in ("float32", "scalar", "bytes"):
+        np.testing.assert_array_equal(await shared_rt.run(g, x=np.ones(4, np.float32), k=which), np.full(4, 2.0))
