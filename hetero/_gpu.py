@@ -345,7 +345,12 @@ def _article(word: str) -> str:
 
 def _sized(what: str, shape: Any, dtype: Any, limit: int) -> tuple[tuple[int, ...], np.dtype[Any], int]:
     """``(shape, dtype, nbytes)`` of a new tensor, checked: ints, non-negative, within ``limit`` bytes."""
-    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+        dims: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, (tuple, list, np.ndarray)):
+        dims = tuple(shape)
+    else:
+        raise TypeError(f"{what}: shape must be an int or a tuple of ints, got {type(shape).__name__} {shape!r}")
     for s in dims:
         if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
             raise TypeError(f"{what}: shape {dims} must hold ints, got {type(s).__name__} {s!r}")

@@ -232,6 +232,7 @@ async def test_empty_refuses_sizes_past_the_limits(shared_rt: hetero.Runtime) ->
         "negative": ((3, -1), np.float32),
         "fractional": ((2.5,), np.float32),
         "objects": ((4,), object),
+        "scalar_float": (2.5, np.float32),
     }
 
     def alloc(gpu: hetero.GPUContext, which: str) -> Tensor:
@@ -250,6 +251,7 @@ async def test_empty_refuses_sizes_past_the_limits(shared_rt: hetero.Runtime) ->
         "negative": "ValueError: gpu.empty: shape (3, -1) has a negative dimension",
         "fractional": "TypeError: gpu.empty: shape (2.5,) must hold ints, got float 2.5",
         "objects": "TypeError: gpu.empty: dtype object holds Python objects, which cannot live on the GPU",
+        "scalar_float": "TypeError: gpu.empty: shape must be an int or a tuple of ints, got float 2.5",
     }
     for which, tail in want.items():
         g = hetero.Graph(f"alloc_{which}")

@@ -402,3 +402,23 @@ async def test_a_uniform_array_of_the_wrong_dtype(shared_rt: hetero.Runtime) -> 
     assert shared_rt.memory_stats().in_use_bytes == 0
     for which in ("float32", "scalar", "bytes"):
         np.testing.assert_array_equal(await shared_rt.run(g, x=np.ones(4, np.float32), k=which), np.full(4, 2.0))
+
+
+async def test_a_buffer_where_the_shader_declares_a_texture(shared_rt: hetero.Runtime) -> None:
+    textured = """
+    @group(0) @binding(0) var<storage, read_write> y: array<f32>;
+    @group(0) @binding(1) var t: texture_2d<f32>;
+    @compute @workgroup_size(1)
+    fn main() { y[0] = textureLoad(t, vec2<i32>(0, 0), 0).x; }
+    """
+
+    def wrong(gpu: hetero.GPUContext, y: Tensor) -> Tensor:
+        gpu.dispatch(textured, 1, y, y)
+        return y
+
+    msg = await stage_error(shared_rt, one_stage(wrong, "wrong"), np.ones(4, np.float32))
+    assert msg == (
+        "gpu stage 'wrong' failed: TypeError: kernel 'main' binding 1 (t): got a Tensor (float32, shape (4,)) where "
+        "the shader declares a texture_2d<f32> (not a buffer); hetero binds buffers only: bind textures and "
+        "samplers through gpu.device and gpu.encoder"
+    )
