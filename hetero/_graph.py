@@ -3,11 +3,14 @@
 A :class:`Graph` is declaration only. Every stage names the values it reads (other
 stages, graph inputs, or constants); nothing runs until a runtime executes the
 graph's :class:`~hetero._plan.Plan`, which is derived once and cached on the graph.
+
+A graph whose stage functions and constants pickle (module-level functions, not
+lambdas or closures) pickles too, so it can be sent to another process; the cached
+plan stays behind and is derived again there.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -106,8 +109,7 @@ class Graph:
         self.outputs: tuple[Node | Input, ...] | None = None
         self._names: set[str] = set()
         self._plan: Plan | None = None
-        self._version = itertools.count()
-        self.version = next(self._version)
+        self.version = 0  # bumped on every change; a plan remembers the version it was made from
 
     # -- declaration ------------------------------------------------------------------
     def input(self, name: str) -> Input:
@@ -192,8 +194,13 @@ class Graph:
             )
 
     def _changed(self) -> None:
-        self.version = next(self._version)
+        self.version += 1
         self._plan = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_plan"] = None
+        return state
 
     def plan(self) -> Plan:
         """Validate the graph and return its execution plan (computed once, then cached)."""

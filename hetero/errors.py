@@ -13,10 +13,15 @@
     └── RuntimeClosedError      the runtime was used after close()
 
 Messages are lowercase, name the rule and the values, and say what to do where
-that is not obvious.
+that is not obvious. Every error survives a ``pickle`` round trip (process stages
+and distributed engines send them between processes) with its message, its
+attributes and, where that pickles too, its ``__cause__``.
 """
 
 from __future__ import annotations
+
+import pickle
+from typing import Any
 
 __all__ = [
     "DeviceLostError",
@@ -34,6 +39,22 @@ __all__ = [
 class HeteroError(Exception):
     """Base class of every error hetero raises."""
 
+    def _init_args(self) -> tuple[Any, ...]:
+        """The arguments that rebuild this error (subclasses with other constructors override it)."""
+        return self.args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = dict(self.__dict__)
+        cause = self.__cause__
+        if cause is not None:
+            try:
+                pickle.dumps(cause)
+            except Exception:  # noqa: BLE001 - an unpicklable cause is left behind, the error still travels
+                pass
+            else:
+                state["__cause__"] = cause
+        return (type(self), self._init_args(), state)
+
 
 class GraphError(HeteroError):
     """The graph is malformed: duplicate names, a cycle, no outputs, a bad stage."""
@@ -49,6 +70,9 @@ class StageError(HeteroError):
     def __init__(self, message: str, stage: str) -> None:
         super().__init__(message)
         self.stage = stage
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (*self.args, self.stage)
 
 
 class GPUError(HeteroError):
