@@ -29,6 +29,8 @@ Devices and caches:
   ``kernel(wgsl, ...)``, ``submit(command_buffers)`` (returns a submission index) and
   ``wait(index)``.
 - :func:`default_runtime`: the shared Runtime behind ``hetero.run``.
+- :func:`running_loop`: the event loop running in this thread (``"asyncio"``, ``"trio"``
+  or None); a synchronous entry point refuses to start inside one, as ``hetero.run`` does.
 
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
@@ -42,7 +44,7 @@ from typing import Any
 from ._device import Device, Kernel
 from ._files import atomic_write_text
 from ._gpu import GPUContext
-from ._runtime import Runtime, _default_runtime
+from ._runtime import Runtime, _default_runtime, _running_loop
 from ._split import DispatchInfo, grid_uniform
 from ._tensor import Tensor
 
@@ -56,6 +58,7 @@ __all__ = [
     "default_runtime",
     "device_of",
     "grid_uniform",
+    "running_loop",
 ]
 
 
@@ -81,3 +84,12 @@ def device_of(target: Any) -> Device:
 def default_runtime() -> Runtime:
     """The shared ``hetero.Runtime`` behind ``hetero.run()``: created on first use, closed at exit."""
     return _default_runtime()
+
+
+def running_loop() -> str | None:
+    """The event loop running in this thread: ``"asyncio"``, ``"trio"`` or None.
+
+    A synchronous entry point (``hetero.run``, ``embed``) cannot start a loop inside a
+    running one: it checks this and raises a HeteroError that names the async call to use.
+    """
+    return _running_loop()

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 import hetero
 from hetero import GPUContext, Tensor, ops
-from hetero.lowlevel import default_runtime, device_of
+from hetero.lowlevel import default_runtime, device_of, running_loop
 from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, matmul_int8, quantize_weight
 
 from .minilm import Model, load_model
@@ -395,6 +395,12 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     stderr (default: for long inputs when stderr is a terminal). ``max_in_flight``:
     batches tokenized or encoded at once. Synchronous: from async code use :func:`aembed`.
     """
+    lib = running_loop()
+    if lib is not None:
+        raise hetero.HeteroError(
+            f"embed() cannot be called inside a running {lib} event loop; "
+            "use 'async with hetero.Runtime() as rt: await aembed(texts, runtime=rt)'"
+        )
     rt = runtime if runtime is not None else default_runtime()
     result: list[np.ndarray] = []
 

@@ -24,7 +24,7 @@ import pytest
 
 import hetero
 from hetero.pipelines import cli, minilm
-from hetero.pipelines.embed import embed, embedding_graph, get_model, quantized_weights, tokenize
+from hetero.pipelines.embed import aembed, embed, embedding_graph, get_model, quantized_weights, tokenize
 from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
                                      load_model)
 from hetero.pipelines.testing import write_random_model
@@ -116,6 +116,17 @@ def test_batches_come_back_in_input_order(shared_rt: hetero.Runtime, tiny: Model
         with pytest.raises(ValueError) as e:
             embed(SENTENCES, model=tiny, runtime=shared_rt, **kw)
         assert str(e.value) == msg
+
+
+@pytest.mark.anyio
+async def test_embed_inside_a_running_event_loop_points_to_aembed(anyio_backend: str, shared_rt: hetero.Runtime,
+                                                                  tiny: Model) -> None:
+    with pytest.raises(hetero.HeteroError) as e:
+        embed(SENTENCES[:2], model=tiny, runtime=shared_rt)
+    assert str(e.value) == (f"embed() cannot be called inside a running {anyio_backend} event loop; "
+                            "use 'async with hetero.Runtime() as rt: await aembed(texts, runtime=rt)'")
+    got = await aembed(SENTENCES[:2], model=tiny, runtime=shared_rt)
+    assert got.shape == (2, 32)
 
 
 def test_truncation_and_padding(tiny: Model) -> None:
