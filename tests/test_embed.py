@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -248,6 +249,66 @@ def test_loader_errors_name_the_file_the_tensor_and_the_values(model_dir: Path, 
         load_model(model_dir)
     assert str(we.value) == ("model.safetensors: tensor 'encoder.layer.0.output.dense.bias' is missing; "
                              "expected shape (32,)")
+
+
+def _edit_tokenizer(d: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    t = json.loads((d / "tokenizer.json").read_text())
+    edit(t)
+    (d / "tokenizer.json").write_text(json.dumps(t))
+
+
+@pytest.mark.parametrize(("where", "largest"), [("vocab", 1000), ("added", 300), ("template", 1000)])
+def test_a_tokenizer_with_ids_past_vocab_size_is_refused(model_dir: Path, where: str, largest: int) -> None:
+    """An id past the embedding table would read outside it (an added token gets the next free id)."""
+    def edit(t: dict[str, Any]) -> None:
+        vocab = t["model"]["vocab"]
+        if where == "vocab":
+            vocab[max(vocab, key=vocab.__getitem__)] = 1000
+        elif where == "added":
+            t["added_tokens"].append({"id": 1000, "content": "[NEW]", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+        else:
+            t["post_processor"]["special_tokens"]["[CLS]"]["ids"] = [1000]
+
+    _edit_tokenizer(model_dir, edit)
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == (f"tokenizer.json: token id {largest} is out of range for config.json's vocab_size 300 "
+                            "(ids must lie in [0, 300)); use the tokenizer that belongs to this model")
+
+
+def test_errors_in_nested_files_name_their_path_in_the_model_directory(model_dir: Path) -> None:
+    pooling = model_dir / "1_Pooling" / "config.json"
+    pooling.write_text("[1, 2]")
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == "1_Pooling/config.json: expected a JSON object, got list"
+    pooling.write_text("{not json")
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == ("1_Pooling/config.json: cannot read it as JSON: Expecting property name enclosed in "
+                            "double quotes: line 1 column 2 (char 1)")
+    pooling.write_text(json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == ("1_Pooling/config.json: only mean pooling is supported (pooling_mode_mean_tokens), "
+                            "got ['pooling_mode_cls_token']")
+    pooling.unlink()
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 4096}))
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == ("sentence_bert_config.json: max_seq_length 4096 must lie in [2, config.json's "
+                            "max_position_embeddings=40]")
+    (model_dir / "sentence_bert_config.json").write_text("")
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == ("sentence_bert_config.json: cannot read it as JSON: Expecting value: line 1 column 1 "
+                            "(char 0)")
+    (model_dir / "sentence_bert_config.json").unlink()
+    _edit_config(model_dir, pad_token_id=300)
+    with pytest.raises(ModelConfigError) as e:
+        load_model(model_dir)
+    assert str(e.value) == "config.json: pad_token_id 300 must be below vocab_size 300"
 
 
 def test_a_safetensors_header_that_lies_is_reported(model_dir: Path) -> None:
