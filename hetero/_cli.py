@@ -4,7 +4,9 @@
 one-line probe setup scripts use to decide whether to install a software Vulkan
 driver; ``demo`` runs a small hybrid CPU/GPU graph and checks it against numpy.
 Errors hetero raises are printed as ``hetero: error: <message>`` (exit status 1),
-not as tracebacks.
+not as tracebacks. Files a command will write (``--trace``, ``--output``) are checked
+before any work starts, so a bad path costs nothing; Ctrl-C ends any command with
+``hetero: interrupted`` (exit status 130).
 """
 
 from __future__ import annotations
@@ -361,6 +363,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import hetero
 
+    if args.trace is not None:
+        from ._files import check_writable
+
+        check_writable(args.trace, "trace file")
     size, runs = args.size, args.runs
     timings = _Timings()
     graph = build_demo_graph(size, timings)

@@ -34,7 +34,8 @@ Devices and caches:
 
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
-written with :func:`atomic_write_text`.
+written with :func:`atomic_write_text`; :func:`check_writable` checks, before any work,
+that an output file can be written.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._device import Device, Kernel
-from ._files import atomic_write_text
+from ._files import atomic_write_text, check_writable
 from ._gpu import GPUContext
 from ._runtime import Runtime, _default_runtime, _running_loop
 from ._split import DispatchInfo, grid_uniform
@@ -55,6 +56,7 @@ __all__ = [
     "Kernel",
     "Tensor",
     "atomic_write_text",
+    "check_writable",
     "default_runtime",
     "device_of",
     "grid_uniform",

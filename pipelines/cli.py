@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from hetero.lowlevel import check_writable
 from hetero.errors import HeteroError
 
 __all__ = ["InputFileError", "add_parser", "read_lines", "run"]
@@ -88,13 +89,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from .embed import embed, get_model
 
     out = out if out is not None else sys.stdout
-    model = get_model(args.model)
-    texts = read_lines(args.input)
+    # Where the results go is checked before any work: a bad path must not cost a whole run.
     dest = Path(args.output)
     if dest.suffix != ".npy":
         raise InputFileError(f"output file {str(dest)!r} must end in .npy (np.save would add the suffix)")
-    if not dest.parent.is_dir():
-        raise InputFileError(f"output directory {str(dest.parent)!r} does not exist")
+    check_writable(dest, "output file", InputFileError)
+    if args.trace is not None:
+        check_writable(args.trace, "trace file", InputFileError)
+    model = get_model(args.model)
+    texts = read_lines(args.input)
     int8 = bool(getattr(args, "int8", False))  # Namespaces built without --int8 (older callers) mean float32
     t0 = time.perf_counter()
     rt = hetero.Runtime(trace=args.trace)

@@ -121,3 +121,19 @@ def test_demo_writes_a_trace(tmp_path, capsys: pytest.CaptureFixture[str]) -> No
     assert _cli.main(["demo", "--size", "1000", "--runs", "2", "--trace", str(path)]) == 0
     events = json.loads(path.read_text())["traceEvents"]
     assert any(e.get("cat") == "gpu-record" for e in events) and any(e.get("cat") == "cpu" for e in events)
+
+
+def test_demo_checks_its_trace_path_before_any_work(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing" / "t.json"
+    assert _cli.main(["demo", "--size", "1000", "--runs", "1", "--trace", str(missing)]) == 1
+    got = capsys.readouterr()
+    assert got.out == ""  # nothing ran: the demo prints its adapter first
+    assert got.err == (f"hetero: error: cannot write trace file {str(missing)!r}: directory "
+                       f"{str(missing.parent)!r} does not exist\n")
+    assert _cli.main(["demo", "--trace", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"hetero: error: cannot write trace file {str(tmp_path)!r}: it is a directory\n"
+    # Permissions do not stop root; a file system that refuses new files stops everyone.
+    assert _cli.main(["demo", "--trace", "/sys/hetero-trace.json"]) == 1
+    got = capsys.readouterr()
+    assert got.err.startswith("hetero: error: cannot write trace file '/sys/hetero-trace.json': ")
+    assert got.err.count("\n") == 1 and got.out == ""

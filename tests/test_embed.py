@@ -387,6 +387,38 @@ def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Pa
         cli.run(bad)
 
 
+def test_the_embed_command_checks_its_output_paths_before_any_work(tmp_path: Path, model_dir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero import _cli
+
+    src = tmp_path / "in.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    nowhere = tmp_path / "missing" / "out.npy"
+    # Neither the model nor the input exists: the output is checked first, before loading anything.
+    argv = ["embed", "--model", str(tmp_path / "no-model"), "--input", str(tmp_path / "no-input"), "--output"]
+    assert _cli.main([*argv, str(nowhere)]) == 1
+    got = capsys.readouterr()
+    assert got.err == (f"hetero: error: cannot write output file {str(nowhere)!r}: directory "
+                       f"{str(nowhere.parent)!r} does not exist\n") and got.out == ""
+    (tmp_path / "dir.npy").mkdir()
+    assert _cli.main([*argv, str(tmp_path / "dir.npy")]) == 1
+    assert capsys.readouterr().err == (f"hetero: error: cannot write output file {str(tmp_path / 'dir.npy')!r}: "
+                                       "it is a directory\n")
+
+    out = tmp_path / "out.npy"
+    run = ["embed", "--model", str(model_dir), "--input", str(src), "--output", str(out), "--trace"]
+    assert _cli.main([*run, str(tmp_path / "missing" / "t.json")]) == 1
+    got = capsys.readouterr()
+    assert got.err == (f"hetero: error: cannot write trace file {str(tmp_path / 'missing' / 't.json')!r}: "
+                       f"directory {str(tmp_path / 'missing')!r} does not exist\n") and got.out == ""
+    assert _cli.main([*run, "/sys/hetero-trace.json"]) == 1
+    got = capsys.readouterr()
+    assert got.err.startswith("hetero: error: cannot write trace file '/sys/hetero-trace.json': ")
+    assert got.err.count("\n") == 1 and got.out == ""
+    assert not out.exists()  # nothing ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.npy", "in.txt", "m"]  # no leftover check files
+
+
 def test_the_embed_command_with_int8(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = ["first sentence", "", "third 🤖 one", "x y z"]
     src = tmp_path / "in.txt"
