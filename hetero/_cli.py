@@ -36,6 +36,14 @@ _BYTE_LIMITS = {"max-buffer-size", "max-storage-buffer-binding-size", "max-compu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere once hetero's code runs: while parsing, working or closing
+        print("hetero: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -48,9 +56,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HeteroError as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("hetero: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # The reader went away (``hetero info | head``). Point stdout at devnull so the
         # interpreter's final flush does not raise again.

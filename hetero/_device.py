@@ -12,6 +12,14 @@ whichever device poll sees it finish first. A coroutine awaiting one submission
 fence thread only after that.
 This reaches below wgpu-py's Python API into its cffi binding, which is why
 pyproject.toml pins wgpu to the tested version.
+
+Closing. A submission that names a destroyed buffer aborts the process inside
+``wgpuQueueSubmit``, so teardown and submission exclude each other: every
+submission happens under ``_queue_lock`` and checks ``_closed``; ``close()``
+submits what is batched, sets ``_closed`` under that lock, drains the fence thread
+and only then destroys memory. A recording thread still busy after that gets
+:class:`~hetero.errors.RuntimeClosedError` from ``enqueue``/``submit`` and nothing
+reaches the queue.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from ._split import CostModel, wants_grid, with_prelude
 from ._timing import GPUTimer
 from ._trace import Tracer
 from ._wgsl import Binding, group_bindings
-from .errors import DeviceLostError, NoAdapterError
+from .errors import DeviceLostError, NoAdapterError, RuntimeClosedError
 
 __all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
 
@@ -49,6 +57,8 @@ INSTALL_HINT = (
 # Optional features hetero asks for when the adapter has them.
 WANTED_FEATURES = ("timestamp-query", "timestamp-query-inside-encoders", "timestamp-query-inside-passes",
                    "subgroup", "shader-f16")
+# How long close() waits for the fence thread to see the last submission complete.
+CLOSE_WAIT_S = 10.0
 
 
 def _quiet_loader() -> None:
@@ -145,7 +155,8 @@ class Device:
         self.fence_spin_s = _fence_spin_s()
         # A SimpleQueue (C-implemented) wakes the fence thread faster than a Condition.
         self._fences: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
-        self._closed = False
+        self._closed = False  # set under _submit_lock and _queue_lock: nothing is submitted after it
+        self._queue_lock = threading.Lock()  # held around every queue submission (after _submit_lock)
         # Command buffers recorded but not yet submitted, in dependency order.
         self.max_batch = max_batch
         self._batch: list[Any] = []
@@ -281,11 +292,18 @@ class Device:
             except Exception:  # pragma: no cover
                 log.exception("device-lost callback failed")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the GPU device of this Runtime is closed: nothing more can be submitted; "
+                                     "create a new Runtime")
+
     def submit(self, command_buffers: list[Any]) -> int:
-        """Submit in one call and return the submission index."""
-        self.check_alive()
+        """Submit in one call and return the submission index (refused once the device is closed)."""
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
-        index = int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+        with self._queue_lock:
+            self._check_open()
+            self.check_alive()
+            index = int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
         with self._index_lock:
             if index > self._submitted:
                 self._submitted = index
@@ -367,6 +385,7 @@ class Device:
         when a fence is awaited, or when the recording workers go idle.
         """
         with self._submit_lock:
+            self._check_open()
             self.check_alive()
             self._batch.append(command_buffer)
             if on_done is not None:
@@ -382,11 +401,13 @@ class Device:
         return self._inflight == 0 and not self._batch
 
     def flush(self) -> None:
-        """Finish open shared encoders, then submit whatever is batched."""
+        """Finish open shared encoders, then submit whatever is batched (nothing once closed)."""
+        if self._closed:
+            return
         for hook in self.before_flush:
             hook()
         with self._submit_lock:
-            if self._batch:
+            if self._batch and not self._closed:
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -409,9 +430,9 @@ class Device:
         """On the fence thread: a submission completed; send what was collected meanwhile."""
         with self._submit_lock:
             self._inflight -= 1
-            if self._batch and self._inflight == 0:
+            if self._batch and self._inflight == 0 and not self._closed:
                 self._flush_locked()
-            idle = self.idle
+            idle = self.idle and not self._closed
         if idle:
             for hook in self.on_idle:
                 hook()
@@ -496,11 +517,28 @@ class Device:
             self._fence_polling = False
 
     def close(self) -> None:
-        """Submit what is batched, let the fence thread drain, then destroy pooled memory."""
-        self.flush()
-        self._closed = True
+        """Submit what is batched, refuse submissions from now on, let the fence thread drain,
+        then destroy pooled memory. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - e.g. the device was lost: closing goes on
+            log.debug("hetero: final flush failed", exc_info=True)
+        with self._submit_lock:
+            try:
+                if self._batch:
+                    self._flush_locked()
+            except Exception:  # noqa: BLE001
+                log.debug("hetero: final submission failed", exc_info=True)
+            finally:
+                with self._queue_lock:
+                    self._closed = True
+                self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
+        # Everything submitted registered its fence before the sentinel: the fence thread
+        # returns once all of it completed (and its callbacks, which submit nothing now, ran).
         self._fences.put(None)
-        self._fence_thread.join(timeout=5)
+        self._fence_thread.join(timeout=CLOSE_WAIT_S)
         self.ring.close()
         self.timer.close()
         self.pool.close()

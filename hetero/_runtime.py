@@ -93,7 +93,8 @@ class Runtime:
         o = self.options
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
                                 tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs)
-        self._closed = False
+        self._closed = False  # no new runs or device
+        self._close_done = False  # workers joined, device and trace closed
         self._last_run: Run | None = None
 
     # -- lifecycle ------------------------------------------------------------------
@@ -110,15 +111,25 @@ class Runtime:
         self.close()
 
     def close(self) -> None:
-        """Stop the workers and release the device. Blocks until workers finish their current stage."""
-        if self._closed:
+        """Stop the workers and release the device. Blocks until workers finish their current stage.
+
+        Order matters: no new run starts, the worker threads are stopped and joined, a
+        device still being created is waited for, and only then is the device closed
+        (which refuses any later submission before it destroys memory). Each step is
+        idempotent, so a close that was interrupted (Ctrl-C) can be completed by calling
+        it again.
+        """
+        if self._close_done:
             return
         self._closed = True
         self._sched.close()
-        if self._device is not None:
-            self._device.close()
+        with self._device_lock:  # a device being created on a worker thread is closed too
+            dev = self._device
+        if dev is not None:
+            dev.close()
         if self._tracer is not None:
             self._tracer.close()
+        self._close_done = True
 
     def _check_open(self) -> None:
         if self._closed:

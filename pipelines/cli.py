@@ -9,8 +9,14 @@ Wiring (in ``hetero._cli``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -82,6 +88,45 @@ def read_lines(path: str | Path) -> list[str]:
     return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, then raise it: a teardown is never cut in half.
+
+    Only the main thread receives signals; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _save(dest: Path, array: np.ndarray) -> None:
+    """``np.save`` to a file beside ``dest``, renamed over it: an interrupted save leaves no partial file."""
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as np.save(dest) would create it (mkstemp makes 0600)
+        os.replace(tmp, dest)
+        tmp = None
+    except OSError as e:
+        raise InputFileError(f"cannot write output file {str(dest)!r}: {e.strerror or e}") from e
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero embed`` with parsed ``args``; print one summary line; return the exit status."""
     import hetero
@@ -105,12 +150,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8)
         adapter = rt.device().summary["summary"]
     finally:
-        rt.close()
+        with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
+            rt.close()
     dt = time.perf_counter() - t0
-    try:
-        np.save(dest, emb.astype(np.float32, copy=False))
-    except OSError as e:
-        raise InputFileError(f"cannot write output file {str(dest)!r}: {e.strerror or e}") from e
+    _save(dest, emb.astype(np.float32, copy=False))
     rate = f" ({len(texts) / dt:.1f} sentences/s)" if texts and dt > 0 else ""
     print(f"embedded {len(texts)} sentence(s) in {dt:.2f} s{rate}: {emb.shape[0]}x{emb.shape[1]} float32 -> {dest}"
           f" on {adapter}" + (" with int8 weights" if int8 else "")

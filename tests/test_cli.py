@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +144,85 @@ def test_demo_checks_its_trace_path_before_any_work(tmp_path, capsys: pytest.Cap
     got = capsys.readouterr()
     assert got.err.startswith("hetero: error: cannot write trace file '/sys/hetero-trace.json': ")
     assert got.err.count("\n") == 1 and got.out == ""
+
+
+def _docstring_sentences(limit: int) -> list[str]:
+    """Sentences of the standard library's docstrings: text this project did not write."""
+    import argparse
+    import collections
+    import functools
+    import json
+    import pathlib
+    import textwrap
+
+    out: list[str] = []
+    for mod in (collections, json, textwrap, pathlib, functools, argparse, subprocess, inspect):
+        for _, obj in inspect.getmembers(mod):
+            doc = inspect.getdoc(obj)
+            if doc:
+                out += [s for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())) if s]
+    return out[:limit]
+
+
+def _wait_for(proc: subprocess.Popen[bytes], ready: Any) -> None:
+    deadline = time.monotonic() + 120  # a guard against a hang, not a measurement
+    while not ready():
+        assert proc.poll() is None, f"hetero embed ended before the interrupt: {proc.communicate()}"
+        assert time.monotonic() < deadline, "hetero embed never got there"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches the process through /proc")
+def test_ctrl_c_during_embed_always_ends_with_interrupted(tmp_path: Path) -> None:
+    """SIGINT while the weights load, while the device starts, and while batches run and submit:
+    every time the one line ``hetero: interrupted`` and exit status 130, never an abort."""
+    from hetero.pipelines.testing import write_random_model
+
+    model = write_random_model(tmp_path / "m", seed=3, vocab_size=300, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                               max_seq_length=48)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(_docstring_sentences(2000)) + "\n", encoding="utf-8")
+    out = tmp_path / "out.npy"
+
+    def loading_weights(pid: int) -> bool:  # main() runs: safetensors is imported only to load a model
+        return "safetensors" in Path(f"/proc/{pid}/maps").read_text()
+
+    def device_starting(pid: int) -> bool:  # the Vulkan loader comes in when the device is created
+        return "libvulkan" in Path(f"/proc/{pid}/maps").read_text()
+
+    # Then the kernels compile, and a little later batches are recorded and submitted.
+    for ready, delay in ((loading_weights, 0.0), (device_starting, 0.0), (device_starting, 0.5),
+                         (device_starting, 1.5)):
+        proc = subprocess.Popen([sys.executable, "-m", "hetero", "embed", "--model", str(model), "--input", str(src),
+                                 "--output", str(out), "--batch-size", "4"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _wait_for(proc, lambda: ready(proc.pid))
+            time.sleep(delay)
+            assert proc.poll() is None, f"hetero embed ended before the interrupt: {proc.communicate()}"
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert (ready.__name__, delay, proc.returncode, stderr.decode(), stdout.decode()) == \
+            (ready.__name__, delay, 130, "hetero: interrupted\n", "")
+        assert not out.exists()
+
+
+def test_interrupts_held_until_the_teardown_ends() -> None:
+    from hetero.pipelines import cli as embed_cli
+
+    steps: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with embed_cli.interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here: held, not raised
+            steps.append("teardown finished")
+    assert steps == ["teardown finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with embed_cli.interrupts_held():  # nothing arrived: nothing raised
+        steps.append("again")
+    assert steps == ["teardown finished", "again"]
