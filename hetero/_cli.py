@@ -80,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser(
         "info",
         help="list GPU adapters, the one hetero selects, its limits and features",
-        description="List every WebGPU adapter, mark the one hetero selects (set HETERO_ADAPTER to a "
-        "part of an adapter's name, backend or type to choose another), and show its limits and features.",
+        description="List every WebGPU adapter with the HETERO_ADAPTER value that selects it (backend#index), "
+        "mark the one hetero selects (set HETERO_ADAPTER to a part of an adapter's name, backend or type, "
+        "optionally with #k for the k-th match, to choose another), and show its limits and features.",
     )
     info.add_argument(
         "--check", action="store_true",
@@ -150,7 +151,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     except Exception:
         _print_adapters(out, adapters, None)
         raise
-    _print_adapters(out, adapters, chosen.summary)
+    index = _device.adapter_index(adapters, pattern)
+    _print_adapters(out, adapters, chosen.summary, index)
     how = f"HETERO_ADAPTER={pattern!r}" if pattern else "high-performance preference; set HETERO_ADAPTER to choose"
     print(f"selected: {chosen.summary} ({how})", file=out)
 
@@ -170,18 +172,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_adapters(out: TextIO, adapters: list[Any], chosen: str | None) -> None:
-    from ._device import adapter_summary
+def _print_adapters(out: TextIO, adapters: list[Any], chosen: str | None, index: int | None = None) -> None:
+    """One row per adapter: the HETERO_ADAPTER value that selects it (``vulkan#1``), name, backend, type."""
+    from ._device import adapter_labels, adapter_summary
 
     rows = [adapter_summary(a) for a in adapters]
+    labels = adapter_labels(adapters)
+    w_label = max(len(x) for x in labels)
     w_name = max(len(r["name"]) for r in rows)
     w_backend = max(len(r["backend"]) for r in rows)
     marked = False
-    for r in rows:
-        mark = not marked and r["summary"] == chosen
+    for i, (label, r) in enumerate(zip(labels, rows)):
+        mark = not marked and (i == index if index is not None else r["summary"] == chosen)
         marked = marked or mark
-        print(f"  {'*' if mark else ' '} {r['name']:<{w_name}}  {r['backend']:<{w_backend}}  {r['type']}"
-              f"{'   <- selected' if mark else ''}", file=out)
+        print(f"  {'*' if mark else ' '} {label:<{w_label}}  {r['name']:<{w_name}}  {r['backend']:<{w_backend}}  "
+              f"{r['type']}{'   <- selected' if mark else ''}", file=out)
 
 
 def _bytes(n: int) -> str:

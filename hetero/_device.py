@@ -46,7 +46,7 @@ from ._trace import Tracer
 from ._wgsl import Binding, group_bindings
 from .errors import DeviceLostError, NoAdapterError, RuntimeClosedError
 
-__all__ = ["Device", "Kernel", "adapter_summary", "list_adapters", "select_adapter"]
+__all__ = ["Device", "Kernel", "adapter_index", "adapter_labels", "adapter_summary", "list_adapters", "select_adapter"]
 
 log = logging.getLogger("hetero")
 
@@ -86,26 +86,69 @@ def list_adapters() -> list[Any]:
     return list(wgpu.gpu.enumerate_adapters_sync())
 
 
-def select_adapter(pattern: str | None = None) -> Any:
-    """The adapter to use: the one matching ``pattern`` (or ``$HETERO_ADAPTER``), else high-performance.
+def adapter_labels(adapters: list[Any]) -> list[str]:
+    """For each adapter, a ``HETERO_ADAPTER`` value that selects exactly it: ``backend#k``.
 
-    ``pattern`` is a case-insensitive substring of the adapter's name, backend or type.
+    ``k`` counts the adapters before it whose summary also contains that backend's name,
+    in wgpu's enumeration order, which is how :func:`select_adapter` reads ``pattern#k``.
+    """
+    labels = []
+    for i, a in enumerate(adapters):
+        backend = str(a.info.get("backend_type", "") or "").casefold()
+        k = sum(1 for b in adapters[:i] if backend in b.summary.casefold())
+        labels.append(f"{backend}#{k}" if backend else f"#{i}")
+    return labels
+
+
+def adapter_index(adapters: list[Any], pattern: str | int | None) -> int | None:
+    """The position in ``adapters`` that ``pattern`` selects (None: no pattern, wgpu chooses).
+
+    ``pattern`` is a case-insensitive substring of an adapter's summary (name, backend,
+    type), optionally followed by ``#k``: the ``k``-th matching adapter, counted from 0
+    in enumeration order (``vulkan#1``: the second Vulkan adapter; ``#2``: the third of
+    all). An int ``k`` means ``#k``. Identical GPUs have identical names: the index is
+    what tells them apart.
+    """
+    if pattern is None or pattern == "":
+        return None
+    if isinstance(pattern, bool) or not isinstance(pattern, (str, int)):
+        raise NoAdapterError(f"an adapter is chosen by a name pattern or an index, got {pattern!r}")
+    if isinstance(pattern, int):
+        needle, k = "", pattern
+    else:
+        needle, sep, index = pattern.rpartition("#")
+        if not sep:
+            needle, k = pattern, 0
+        elif index.isdigit():
+            k = int(index)
+        else:
+            raise NoAdapterError(f"adapter {pattern!r}: the part after '#' must be an index (0, 1, ...), "
+                                 f"got {index!r}; e.g. 'vulkan#1' is the second Vulkan adapter")
+    needle = needle.casefold()
+    matches = [i for i, a in enumerate(adapters) if needle in a.summary.casefold()]
+    if k < 0 or k >= len(matches):
+        have = "; ".join(f"{label}: {a.summary}" for label, a in zip(adapter_labels(adapters), adapters))
+        what = f"no adapter matches HETERO_ADAPTER={pattern!r}" if not matches else (
+            f"HETERO_ADAPTER={pattern!r} asks for adapter #{k} of the {len(matches)} that match")
+        raise NoAdapterError(f"{what}; available: {have}. "
+                             "Set it to part of one of these names or backends (with '#k' for the k-th), or unset it")
+    return matches[k]
+
+
+def select_adapter(pattern: str | int | None = None) -> Any:
+    """The adapter to use: the one ``pattern`` (or ``$HETERO_ADAPTER``) selects, else high-performance.
+
+    ``pattern`` is a case-insensitive substring of the adapter's name, backend or type,
+    optionally with ``#k`` for the ``k``-th match (see :func:`adapter_index`).
     """
     if pattern is None:
         pattern = os.environ.get("HETERO_ADAPTER") or None
     adapters = list_adapters()
     if not adapters:
         raise NoAdapterError(f"no WebGPU adapter found; {INSTALL_HINT}")
-    if pattern:
-        needle = pattern.casefold()
-        for a in adapters:
-            if needle in a.summary.casefold():
-                return a
-        have = "; ".join(a.summary for a in adapters)
-        raise NoAdapterError(
-            f"no adapter matches HETERO_ADAPTER={pattern!r}; available: {have}. "
-            "Set it to part of one of these names or backends, or unset it"
-        )
+    index = adapter_index(adapters, pattern)
+    if index is not None:
+        return adapters[index]
     adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     if adapter is None:
         raise NoAdapterError(f"no WebGPU adapter found; {INSTALL_HINT}")
@@ -138,7 +181,8 @@ class Device:
     def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None,
                  gpu_budget_ms: float = 100.0, tracer: Tracer | None = None, gpu_timing: bool = False) -> None:
         self.tracer = tracer
-        self.adapter = adapter if adapter is not None else select_adapter()
+        # A name pattern or an index ("vulkan#1", 1) selects among the adapters; an adapter object is used as is.
+        self.adapter = adapter if adapter is not None and not isinstance(adapter, (str, int)) else select_adapter(adapter)
         features = [f for f in WANTED_FEATURES if f in self.adapter.features]
         limits = {k: v for k, v in self.adapter.limits.items()}
         self.device = self.adapter.request_device_sync(

@@ -75,6 +75,10 @@ class Runtime:
     an array on pooled mapped staging memory instead of a copy, when that reuses memory
     (an earlier such array was dropped; see "Transfers" in the README); False always
     copies.
+    ``adapter``: a wgpu adapter, or what ``HETERO_ADAPTER`` takes: part of an adapter's
+    name, backend or type, optionally with ``#k`` for the k-th match (``"vulkan#1"``), or
+    an index into all adapters (``hetero info`` prints each one's selector); default:
+    ``$HETERO_ADAPTER``, else wgpu's high-performance adapter.
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
