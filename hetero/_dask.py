@@ -1,0 +1,444 @@
+"""Running graphs on a dask.distributed cluster (the ``hetero[dask]`` extra).
+
+Policy, in the words of the code below:
+
+- **A cluster task is a chunk of whole graph runs.** Dask costs milliseconds per task and
+  hetero microseconds per stage, and a stage's tensors cannot leave their device, so a
+  task never holds a single stage: it runs ``chunk_size`` inputs through the worker's
+  :class:`~hetero.Runtime` with ``rt.map``.
+- **One Runtime per worker.** :class:`HeteroPlugin` creates it (and its device) in
+  ``setup``, runs it on an event loop of its own (an anyio blocking portal) and closes
+  it in ``teardown``. Task threads hand their chunk to that loop and wait.
+- **A graph travels once per worker.** :class:`DaskRuntime` scatters each graph once
+  (to every worker that holds the resource) and tasks refer to it by that future; a
+  worker that joins later fetches it once from a peer. Graphs pickle by reference to
+  their stage functions; a :class:`~hetero.pipelines.minilm.Model` among their
+  constants pickles as its path and reloads on the worker, once per process.
+- **Order and backpressure.** The client keeps a queue of chunk futures in input order.
+  A chunk counts as in flight until its last result was yielded, so a slow consumer
+  holds submission back. Each chunk asks for ``1 / tasks_per_worker`` of the resource:
+  a worker declaring ``wgpu=1`` runs ``tasks_per_worker`` chunks at once, so its GPU does
+  not drain between chunks.
+- **Lost workers.** Dask reschedules the tasks of a worker that died on the others (up
+  to ``distributed.scheduler.allowed-failures`` times); the queue keeps the order.
+- **Errors.** A worker returns the results before a failed run together with the error,
+  so the client yields those and then raises at the failure's place. A
+  :class:`~hetero.StageError` keeps ``.stage`` and its ``__cause__`` across the wire.
+  Dask waits forever for a resource no worker declares (dask#9587), so every map first
+  asks the scheduler and raises :class:`ClusterError` when no worker has it.
+- **Any event loop.** The client must be a synchronous ``distributed.Client`` (its own
+  loop runs in a thread). Futures are awaited through done-callbacks that wake the
+  caller's loop (asyncio or trio) without blocking the client's thread; results are
+  fetched on a worker thread. ``run_sync``/``map_sync`` serve plain synchronous code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import itertools
+import pickle
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import anyio
+import anyio.from_thread
+from distributed import Client, Future, LocalCluster, WorkerPlugin, get_worker
+
+from ._bridge import loop_caller
+from ._graph import Graph
+from ._runtime import Runtime, _running_loop
+from .errors import GraphError, HeteroError, StageError
+
+__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup"]
+
+PLUGIN_NAME = "hetero"
+
+
+class ClusterError(HeteroError):
+    """The cluster cannot run hetero graphs: no worker declares the resource, or a chunk was lost for good."""
+
+
+# -- worker side ------------------------------------------------------------------------------------------------
+class HeteroPlugin(WorkerPlugin):
+    """Gives each dask worker one :class:`hetero.Runtime` and an event loop to run it.
+
+    ``runtime_options`` are :class:`hetero.Runtime`'s keyword arguments (``adapter=``,
+    ``cpu_threads=``, ...); without ``adapter`` the worker's ``HETERO_ADAPTER`` decides.
+    Register it with ``client.register_plugin(HeteroPlugin())``, or start workers with
+    ``dask worker ... --preload hetero.dask``. The Runtime and its device are created in
+    ``setup`` (so a worker without a usable adapter fails at registration, not in a
+    task) and closed in ``teardown``.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, **runtime_options: Any) -> None:
+        try:
+            inspect.signature(Runtime).bind(**runtime_options)
+        except TypeError as e:
+            raise TypeError(f"HeteroPlugin takes hetero.Runtime's keyword arguments: {e}") from None
+        self.runtime_options = dict(runtime_options)
+        self.runtime: Runtime | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._portal_cm: contextlib.AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"runtime_options": self.runtime_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state["runtime_options"])  # type: ignore[misc]
+
+    async def setup(self, worker: Any) -> None:
+        await asyncio.to_thread(self._start)
+
+    async def teardown(self, worker: Any) -> None:
+        await asyncio.to_thread(self._stop)
+
+    def _start(self) -> None:
+        cm = anyio.from_thread.start_blocking_portal(name="hetero-dask")
+        portal = cm.__enter__()
+        try:
+            rt = Runtime(**self.runtime_options)
+            rt.device()  # warm: adapter, device, fence thread; a worker without a GPU fails here
+        except BaseException:
+            cm.__exit__(None, None, None)
+            raise
+        self._portal_cm, self._portal, self.runtime = cm, portal, rt
+
+    def _stop(self) -> None:
+        rt, cm = self.runtime, self._portal_cm
+        self.runtime = self._portal = self._portal_cm = None
+        if rt is not None:
+            rt.close()
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def run_chunk(self, graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
+        """Run ``inputs`` through ``graph`` on this worker's Runtime: ``(results, packed error or None)``."""
+        rt, portal = self.runtime, self._portal
+        if rt is None or portal is None:
+            raise ClusterError("this worker's HeteroPlugin is not set up (or was torn down)")
+
+        async def collect() -> tuple[list[Any], Any]:
+            out: list[Any] = []
+            try:
+                async for r in rt.map(graph, inputs, max_in_flight=max_in_flight):
+                    out.append(r)
+            except Exception as e:  # noqa: BLE001 - every failure travels back at its place in the order
+                return out, _pack_error(e)
+            return out, None
+
+        return portal.call(collect)
+
+
+def _run_chunk(graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
+    """The cluster task: a chunk of whole graph runs on the worker's Runtime."""
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, HeteroPlugin):
+        raise ClusterError(f"worker {worker.address} has no HeteroPlugin; register it with "
+                           "client.register_plugin(hetero.dask.HeteroPlugin()) or start workers with "
+                           "'--preload hetero.dask'")
+    return plugin.run_chunk(graph, inputs, max_in_flight)
+
+
+async def dask_setup(worker: Any) -> None:
+    """``dask worker ... --preload hetero.dask`` registers a :class:`HeteroPlugin` with default options."""
+    await worker.plugin_add(HeteroPlugin())
+
+
+def _portable(e: BaseException | None) -> BaseException | None:
+    """``e`` itself if it pickles, else a HeteroError naming it (an error must not break the reply)."""
+    if e is None:
+        return None
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - anything that fails to pickle is replaced
+        return HeteroError(f"{type(e).__name__}: {e}")
+
+
+def _pack_error(e: BaseException) -> tuple[str, Any, str | None, BaseException | None]:
+    cause = _portable(e.__cause__)
+    if isinstance(e, StageError):
+        return "stage", str(e), e.stage, cause
+    return "error", _portable(e), None, cause
+
+
+def _unpack_error(packed: tuple[str, Any, str | None, BaseException | None]) -> BaseException:
+    kind, payload, stage, cause = packed
+    err: BaseException = StageError(payload, stage or "") if kind == "stage" else payload
+    err.__cause__ = cause
+    return err
+
+
+# -- client side ------------------------------------------------------------------------------------------------
+def _positive(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return v
+
+
+class DaskRuntime:
+    """Runs graphs on a dask.distributed cluster, keeping :class:`hetero.Runtime`'s contract.
+
+    ``client`` is a synchronous ``distributed.Client`` whose workers carry a
+    :class:`HeteroPlugin` and declare ``resource`` (``dask worker ADDR --resources
+    wgpu=1``, or :class:`LocalWGPUCluster`). ``chunk_size`` graph runs make one cluster
+    task; ``worker_in_flight`` of them run at once on the worker (its ``rt.map``);
+    ``tasks_per_worker`` chunks run at once on a worker that declares one unit of the
+    resource.
+
+    From asyncio or trio: ``async with DaskRuntime(client) as drt``, then ``await
+    drt.run(g, **inputs)`` and ``async for r in drt.map(g, inputs)``. From synchronous
+    code: ``with DaskRuntime(client) as drt``, then ``drt.run_sync(...)`` and ``for r in
+    drt.map_sync(...)``. Closing releases the graphs scattered to the workers; it does
+    not close the client.
+    """
+
+    def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = 16,
+                 worker_in_flight: int = 4, tasks_per_worker: int = 2) -> None:
+        if not isinstance(client, Client):
+            raise HeteroError(f"DaskRuntime needs a distributed.Client, got {type(client).__name__}")
+        if client.asynchronous:
+            raise HeteroError("DaskRuntime needs a synchronous distributed.Client (Client(address), without "
+                              "asynchronous=True); it runs from asyncio, trio and plain code alike")
+        if not isinstance(resource, str) or not resource:
+            raise ValueError(f"resource must be a non-empty string, got {resource!r}")
+        self.client = client
+        self.resource = resource
+        self.chunk_size = _positive("chunk_size", chunk_size)
+        self.worker_in_flight = _positive("worker_in_flight", worker_in_flight)
+        self.tasks_per_worker = _positive("tasks_per_worker", tasks_per_worker)
+        self._graphs: dict[int, tuple[Graph, int, Future]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def __aenter__(self) -> DaskRuntime:
+        await anyio.to_thread.run_sync(self.workers)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self) -> DaskRuntime:
+        self.workers()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the graphs scattered to the workers. The client stays open."""
+        with self._lock:
+            self._closed = True
+            graphs, self._graphs = self._graphs, {}
+        for _, _, fut in graphs.values():
+            fut.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HeteroError("this DaskRuntime is closed; create a new one")
+
+    # -- the cluster ----------------------------------------------------------------
+    def workers(self) -> list[str]:
+        """Addresses of the workers that declare the resource; raises :class:`ClusterError` if none (blocking)."""
+        self._check_open()
+        info = self.client.scheduler_info(n_workers=-1)
+        workers: dict[str, Any] = dict(info.get("workers") or {})
+        have = [addr for addr, w in workers.items() if (w.get("resources") or {}).get(self.resource, 0) > 0]
+        if not have:
+            seen = "; ".join(f"{addr}: {w.get('resources') or {}}" for addr, w in workers.items()) or "no workers"
+            raise ClusterError(
+                f"no worker of the cluster at {info.get('address', '?')} declares the resource {self.resource!r} "
+                f"(workers and their resources: {seen}); start workers with 'dask worker ADDRESS --resources "
+                f"{self.resource}=1 --preload hetero.dask' or use hetero.dask.LocalWGPUCluster")
+        return have
+
+    def _graph_future(self, graph: Graph, workers: list[str]) -> Future:
+        """The future of ``graph`` scattered to ``workers``: once per graph and version (blocking)."""
+        with self._lock:
+            self._check_open()
+            hit = self._graphs.get(id(graph))
+            if hit is not None and hit[0] is graph and hit[1] == graph.version:
+                return hit[2]
+        graph.plan()  # a malformed graph fails here, not on every worker
+        fut = self.client.scatter(graph, workers=workers, broadcast=True, hash=False)
+        with self._lock:
+            old = self._graphs.get(id(graph))
+            self._graphs[id(graph)] = (graph, graph.version, fut)
+        if old is not None and old[2] is not fut:
+            old[2].release()
+        return fut
+
+    def _prepare(self, graph: Graph, max_in_flight: int | None) -> tuple[Future, int]:
+        if not isinstance(graph, Graph):
+            raise GraphError(f"run() expects a hetero.Graph, got {type(graph).__name__}")
+        workers = self.workers()
+        per_worker = 2 if max_in_flight is None else _positive("max_in_flight", max_in_flight)
+        return self._graph_future(graph, workers), per_worker * len(workers)
+
+    def _submit(self, gfut: Future, chunk: list[Any]) -> Future:
+        return self.client.submit(_run_chunk, gfut, chunk, self.worker_in_flight, pure=False,
+                                  resources={self.resource: 1.0 / self.tasks_per_worker})
+
+    @staticmethod
+    def _chunk_result(graph: Graph, fut: Future) -> tuple[list[Any], Any]:
+        """The chunk's ``(results, packed error)`` (blocking: fetches the results from the worker)."""
+        try:
+            return fut.result()
+        except HeteroError:
+            raise
+        except Exception as e:  # noqa: BLE001 - KilledWorker, CancelledError, a lost connection
+            raise ClusterError(f"a chunk of graph {graph.name!r} failed on the cluster: {type(e).__name__}: {e}") \
+                from e
+
+    def _chunks(self, inputs: Iterable[Mapping[str, Any]]) -> Iterator[list[Any]]:
+        source = iter(inputs)
+        while chunk := list(itertools.islice(source, self.chunk_size)):
+            yield chunk
+
+    # -- running (async) ------------------------------------------------------------
+    async def run(self, graph: Graph, /, **inputs: Any) -> Any:
+        """Run ``graph`` once on the cluster; return its output (a tuple for several)."""
+        if isinstance(graph, Graph):
+            graph.plan().check_inputs(inputs)  # wrong inputs fail here, before anything is submitted
+        async with contextlib.aclosing(self.map(graph, [inputs], max_in_flight=1)) as results:
+            async for r in results:
+                return r
+        raise AssertionError("unreachable: one input gives one result or an error")  # pragma: no cover
+
+    async def map(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
+                  max_in_flight: int | None = None) -> AsyncGenerator[Any, None]:
+        """Run ``graph`` over many inputs on the cluster; yield results in input order.
+
+        Inputs go out in chunks of ``chunk_size``; at most ``max_in_flight`` chunks per
+        worker holding the resource (counted when the map starts; default 2) are
+        submitted or waiting to be yielded, so a slow consumer holds the producer back.
+        The first failure is raised at its place in the order and stops the runs behind it.
+        """
+        gfut, limit = await anyio.to_thread.run_sync(self._prepare, graph, max_in_flight)
+        pending: collections.deque[Future] = collections.deque()
+        chunks = self._chunks(inputs)
+        try:
+            for chunk in itertools.chain([None], chunks):  # None: first fill before any wait
+                if chunk is not None:
+                    pending.append(self._submit(gfut, chunk))
+                if len(pending) < limit:
+                    continue
+                async for r in self._drain_head(graph, pending):
+                    yield r
+            while pending:
+                async for r in self._drain_head(graph, pending):
+                    yield r
+        finally:
+            for f in pending:
+                f.release()
+
+    async def _drain_head(self, graph: Graph, pending: collections.deque[Future]) -> AsyncIterator[Any]:
+        head = pending[0]
+        if not head.done():
+            done = anyio.Event()
+            call = loop_caller()
+            head.add_done_callback(lambda _f: call(done.set))
+            await done.wait()
+        results, err = await anyio.to_thread.run_sync(self._chunk_result, graph, head)
+        for r in results:
+            yield r
+        if err is not None:
+            raise _unpack_error(err)
+        pending.popleft().release()
+
+    # -- running (sync) -------------------------------------------------------------
+    def run_sync(self, graph: Graph, /, **inputs: Any) -> Any:
+        """:meth:`run` from synchronous code (not from inside a running event loop)."""
+        self._not_in_loop("run_sync")
+        for r in self.map_sync(graph, [inputs], max_in_flight=1):
+            return r
+        raise AssertionError("unreachable: one input gives one result or an error")  # pragma: no cover
+
+    def map_sync(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
+                 max_in_flight: int | None = None) -> Iterator[Any]:
+        """:meth:`map` from synchronous code: a generator of results in input order."""
+        self._not_in_loop("map_sync")
+        gfut, limit = self._prepare(graph, max_in_flight)
+        pending: collections.deque[Future] = collections.deque()
+        try:
+            for chunk in self._chunks(inputs):
+                pending.append(self._submit(gfut, chunk))
+                while len(pending) >= limit:
+                    yield from self._drain_head_sync(graph, pending)
+            while pending:
+                yield from self._drain_head_sync(graph, pending)
+        finally:
+            for f in pending:
+                f.release()
+
+    def _drain_head_sync(self, graph: Graph, pending: collections.deque[Future]) -> Iterator[Any]:
+        results, err = self._chunk_result(graph, pending[0])
+        yield from results
+        if err is not None:
+            raise _unpack_error(err)
+        pending.popleft().release()
+
+    @staticmethod
+    def _not_in_loop(what: str) -> None:
+        lib = _running_loop()
+        if lib is not None:
+            raise HeteroError(f"DaskRuntime.{what}() cannot be called inside a running {lib} event loop; "
+                              f"use 'async with DaskRuntime(client) as drt' and the async methods")
+
+
+# -- a local cluster, one worker per adapter -------------------------------------------------------------------
+class LocalWGPUCluster(LocalCluster):
+    """A local dask cluster with one worker process per GPU adapter, as ``LocalCUDACluster`` per CUDA device.
+
+    Worker ``i`` runs with ``HETERO_ADAPTER=<adapter>#<i mod n>`` (the ``n`` adapters that
+    match ``adapter``, in enumeration order; ``hetero info`` lists them) and declares
+    ``resources={resource: 1}``. ``n_workers`` defaults to ``n``; more workers than
+    adapters share them round-robin. Register a :class:`HeteroPlugin` through a client
+    (``client.register_plugin(HeteroPlugin())``); the scheduler hands it to workers that
+    start later, such as one the nanny restarted. Other keyword arguments go to
+    ``distributed.LocalCluster`` (always with worker processes: the adapter is chosen
+    per process).
+    """
+
+    def __init__(self, n_workers: int | None = None, *, adapter: str = "vulkan", resource: str = "wgpu",
+                 threads_per_worker: int = 2, **kwargs: Any) -> None:
+        from ._device import adapter_index, list_adapters
+
+        adapters = list_adapters()
+        selectors: list[str] = []
+        while True:
+            sel = f"{adapter}#{len(selectors)}"
+            try:
+                adapter_index(adapters, sel)
+            except HeteroError:
+                break
+            selectors.append(sel)
+        if not selectors:
+            adapter_index(adapters, adapter)  # raises NoAdapterError listing what exists
+        self.selectors = selectors
+        n = len(selectors) if n_workers is None else _positive("n_workers", n_workers)
+        kwargs.setdefault("dashboard_address", None)
+        kwargs.pop("processes", None)
+        super().__init__(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
+                         resources={resource: 1}, **kwargs)
+        self.scale(n)
+        if not self.asynchronous:
+            self.wait_for_workers(n)
+
+    def new_worker_spec(self) -> dict[Any, Any]:
+        """The next worker: the smallest free integer name, pinned to its adapter through the environment."""
+        name = next(i for i in itertools.count() if i not in self.worker_spec)
+        spec = {**self.new_spec, "options": dict(self.new_spec["options"])}
+        env = dict(spec["options"].get("env") or {})
+        env["HETERO_ADAPTER"] = self.selectors[name % len(self.selectors)]
+        spec["options"]["env"] = env
+        return {name: spec}
+

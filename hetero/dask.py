@@ -1,0 +1,13 @@
+"""hetero on a dask.distributed cluster (install the ``hetero[dask]`` extra).
+
+``HeteroPlugin`` gives each worker a Runtime; ``DaskRuntime`` runs graphs on the cluster
+with Runtime's contract; ``LocalWGPUCluster`` starts one worker process per adapter.
+``dask worker ADDRESS --resources wgpu=1 --preload hetero.dask`` registers the plugin
+on a worker started from the command line (``dask_setup``). See docs/dask.md.
+"""
+
+from __future__ import annotations
+
+from ._dask import PLUGIN_NAME, ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, dask_setup
+
+__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup"]
