@@ -53,7 +53,8 @@ from ._graph import Graph
 from ._runtime import Runtime, _running_loop
 from .errors import GraphError, HeteroError, StageError
 
-__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup"]
+__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup",
+           "ensure_plugin"]
 
 PLUGIN_NAME = "hetero"
 
@@ -149,6 +150,22 @@ def _run_chunk(graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[lis
 async def dask_setup(worker: Any) -> None:
     """``dask worker ... --preload hetero.dask`` registers a :class:`HeteroPlugin` with default options."""
     await worker.plugin_add(HeteroPlugin())
+
+
+def _has_plugin(dask_worker: Any) -> bool:
+    return isinstance(dask_worker.plugins.get(PLUGIN_NAME), HeteroPlugin)
+
+
+def ensure_plugin(client: Client, **runtime_options: Any) -> bool:
+    """Register ``HeteroPlugin(**runtime_options)`` unless every worker already has one; True if it did.
+
+    Registering replaces a plugin of the same name on every worker (its Runtime is closed
+    and a new one created), so this leaves a cluster that is already set up alone.
+    """
+    if all(client.run(_has_plugin).values()):
+        return False
+    client.register_plugin(HeteroPlugin(**runtime_options))
+    return True
 
 
 def _portable(e: BaseException | None) -> BaseException | None:

