@@ -427,6 +427,22 @@ class LocalWGPUCluster(LocalCluster):
 
     def __init__(self, n_workers: int | None = None, *, adapter: str = "vulkan", resource: str = "wgpu",
                  threads_per_worker: int = 2, **kwargs: Any) -> None:
+        self.selectors = selectors = self.selectors_for(adapter)
+        n = len(selectors) if n_workers is None else _positive("n_workers", n_workers)
+        kwargs.setdefault("dashboard_address", ":0")
+        kwargs.pop("processes", None)
+        super().__init__(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
+                         resources={resource: 1}, **kwargs)
+        self.scale(n)
+        if not self.asynchronous:
+            self.wait_for_workers(n)
+
+    @staticmethod
+    def selectors_for(adapter: str) -> list[str]:
+        """``HETERO_ADAPTER`` values for every adapter matching ``adapter``: ``adapter#0``, ``adapter#1``, ...
+
+        Raises :class:`~hetero.NoAdapterError` (listing the adapters) when none matches.
+        """
         from ._device import adapter_index, list_adapters
 
         adapters = list_adapters()
@@ -439,16 +455,8 @@ class LocalWGPUCluster(LocalCluster):
                 break
             selectors.append(sel)
         if not selectors:
-            adapter_index(adapters, adapter)  # raises NoAdapterError listing what exists
-        self.selectors = selectors
-        n = len(selectors) if n_workers is None else _positive("n_workers", n_workers)
-        kwargs.setdefault("dashboard_address", None)
-        kwargs.pop("processes", None)
-        super().__init__(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
-                         resources={resource: 1}, **kwargs)
-        self.scale(n)
-        if not self.asynchronous:
-            self.wait_for_workers(n)
+            adapter_index(adapters, f"{adapter}#0")  # raises NoAdapterError listing what exists
+        return selectors
 
     def new_worker_spec(self) -> dict[Any, Any]:
         """The next worker: the smallest free integer name, pinned to its adapter through the environment."""

@@ -1,0 +1,257 @@
+"""hetero.dask: graphs on a dask.distributed cluster (in-process workers, then worker processes).
+
+::
+
+    x -> double (gpu) -> check (cpu) -> output        (check fails on a chosen value)
+
+The contract runs on a ``LocalCluster(processes=False)`` of two workers (fast); pickling,
+embeddings by model path, ``hetero embed --scheduler`` and a worker killed in the middle
+of a map run on a ``LocalWGPUCluster`` of two worker processes sharing the one adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+pytest.importorskip("distributed")
+
+from distributed import Client, LocalCluster  # noqa: E402
+
+import hetero  # noqa: E402
+from hetero.dask import ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster  # noqa: E402
+from hetero.pipelines import cli  # noqa: E402
+from hetero.pipelines.embed import aembed, embed, get_model  # noqa: E402
+from hetero.pipelines.testing import write_random_model  # noqa: E402
+
+DOUBLE = """
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) { if (id.x < arrayLength(&x)) { y[id.x] = 2.0 * x[id.x]; } }
+"""
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=40, max_seq_length=24)
+TEXTS = [f"sentence number {i} with {'more ' * (i % 5)}words" for i in range(23)] + ["", "x"]
+
+
+class Unpickled:
+    """A graph constant that counts how often this process unpickled it."""
+
+    count = 0
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _unpickled, ()
+
+
+def _unpickled() -> Unpickled:
+    Unpickled.count += 1
+    return Unpickled()
+
+
+def double(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+    y = gpu.empty(x.shape, np.float32)
+    gpu.dispatch(DOUBLE, -(-x.size // 64), x, y)
+    return y
+
+
+def check(y: np.ndarray, bad: float, tag: Unpickled) -> tuple[np.ndarray, int, int]:
+    """The doubled array, this process's unpickle count of the graph, and the process id."""
+    if y[0] == bad:
+        raise ValueError(f"bad value {bad}")
+    return y, Unpickled.count, os.getpid()
+
+
+def make_graph(bad: float = -1.0) -> hetero.Graph:
+    g = hetero.Graph("double")
+    x = g.input("x")
+    g.output(g.cpu(check, g.gpu(double, x), bad, Unpickled(), name="check"))
+    return g
+
+
+def inputs(n: int) -> Iterator[dict[str, np.ndarray]]:
+    return ({"x": np.full(5, i, np.float32)} for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    with LocalCluster(n_workers=2, processes=False, threads_per_worker=2, resources={"wgpu": 1},
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        c.register_plugin(HeteroPlugin(cpu_threads=1))
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("tiny"), seed=3, scale=0.3, **TINY)
+
+
+# -- the contract, on in-process workers ----------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_run_and_map_keep_runtime_contract(client: Client) -> None:
+    g = make_graph()
+    async with DaskRuntime(client, chunk_size=3) as drt:
+        y, _, _ = await drt.run(g, x=np.arange(4, dtype=np.float32))
+        np.testing.assert_array_equal(y, 2 * np.arange(4, dtype=np.float32))
+        got = [r[0][0] async for r in drt.map(g, inputs(11), max_in_flight=1)]
+        assert got == [2.0 * i for i in range(11)]
+        assert [r async for r in drt.map(g, [])] == []
+        with pytest.raises(hetero.InputError):
+            await drt.run(g, y=np.zeros(2, np.float32))
+
+
+@pytest.mark.anyio
+async def test_stage_error_arrives_with_stage_and_cause_in_order(client: Client) -> None:
+    g = make_graph(bad=14.0)  # input 7 fails
+    seen: list[float] = []
+    async with DaskRuntime(client, chunk_size=3) as drt:
+        with pytest.raises(hetero.StageError) as info:
+            async for r in drt.map(g, inputs(12)):
+                seen.append(r[0][0])
+    assert seen == [2.0 * i for i in range(7)]
+    assert info.value.stage == "check"
+    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == "bad value 14.0"
+
+
+def test_backpressure_holds_submission_back(client: Client) -> None:
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def note(x: np.ndarray) -> int:
+        with lock:
+            started.append(int(x[0]))
+        return int(x[0])
+
+    g = hetero.Graph("note")
+    g.output(g.cpu(note, g.input("x")))
+    chunk, per_worker, workers = 2, 1, 2
+    with DaskRuntime(client, chunk_size=chunk) as drt:
+        assert len(drt.workers()) == workers
+        for i, r in enumerate(drt.map_sync(g, inputs(20), max_in_flight=per_worker)):
+            assert r == i
+            with lock:
+                # chunks in flight: the one being yielded and at most limit - 1 behind it
+                assert max(started) < (i // chunk + per_worker * workers) * chunk
+    assert sorted(started) == list(range(20))
+
+
+def test_sync_api(client: Client) -> None:
+    g = make_graph()
+    with DaskRuntime(client, chunk_size=4) as drt:
+        assert drt.run_sync(g, x=np.ones(3, np.float32))[0].tolist() == [2.0, 2.0, 2.0]
+        assert [r[0][0] for r in drt.map_sync(g, inputs(9))] == [2.0 * i for i in range(9)]
+
+        async def inside() -> None:
+            drt.run_sync(g, x=np.ones(3, np.float32))
+
+        with pytest.raises(hetero.HeteroError, match="cannot be called inside a running asyncio event loop"):
+            anyio.run(inside)
+    with pytest.raises(hetero.HeteroError, match="this DaskRuntime is closed"):
+        drt.run_sync(g, x=np.ones(3, np.float32))
+
+
+def test_missing_resource_fails_fast(client: Client) -> None:
+    with pytest.raises(ClusterError, match=r"^no worker of the cluster at .* declares the resource 'tpu' "
+                       r"\(workers and their resources: .*'wgpu': 1.*\); start workers with 'dask worker ADDRESS "
+                       r"--resources tpu=1 --preload hetero.dask' or use hetero.dask.LocalWGPUCluster$"):
+        with DaskRuntime(client, resource="tpu"):
+            pass
+
+
+
+@pytest.mark.anyio
+async def test_embed_on_a_dask_runtime(client: Client, model_dir: Path) -> None:
+    model = get_model(model_dir)
+    local = await anyio.to_thread.run_sync(lambda: embed(TEXTS, model=model, batch_size=4))
+    async with DaskRuntime(client, chunk_size=2) as drt:
+        remote = await aembed(TEXTS, model=model, batch_size=4, runtime=drt)
+    np.testing.assert_allclose(remote, local, atol=1e-5)
+    with DaskRuntime(client, chunk_size=2) as drt:
+        np.testing.assert_allclose(await anyio.to_thread.run_sync(
+            lambda: embed(TEXTS, model=model, batch_size=4, runtime=drt)), local, atol=1e-5)
+
+
+def test_model_pickles_by_path(model_dir: Path) -> None:
+    model = get_model(model_dir)
+    data = pickle.dumps(model)
+    assert len(data) < 1000  # the path, not the weights
+    assert pickle.loads(data) is model  # this process loaded it already
+
+
+# -- worker processes ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def proc_client() -> Iterator[Client]:
+    with LocalWGPUCluster(n_workers=2, threads_per_worker=2) as cluster, Client(cluster) as c:
+        c.register_plugin(HeteroPlugin(cpu_threads=1))
+        yield c
+
+
+def test_local_wgpu_cluster_pins_workers_to_adapters(proc_client: Client) -> None:
+    env = proc_client.run(lambda: os.environ.get("HETERO_ADAPTER"))
+    n = len(LocalWGPUCluster.selectors_for("vulkan"))
+    assert sorted(env.values()) == sorted(f"vulkan#{i % n}" for i in range(2))
+    info = proc_client.scheduler_info(n_workers=-1)["workers"]
+    assert [w["resources"] for w in info.values()] == [{"wgpu": 1}, {"wgpu": 1}]
+
+
+def test_worker_processes_get_the_graph_once_and_pickled_errors(proc_client: Client) -> None:
+    g = make_graph(bad=30.0)  # input 15 fails
+    with DaskRuntime(proc_client, chunk_size=2) as drt:
+        results = list(drt.map_sync(g, inputs(12)))
+        assert [r[0][0] for r in results] == [2.0 * i for i in range(12)]
+        assert {r[1] for r in results} == {1}  # unpickled once in each worker process
+        assert os.getpid() not in {r[2] for r in results}
+        got: list[float] = []
+        with pytest.raises(hetero.StageError) as info:
+            for r in drt.map_sync(g, inputs(20)):
+                got.append(r[0][0])
+    assert got == [2.0 * i for i in range(15)]
+    assert info.value.stage == "check" and isinstance(info.value.__cause__, ValueError)
+
+
+def test_embed_and_cli_on_worker_processes(proc_client: Client, model_dir: Path, tmp_path: Path) -> None:
+    model = get_model(model_dir)
+    local = embed(TEXTS, model=model, batch_size=4)
+    with DaskRuntime(proc_client, chunk_size=2) as drt:
+        np.testing.assert_allclose(embed(TEXTS, model=model, batch_size=4, runtime=drt), local, atol=1e-5)
+    src, out = tmp_path / "in.txt", tmp_path / "out.npy"
+    src.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    args = argparse.Namespace(model=str(model_dir), input=str(src), output=str(out), batch_size=4, trace=None,
+                              scheduler=proc_client.scheduler.address, workers=None)
+    lines: list[str] = []
+
+    class Out:
+        def write(self, s: str) -> None:
+            lines.append(s)
+
+    assert cli.run(args, out=Out()) == 0  # type: ignore[arg-type]
+    np.testing.assert_allclose(np.load(out), local, atol=1e-5)
+    assert f"on dask cluster at {proc_client.scheduler.address} (2 worker(s))" in "".join(lines)
+
+
+def die_once(x: np.ndarray, marker: str) -> np.ndarray:
+    """Kill this worker process the first time input 9 arrives."""
+    if x[0] == 9 and not os.path.exists(marker):
+        Path(marker).write_text("killed")
+        os._exit(1)
+    return x
+
+
+def test_killed_worker_chunks_are_retried_in_order(proc_client: Client, tmp_path: Path) -> None:
+    marker = tmp_path / "killed"
+    g = hetero.Graph("die")
+    g.output(g.cpu(die_once, g.input("x"), str(marker)))
+    with DaskRuntime(proc_client, chunk_size=2) as drt:
+        got = [r[0] for r in drt.map_sync(g, inputs(16))]
+    assert marker.exists()
+    assert got == [float(i) for i in range(16)]
