@@ -47,6 +47,16 @@ def test_info(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatc
     assert "adapter features: " in out
 
 
+def test_info_prints_each_adapters_selector(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    labels = _device.adapter_labels(_device.list_adapters())
+    monkeypatch.setenv("HETERO_ADAPTER", labels[-1])
+    assert _cli.main(["info"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")][:len(labels)]
+    assert [ln.split()[1] if ln.startswith("  *") else ln.split()[0] for ln in rows] == labels
+    assert rows[-1].startswith(f"  * {labels[-1]} ") and rows[-1].endswith("<- selected")
+
+
 def test_info_respects_hetero_adapter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     summary = _device.select_adapter().summary
     backend = summary.rsplit(" via ", 1)[-1]

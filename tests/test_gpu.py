@@ -211,6 +211,39 @@ def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
         select_adapter()
 
 
+def test_adapter_selection_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    import anyio
+
+    from hetero._device import adapter_index, adapter_labels, list_adapters, select_adapter
+
+    adapters = list_adapters()
+    labels = adapter_labels(adapters)
+    assert len(set(labels)) == len(adapters)
+    for i, label in enumerate(labels):  # each printed selector picks its own adapter
+        assert adapter_index(adapters, label) == i
+        assert adapter_index(adapters, label.upper()) == i
+    assert adapter_index(adapters, len(adapters) - 1) == len(adapters) - 1
+    assert adapter_index(adapters, f"#{len(adapters) - 1}") == len(adapters) - 1
+    assert adapter_index(adapters, None) is None
+    backend = adapters[0].info["backend_type"].lower()
+    monkeypatch.setenv("HETERO_ADAPTER", f"{backend}#0")
+    assert select_adapter().summary == adapters[0].summary
+    n = sum(1 for a in adapters if backend in a.summary.lower())
+    with pytest.raises(hetero.NoAdapterError, match=rf"^HETERO_ADAPTER='{backend}#{n}' asks for adapter #{n} of the "
+                       rf"{n} that match; available: {labels[0]}: "):
+        select_adapter(f"{backend}#{n}")
+    with pytest.raises(hetero.NoAdapterError, match=r"the part after '#' must be an index \(0, 1, ...\), got 'x'"):
+        select_adapter(f"{backend}#x")
+    rt = hetero.Runtime(adapter=f"{backend}#0", cpu_threads=1)
+    try:
+        g = hetero.Graph("pinned")
+        g.output(g.gpu(lambda gpu, x: x, g.input("x"), name="same"))
+        assert anyio.run(lambda: rt.run(g, x=np.ones(2, np.float32))).tolist() == [1.0, 1.0]
+        assert rt.device().summary["summary"] == adapters[0].summary
+    finally:
+        rt.close()
+
+
 async def test_zero_size_results_arrive_as_empty_arrays(shared_rt: hetero.Runtime) -> None:
     def empty(gpu: hetero.GPUContext) -> Tensor:
         return gpu.empty((0, 3), np.float32)
