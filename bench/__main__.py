@@ -23,6 +23,7 @@ BENCHES = {
     "matmul_int8": "INT8 weight-quantized matmul (both strategies) beside hetero's fp32 matmul",
     "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
     "embed": "MiniLM sentence embeddings beside sentence-transformers (random weights without the model)",
+    "dask": "embed on a DaskRuntime (one and two worker processes) beside local embed(), chunk overhead",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
 ALL_ARGS = {
@@ -37,6 +38,7 @@ ALL_ARGS = {
     "matmul_int8": ["--sizes", "1024,4096", "--strategy", "dequant,dp4a,dp4a-g64"],
     "nn": [],
     "embed": ["--n", "1024", "--batch", "128"],
+    "dask": ["--n", "100000", "--batch", "128"],
 }
 
 

@@ -416,7 +416,8 @@ class LocalWGPUCluster(LocalCluster):
     """A local dask cluster with one worker process per GPU adapter, as ``LocalCUDACluster`` per CUDA device.
 
     Worker ``i`` runs with ``HETERO_ADAPTER=<adapter>#<i mod n>`` (the ``n`` adapters that
-    match ``adapter``, in enumeration order; ``hetero info`` lists them) and declares
+    match ``adapter``, in enumeration order; ``hetero info`` lists them; an ``adapter``
+    with its own ``#k``, such as ``"vulkan#0"``, puts every worker on that one) and declares
     ``resources={resource: 1}``. ``n_workers`` defaults to ``n``; more workers than
     adapters share them round-robin. Register a :class:`HeteroPlugin` through a client
     (``client.register_plugin(HeteroPlugin())``); the scheduler hands it to workers that
@@ -446,6 +447,9 @@ class LocalWGPUCluster(LocalCluster):
         from ._device import adapter_index, list_adapters
 
         adapters = list_adapters()
+        if "#" in adapter:  # one adapter named exactly: every worker shares it
+            adapter_index(adapters, adapter)
+            return [adapter]
         selectors: list[str] = []
         while True:
             sel = f"{adapter}#{len(selectors)}"

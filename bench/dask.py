@@ -1,0 +1,139 @@
+"""Sentence embeddings on a dask cluster (hetero.dask) against local embed(), same model, same run.
+
+    python -m bench dask [--n 100000] [--batch 128] [--chunk-size 16] [--model random|tiny|minilm|DIR]
+
+Every figure embeds the same real sentences (stdlib docstrings, bench._corpus) after a
+warm-up pass on each runtime:
+
+- ``local``: ``embed(texts, runtime=Runtime())`` in this process (the reference);
+- ``dask-1``: ``embed(texts, runtime=DaskRuntime(client))`` on a LocalWGPUCluster of one
+  worker process on the same adapter; ``ratio`` = dask-1 / local sentences per second;
+- ``dask-2``: two worker processes sharing that one adapter (each its own Runtime and
+  device): does splitting the Python host work (tokenizing, recording) across
+  processes help? ``ratio`` against dask-1;
+- ``chunk overhead``: a graph with one trivial CPU stage through the DaskRuntime, one
+  run per chunk: ``run_ms`` is one ``drt.run`` round trip (a chunk alone), ``chunk_ms``
+  the time per chunk while ``max_in_flight`` chunks per worker overlap; a local
+  ``rt.run`` of the same graph for reference.
+
+``--model random`` (default) writes all-MiniLM-L6-v2's architecture with random weights
+(``write_random_model``): the weights need not travel; ``tiny`` a 2-layer, 32-wide
+model for a software GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+
+TINY = dict(vocab_size=2000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=130, max_seq_length=128)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench dask", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=100_000, help="sentences (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=128, help="sentences per batch (default: %(default)s)")
+    ap.add_argument("--chunk-size", type=int, default=16, help="batches per cluster task (default: %(default)s)")
+    ap.add_argument("--max-in-flight", type=int, default=4, help="chunks in flight per worker (default: %(default)s)")
+    ap.add_argument("--model", default="random", help="random | tiny | minilm | a model directory")
+    ap.add_argument("--overhead-chunks", type=int, default=200, help="chunks for the overhead figure")
+    ap.add_argument("--no-two-workers", action="store_true", help="skip the two-worker figure")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    from distributed import Client
+
+    import hetero
+    from hetero._device import adapter_labels, list_adapters
+    from hetero.dask import DaskRuntime, HeteroPlugin, LocalWGPUCluster
+    from hetero.pipelines.embed import embed, get_model
+    from hetero.pipelines.testing import write_random_model
+
+    from ._common import adapter_fields, emitter
+    from ._corpus import stdlib_sentences
+
+    emit = emitter("dask")
+    tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-dask-")
+    if args.model in ("random", "tiny"):
+        path: Any = write_random_model(Path(tmp.name) / "model", **(TINY if args.model == "tiny" else {}))
+    else:
+        path = args.model
+    model = get_model(path)
+    texts = stdlib_sentences(args.n)
+    warm = texts[: args.batch * 4]
+    words = float(np.mean([len(t.split()) for t in texts]))
+
+    rt = hetero.Runtime()
+    try:
+        embed(warm, model=model, batch_size=args.batch, runtime=rt)
+        dev = rt.device()
+        adapters = list_adapters()
+        label = adapter_labels(adapters)[[a.summary for a in adapters].index(dev.summary["summary"])]
+        emit(**adapter_fields(dev), selector=label, sentences=len(texts), mean_words=round(words, 1),
+             batch=args.batch, chunk_size=args.chunk_size, model=str(args.model))
+        local_s = _timed(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt))
+        local_rate = len(texts) / local_s
+        emit(figure="local", s=round(local_s, 3), sentences_per_s=round(local_rate, 1))
+        g = hetero.Graph("overhead")
+        g.output(g.cpu(_identity, g.input("x")))
+
+        async def local_runs(n: int) -> None:
+            for i in range(n):
+                await rt.run(g, x=i)
+
+        import anyio
+
+        n_over = args.overhead_chunks
+        local_run_ms = _timed(lambda: anyio.run(local_runs, n_over)) / n_over * 1e3
+    finally:
+        rt.close()
+
+    rates: dict[int, float] = {}
+    for workers in (1,) if args.no_two_workers else (1, 2):
+        with LocalWGPUCluster(workers, adapter=label) as cluster, Client(cluster) as client:
+            client.register_plugin(HeteroPlugin())
+            with DaskRuntime(client, chunk_size=args.chunk_size) as drt:
+                embed(warm * workers, model=model, batch_size=args.batch, runtime=drt,
+                      max_in_flight=args.max_in_flight)
+                s = _timed(lambda: embed(texts, model=model, batch_size=args.batch, runtime=drt,
+                                         max_in_flight=args.max_in_flight))
+                rates[workers] = len(texts) / s
+                ref = local_rate if workers == 1 else rates[1]
+                emit(figure=f"dask-{workers}", workers=workers, s=round(s, 3),
+                     sentences_per_s=round(rates[workers], 1), ratio=round(rates[workers] / ref, 3),
+                     against="local" if workers == 1 else "dask-1")
+                if workers == 1:
+                    one = DaskRuntime(client, chunk_size=1)
+                    with one:
+                        one.run_sync(g, x=0)
+                        run_ms = _timed(lambda: [one.run_sync(g, x=i) for i in range(n_over)]) / n_over * 1e3
+                        chunk_ms = _timed(lambda: list(one.map_sync(g, ({"x": i} for i in range(n_over)),
+                                                                    max_in_flight=args.max_in_flight))) \
+                            / n_over * 1e3
+                    emit(figure="chunk overhead", run_ms=round(run_ms, 3), chunk_ms=round(chunk_ms, 3),
+                         local_run_ms=round(local_run_ms, 3), chunks=n_over)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
