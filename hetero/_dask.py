@@ -53,8 +53,8 @@ from ._graph import Graph
 from ._runtime import Runtime, _running_loop
 from .errors import GraphError, HeteroError, StageError
 
-__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup",
-           "ensure_plugin"]
+__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME",
+           "dask_setup", "ensure_plugin"]
 
 PLUGIN_NAME = "hetero"
 

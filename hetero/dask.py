@@ -8,7 +8,7 @@ on a worker started from the command line (``dask_setup``). See docs/dask.md.
 
 from __future__ import annotations
 
-from ._dask import PLUGIN_NAME, ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, dask_setup, ensure_plugin
+from ._dask import ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, PLUGIN_NAME, dask_setup, ensure_plugin
 
-__all__ = ["PLUGIN_NAME", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "dask_setup",
-           "ensure_plugin"]
+__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME",
+           "dask_setup", "ensure_plugin"]

@@ -41,3 +41,16 @@ def test_ops_namespace_lists_its_ops() -> None:
     assert sorted(hetero.ops.__all__) == hetero.ops.__all__
     for name in hetero.ops.__all__:
         assert callable(getattr(hetero.ops, name))
+
+
+def test_dask_namespace_lists_its_names() -> None:
+    import pytest
+
+    pytest.importorskip("distributed")
+    import hetero.dask
+
+    assert sorted(hetero.dask.__all__) == hetero.dask.__all__
+    public = {n for n in vars(hetero.dask) if not n.startswith("_") and not _is_module(getattr(hetero.dask, n))}
+    public.discard("annotations")
+    assert set(hetero.dask.__all__) == public
+    assert issubclass(hetero.dask.ClusterError, hetero.HeteroError)
