@@ -239,6 +239,23 @@ def test_embed_and_cli_on_worker_processes(proc_client: Client, model_dir: Path,
     assert f"on dask cluster at {proc_client.scheduler.address} (2 worker(s))" in "".join(lines)
 
 
+def test_cli_cluster_options_are_checked(model_dir: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero import _cli
+
+    src = tmp_path / "in.txt"
+    src.write_text("a\n", encoding="utf-8")
+    common = ["embed", "--model", str(model_dir), "--input", str(src), "--output", str(tmp_path / "o.npy")]
+    assert _cli.main([*common, "--scheduler", "tcp://127.0.0.1:1", "--workers", "2"]) == 2
+    assert "argument --workers: not allowed with argument --scheduler" in capsys.readouterr().err
+    assert _cli.main([*common, "--workers", "0"]) == 2
+    args = argparse.Namespace(model=str(model_dir), input=str(src), output=str(tmp_path / "o.npy"), batch_size=4,
+                              trace=str(tmp_path / "t.json"), scheduler="tcp://127.0.0.1:1", workers=None)
+    with pytest.raises(hetero.HeteroError, match="^--trace records a local run; it cannot be combined with "
+                       "--scheduler or --workers$"):
+        cli.run(args)
+
+
 def die_once(x: np.ndarray, marker: str) -> np.ndarray:
     """Kill this worker process the first time input 9 arrives."""
     if x[0] == 9 and not os.path.exists(marker):
