@@ -100,6 +100,7 @@ class HeteroPlugin(WorkerPlugin):
         await asyncio.to_thread(self._stop)
 
     def _start(self) -> None:
+        self._stop()  # set up twice (registered again): one Runtime at a time
         cm = anyio.from_thread.start_blocking_portal(name="hetero-dask")
         portal = cm.__enter__()
         try:
@@ -415,9 +416,10 @@ class DaskRuntime:
 class LocalWGPUCluster(LocalCluster):
     """A local dask cluster with one worker process per GPU adapter, as ``LocalCUDACluster`` per CUDA device.
 
-    Worker ``i`` runs with ``HETERO_ADAPTER=<adapter>#<i mod n>`` (the ``n`` adapters that
-    match ``adapter``, in enumeration order; ``hetero info`` lists them; an ``adapter``
-    with its own ``#k``, such as ``"vulkan#0"``, puts every worker on that one) and declares
+    The ``n`` adapters are those :meth:`selectors_for` finds for ``adapter`` (in
+    enumeration order, as ``hetero info`` lists them; software rasterizers only where no
+    GPU matches; an ``adapter`` with its own ``#k``, such as ``"vulkan#0"``, is that one
+    alone). Worker ``i`` runs with ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares
     ``resources={resource: 1}``. ``n_workers`` defaults to ``n``; more workers than
     adapters share them round-robin. Register a :class:`HeteroPlugin` through a client
     (``client.register_plugin(HeteroPlugin())``); the scheduler hands it to workers that
@@ -442,7 +444,9 @@ class LocalWGPUCluster(LocalCluster):
     def selectors_for(adapter: str) -> list[str]:
         """``HETERO_ADAPTER`` values for every adapter matching ``adapter``: ``adapter#0``, ``adapter#1``, ...
 
-        Raises :class:`~hetero.NoAdapterError` (listing the adapters) when none matches.
+        Adapters of type CPU (software rasterizers such as lavapipe) are left out when a
+        GPU matches too. Raises :class:`~hetero.NoAdapterError` (listing the adapters)
+        when none matches.
         """
         from ._device import adapter_index, list_adapters
 
@@ -450,17 +454,17 @@ class LocalWGPUCluster(LocalCluster):
         if "#" in adapter:  # one adapter named exactly: every worker shares it
             adapter_index(adapters, adapter)
             return [adapter]
-        selectors: list[str] = []
+        matches: list[tuple[str, Any]] = []
         while True:
-            sel = f"{adapter}#{len(selectors)}"
+            sel = f"{adapter}#{len(matches)}"
             try:
-                adapter_index(adapters, sel)
+                matches.append((sel, adapters[adapter_index(adapters, sel)]))  # type: ignore[index]
             except HeteroError:
                 break
-            selectors.append(sel)
-        if not selectors:
+        if not matches:
             adapter_index(adapters, f"{adapter}#0")  # raises NoAdapterError listing what exists
-        return selectors
+        gpus = [sel for sel, a in matches if str(a.info.get("adapter_type", "")).casefold() != "cpu"]
+        return gpus or [sel for sel, _ in matches]  # software rasterizers only where there is no GPU
 
     def new_worker_spec(self) -> dict[Any, Any]:
         """The next worker: the smallest free integer name, pinned to its adapter through the environment."""
