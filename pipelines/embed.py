@@ -135,7 +135,6 @@ def get_model(model: Model | str | os.PathLike[str] = "minilm") -> Model:
     m = _models.get(key)
     if m is None:
         m = _models[key] = load_model(model)
-        _models.setdefault(os.path.realpath(m.path), m)  # a pickled Model comes back by its path
     return m
 
 

@@ -154,16 +154,22 @@ class Model:
         return self.config.hidden_size
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
-        # Pickled by reference: the path, loaded again (once per process) where it is unpickled,
-        # so a graph holding the model travels to a cluster worker without its weights.
+        # Pickled by reference: the path, loaded again where it is unpickled unless a model
+        # from that path is alive there, so a graph holding the model travels to a cluster
+        # worker without its weights.
         return _model_at, (str(self.path),)
 
 
-def _model_at(path: str) -> Model:
-    """The model loaded from ``path``, once per process (unpickling a :class:`Model`)."""
-    from .embed import get_model
+# Models alive in this process by the real path of their directory (the first loaded wins).
+_loaded: weakref.WeakValueDictionary[str, Model] = weakref.WeakValueDictionary()
+_loaded_lock = threading.Lock()
 
-    return get_model(path)
+
+def _model_at(path: str) -> Model:
+    """A model from ``path`` alive in this process, else the model loaded from it (unpickling a Model)."""
+    with _loaded_lock:
+        m = _loaded.get(os.path.realpath(path))
+    return m if m is not None else load_model(path)
 
 
 def find_minilm() -> Path:
@@ -194,7 +200,10 @@ def load_model(path: str | os.PathLike[str]) -> Model:
     config = _read_config(d)
     weights = _read_weights(d / "model.safetensors", config)
     tokenizer = _read_tokenizer(d / "tokenizer.json", config)
-    return Model(d, config, weights, tokenizer)
+    model = Model(d, config, weights, tokenizer)
+    with _loaded_lock:
+        _loaded.setdefault(os.path.realpath(d), model)
+    return model
 
 
 def _read_json(d: Path, name: str) -> dict[str, Any]:
