@@ -9,6 +9,7 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #
 #   graph and scheduling layer
 #     _cli        the ``hetero`` command line
+#     _dask       DaskRuntime, HeteroPlugin: chunks of runs on a dask cluster, a Runtime per worker
 #     _runtime    Runtime: worker pools, the device, the run/map entry points
 #     _scheduler  executes a Plan from the event loop over worker threads
 #     _plan       a Graph validated once: order, consumers, last uses, transfers
@@ -26,7 +27,8 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #
 #   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors
 #
-#   public faces: this module (graphs), ops (GPU ops), lowlevel (the extension API);
+#   public faces: this module (graphs), ops (GPU ops), lowlevel (the extension API),
+#   dask (graphs on a dask.distributed cluster; the optional [dask] extra, not imported here);
 #   built on lowlevel only: kernels/ (hetero.kernels) and pipelines/ (hetero.pipelines)
 
 from __future__ import annotations
