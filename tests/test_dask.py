@@ -169,6 +169,25 @@ def test_missing_resource_fails_fast(client: Client) -> None:
 
 
 
+def test_workers_without_the_plugin_fail_clearly_until_it_is_registered() -> None:
+    from hetero.dask import ensure_plugin
+
+    g = make_graph()
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, resources={"wgpu": 1},
+                      dashboard_address=None) as cluster, Client(cluster) as c, DaskRuntime(c) as drt:
+        with pytest.raises(ClusterError, match=r"^worker .* has no HeteroPlugin; register it with "
+                           r"client.register_plugin\(hetero.dask.HeteroPlugin\(\)\) or start workers with "
+                           r"'--preload hetero.dask'$"):
+            drt.run_sync(g, x=np.ones(2, np.float32))
+        assert ensure_plugin(c, cpu_threads=1) is True
+        assert drt.run_sync(g, x=np.ones(2, np.float32))[0].tolist() == [2.0, 2.0]
+        assert ensure_plugin(c) is False
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, resources={"wgpu": 1},
+                      dashboard_address=None, preload=["hetero.dask"]) as cluster, Client(cluster) as c:
+        with DaskRuntime(c) as drt:
+            assert drt.run_sync(g, x=np.ones(2, np.float32))[0].tolist() == [2.0, 2.0]
+
+
 @pytest.mark.anyio
 async def test_embed_on_a_dask_runtime(client: Client, model_dir: Path) -> None:
     model = get_model(model_dir)
