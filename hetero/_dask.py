@@ -39,6 +39,7 @@ import collections
 import contextlib
 import inspect
 import itertools
+import os
 import pickle
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
@@ -416,7 +417,9 @@ class DaskRuntime:
 class LocalWGPUCluster(LocalCluster):
     """A local dask cluster with one worker process per GPU adapter, as ``LocalCUDACluster`` per CUDA device.
 
-    The ``n`` adapters are those :meth:`selectors_for` finds for ``adapter`` (in
+    ``adapter`` is a ``HETERO_ADAPTER`` pattern, by default :meth:`default_pattern`
+    (``$HETERO_ADAPTER``, else the backend of the adapter hetero would pick: every GPU of
+    that backend). The ``n`` adapters are those :meth:`selectors_for` finds for it (in
     enumeration order, as ``hetero info`` lists them; software rasterizers only where no
     GPU matches; an ``adapter`` with its own ``#k``, such as ``"vulkan#0"``, is that one
     alone). Worker ``i`` runs with ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares
@@ -428,9 +431,9 @@ class LocalWGPUCluster(LocalCluster):
     per process).
     """
 
-    def __init__(self, n_workers: int | None = None, *, adapter: str = "vulkan", resource: str = "wgpu",
+    def __init__(self, n_workers: int | None = None, *, adapter: str | None = None, resource: str = "wgpu",
                  threads_per_worker: int = 2, **kwargs: Any) -> None:
-        self.selectors = selectors = self.selectors_for(adapter)
+        self.selectors = selectors = self.selectors_for(adapter if adapter is not None else self.default_pattern())
         n = len(selectors) if n_workers is None else _positive("n_workers", n_workers)
         kwargs.setdefault("dashboard_address", ":0")
         kwargs.pop("processes", None)
@@ -439,6 +442,14 @@ class LocalWGPUCluster(LocalCluster):
         self.scale(n)
         if not self.asynchronous:
             self.wait_for_workers(n)
+
+    @staticmethod
+    def default_pattern() -> str:
+        """``$HETERO_ADAPTER`` when set, else the backend of the adapter hetero picks (``"vulkan"``, ``"metal"``)."""
+        from ._device import select_adapter
+
+        env = os.environ.get("HETERO_ADAPTER")
+        return env if env else str(select_adapter().info.get("backend_type", "")).lower()
 
     @staticmethod
     def selectors_for(adapter: str) -> list[str]:

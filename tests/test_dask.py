@@ -85,7 +85,7 @@ def inputs(n: int) -> Iterator[dict[str, np.ndarray]]:
 @pytest.fixture(scope="module")
 def client() -> Iterator[Client]:
     with LocalCluster(n_workers=2, processes=False, threads_per_worker=2, resources={"wgpu": 1},
-                      dashboard_address=None) as cluster, Client(cluster) as c:
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
         c.register_plugin(HeteroPlugin(cpu_threads=1))
         yield c
 
@@ -174,7 +174,7 @@ def test_workers_without_the_plugin_fail_clearly_until_it_is_registered() -> Non
 
     g = make_graph()
     with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, resources={"wgpu": 1},
-                      dashboard_address=None) as cluster, Client(cluster) as c, DaskRuntime(c) as drt:
+                      dashboard_address=":0") as cluster, Client(cluster) as c, DaskRuntime(c) as drt:
         with pytest.raises(ClusterError, match=r"^worker .* has no HeteroPlugin; register it with "
                            r"client.register_plugin\(hetero.dask.HeteroPlugin\(\)\) or start workers with "
                            r"'--preload hetero.dask'$"):
@@ -183,7 +183,7 @@ def test_workers_without_the_plugin_fail_clearly_until_it_is_registered() -> Non
         assert drt.run_sync(g, x=np.ones(2, np.float32))[0].tolist() == [2.0, 2.0]
         assert ensure_plugin(c) is False
     with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, resources={"wgpu": 1},
-                      dashboard_address=None, preload=["hetero.dask"]) as cluster, Client(cluster) as c:
+                      dashboard_address=":0", preload=["hetero.dask"]) as cluster, Client(cluster) as c:
         with DaskRuntime(c) as drt:
             assert drt.run_sync(g, x=np.ones(2, np.float32))[0].tolist() == [2.0, 2.0]
 
@@ -217,8 +217,8 @@ def proc_client() -> Iterator[Client]:
 
 def test_local_wgpu_cluster_pins_workers_to_adapters(proc_client: Client) -> None:
     env = proc_client.run(lambda: os.environ.get("HETERO_ADAPTER"))
-    n = len(LocalWGPUCluster.selectors_for("vulkan"))
-    assert sorted(env.values()) == sorted(f"vulkan#{i % n}" for i in range(2))
+    selectors = LocalWGPUCluster.selectors_for(LocalWGPUCluster.default_pattern())
+    assert sorted(env.values()) == sorted(selectors[i % len(selectors)] for i in range(2))
     info = proc_client.scheduler_info(n_workers=-1)["workers"]
     assert [w["resources"] for w in info.values()] == [{"wgpu": 1}, {"wgpu": 1}]
 
