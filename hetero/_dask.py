@@ -52,7 +52,9 @@ from distributed import Client, Future, LocalCluster, WorkerPlugin, get_worker
 from ._bridge import loop_caller
 from ._graph import Graph
 from ._runtime import Runtime, _running_loop
-from .errors import GraphError, HeteroError, StageError
+from .errors import GraphError, HeteroError, StageError, _own_reducers
+
+_own_reducers()  # importing distributed (above) replaced the reducers of hetero's errors
 
 __all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME",
            "dask_setup", "ensure_plugin"]

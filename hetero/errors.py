@@ -20,6 +20,7 @@ attributes and, where that pickles too, its ``__cause__``.
 
 from __future__ import annotations
 
+import copyreg
 import pickle
 from typing import Any
 
@@ -54,6 +55,21 @@ class HeteroError(Exception):
             else:
                 state["__cause__"] = cause
         return (type(self), self._init_args(), state)
+
+
+def _own_reducers() -> None:
+    """Let every HeteroError class pickle through its own ``__reduce__`` again.
+
+    ``distributed`` (through ``tblib.pickling_support.install()``) registers a reducer in
+    ``copyreg`` for every exception class that exists when it is imported; such a reducer
+    takes precedence over ``__reduce__`` and fails on a cause that does not pickle. Modules
+    that import ``distributed`` call this afterwards.
+    """
+    stack: list[type] = [HeteroError]
+    while stack:
+        cls = stack.pop()
+        copyreg.dispatch_table.pop(cls, None)
+        stack.extend(cls.__subclasses__())
 
 
 class GraphError(HeteroError):
