@@ -53,8 +53,11 @@ class StageOptions:
 
     retries: int = 0
     timeout: float | None = None
+    process: bool = False  # run in a worker process of the runtime's process pool
 
     def __post_init__(self) -> None:
+        if not isinstance(self.process, bool):
+            raise GraphError(f"process must be True or False, got {self.process!r}")
         if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
             raise GraphError(f"retries must be an integer >= 0, got {self.retries!r}")
         if self.timeout is not None:
@@ -124,15 +127,17 @@ class Graph:
 
     def cpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            **kwargs: Any) -> Node:
+            process: bool = False, **kwargs: Any) -> Node:
         """Declare a CPU stage: ``fn(*args, **kwargs)`` runs on the runtime's thread pool.
 
         Arguments may be stages, graph inputs or constants. ``name`` defaults to the
         function's name; ``retries`` re-runs a failing stage; ``timeout`` (seconds)
         fails the run when the stage runs longer; ``after`` adds ordering-only
-        dependencies. These four keywords are reserved; others go to ``fn``.
+        dependencies; ``process=True`` runs it in a worker process of the runtime's
+        process pool (``fn`` and its arguments must pickle; checked here for ``fn`` and
+        constants). These five keywords are reserved; others go to ``fn``.
         """
-        return self._add("cpu", fn, args, kwargs, name, retries, timeout, after)
+        return self._add("cpu", fn, args, kwargs, name, retries, timeout, after, process)
 
     def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
@@ -164,7 +169,7 @@ class Graph:
 
     # -- helpers ----------------------------------------------------------------------
     def _add(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             name: str | None, retries: int, timeout: float | None, after: Any) -> Node:
+             name: str | None, retries: int, timeout: float | None, after: Any, process: bool = False) -> Node:
         if not callable(fn):
             raise GraphError(f"graph {self.name!r}: {kind} stage {name or '?'!r} is not callable: got {fn!r}")
         if name is None:
@@ -177,7 +182,14 @@ class Graph:
         for a in (*args, *kwargs.values()):
             if isinstance(a, (Node, Input)):
                 self._check_own(a, name)
-        options = StageOptions(retries=retries, timeout=timeout)
+        options = StageOptions(retries=retries, timeout=timeout, process=process)
+        if process:
+            from ._process import check_unpicklable
+
+            why = check_unpicklable(fn, args, kwargs, (Node, Input))
+            if why is not None:
+                raise GraphError(f"graph {self.name!r}: process stage {name!r}: {why}; process stages need "
+                                 "module-level functions and picklable constants")
         node = Node(self, name, kind, fn, tuple(args), dict(kwargs), options, len(self.nodes))
         self.nodes.append(node)
         self._names.add(name)

@@ -44,6 +44,7 @@ class StagePlan:
     timeout: float | None
     simple: bool  # no timeout: a worker may run it without the event loop watching
     kernels: tuple[tuple[str, str], ...]  # declared (wgsl, entry point) pairs, compiled by warmup
+    process: bool = False  # CPU stage run in a worker process (hetero._process)
 
 
 class Plan:
@@ -105,7 +106,7 @@ class Plan:
                 download=is_gpu and (host_readers[i] or i in output_idx),
                 fence=is_gpu and (bool(cpu_c) or i in output_idx),
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
-                simple=node.options.timeout is None, kernels=node.kernels,
+                simple=node.options.timeout is None, kernels=node.kernels, process=node.options.process,
             ))
         # CPU values that several GPU stages read: with one recording thread they are
         # uploaded once per run and shared (see Scheduler._device_args).
@@ -129,6 +130,7 @@ class Plan:
         self.single_output = len(graph.outputs) == 1
         self.output_stages: frozenset[int] = frozenset(output_idx)
         self.has_gpu = any(s.kind == "gpu" for s in stages)
+        self.has_process = any(s.process for s in stages)
         self.version = graph.version
 
     def check_inputs(self, given: Mapping[str, Any]) -> None:

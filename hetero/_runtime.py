@@ -38,6 +38,7 @@ class RuntimeOptions:
     gpu_budget_ms: float = 100.0
     gpu_timing: bool = False
     zero_copy_outputs: bool = True
+    cpu_processes: int | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -46,6 +47,8 @@ class RuntimeOptions:
 
         if self.cpu_threads is not None:
             positive_int("cpu_threads", self.cpu_threads)
+        if self.cpu_processes is not None:
+            positive_int("cpu_processes", self.cpu_processes)
         positive_int("gpu_threads", self.gpu_threads)
         positive_int("submit_batch", self.submit_batch)
         budget = self.memory_budget
@@ -79,6 +82,9 @@ class Runtime:
     name, backend or type, optionally with ``#k`` for the k-th match (``"vulkan#1"``), or
     an index into all adapters (``hetero info`` prints each one's selector); default:
     ``$HETERO_ADAPTER``, else wgpu's high-performance adapter.
+    ``cpu_processes`` is the size of the process pool that runs ``process=True`` stages
+    (default: ``os.cpu_count() - 1``); the pool starts with the first such stage and
+    stops at close.
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
@@ -86,17 +92,18 @@ class Runtime:
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
-                 adapter: Any = None, zero_copy_outputs: bool = True) -> None:
+                 adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
-                                      bool(gpu_timing), bool(zero_copy_outputs))
+                                      bool(gpu_timing), bool(zero_copy_outputs), cpu_processes)
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
         self._tracer = Tracer(trace) if trace is not None else None
         o = self.options
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
-                                tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs)
+                                tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs,
+                                cpu_processes=o.cpu_processes)
         self._closed = False  # no new runs or device
         self._close_done = False  # workers joined, device and trace closed
         self._last_run: Run | None = None
@@ -121,7 +128,8 @@ class Runtime:
         device still being created is waited for, and only then is the device closed
         (which refuses any later submission before it destroys memory). Each step is
         idempotent, so a close that was interrupted (Ctrl-C) can be completed by calling
-        it again.
+        it again. Worker processes running a stage are killed; shared memory of process
+        stages is unlinked.
         """
         if self._close_done:
             return
@@ -142,6 +150,11 @@ class Runtime:
     @property
     def cpu_threads(self) -> int:
         return self._sched.cpu.size
+
+    @property
+    def cpu_processes(self) -> int:
+        """Size of the process pool for ``process=True`` stages (started on first use)."""
+        return self._sched.cpu_processes
 
     def device(self) -> Device:
         """The runtime's GPU device, created on first call (blocking: not for the event loop)."""

@@ -28,6 +28,11 @@ Policy
   of it starts, the waiter wakes and raises :class:`~hetero.StageError`. A stage
   already running when its run stops finishes, and its result is dropped
   (Python threads cannot be interrupted).
+* A process stage (``g.cpu(..., process=True)``) is handed to the runtime's process
+  pool (:mod:`hetero._process`) by a CPU worker, which then moves on: no thread waits
+  for it. The pool's dispatcher thread completes it (releases its consumers, queues
+  them on the pools). When its run stops, a process stage still queued is dropped and
+  one still running has its worker killed (and replaced).
 * A stage's ``timeout`` covers all its attempts. The waiter on the event loop
   watches started timed stages; a worker also checks on completion, so a run
   never completes past a stage's timeout.
@@ -58,6 +63,7 @@ from ._bridge import loop_caller
 from ._gpu import GPUContext, _Park, map_values
 from ._recorder import SharedRecorder, StageRecorder
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
+from ._process import Job, ProcessPool
 from ._stats import RunStats, Timeline
 from ._tensor import Tensor
 from .errors import DeviceLostError, StageError
@@ -167,6 +173,7 @@ class Run:
         # device-side structure, held (holds[i], one per reader) like a GPU value.
         self.uploaded: dict[int, Any] = {}
         self.held: dict[int, list[Any]] = {}
+        self.proc_jobs: dict[int, Job] = {}  # process stages handed to the process pool, not done
         self.recording = 0  # GPU stages of this run being recorded right now
         self.tl = Timeline(n)
         self.cleaned = False
@@ -246,8 +253,19 @@ class Run:
         with self.lock:
             self.stopped = True
             clean = self.recording == 0
+        self._cancel_processes()
         if clean:
             self.cleanup()
+
+    def _cancel_processes(self) -> None:
+        """The run stopped: its queued process stages never run, running ones lose their worker."""
+        with self.lock:
+            if not self.proc_jobs:
+                return
+            jobs, self.proc_jobs = list(self.proc_jobs.values()), {}
+        pool = self.sched.procs()
+        for job in jobs:
+            pool.cancel(job)
 
     # -- device memory ----------------------------------------------------------------
     def hold(self, i: int, blocks: list[Any]) -> bool:
@@ -294,7 +312,7 @@ class Run:
 
     def stats(self) -> RunStats:
         stages = self.plan.stages
-        return self.tl.snapshot(self.plan.name, [st.name for st in stages], [st.kind for st in stages],
+        return self.tl.snapshot(self.plan.name, [st.name for st in stages], [_kind(st) for st in stages],
                                 ok=self.done and self.error is None)
 
     def outputs(self) -> Any:
@@ -306,13 +324,13 @@ class Run:
     # -- worker side ----------------------------------------------------------------
     def fail(self, st: StagePlan, exc: BaseException, attempts: int = 1) -> None:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        err = StageError(f"{st.kind} stage {st.name!r} failed{tries}: {type(exc).__name__}: {exc}", st.name)
+        err = StageError(f"{_kind(st)} stage {st.name!r} failed{tries}: {type(exc).__name__}: {exc}", st.name)
         err.__cause__ = exc
         self._set_error(err)
 
     def fail_timeout(self, st: StagePlan) -> None:
         exc = TimeoutError(f"stage {st.name!r} ran longer than its timeout of {st.timeout:g} s")
-        err = StageError(f"{st.kind} stage {st.name!r} timed out after {st.timeout:g} s", st.name)
+        err = StageError(f"{_kind(st)} stage {st.name!r} timed out after {st.timeout:g} s", st.name)
         err.__cause__ = exc
         self._set_error(err)
 
@@ -323,6 +341,7 @@ class Run:
             self.stopped = True
             self.error = err
             clean = self.recording == 0
+        self._cancel_processes()
         if clean:
             self.cleanup()
         self._wake()
@@ -389,8 +408,12 @@ class Scheduler:
 
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
                  device_if_open: Callable[[], Device | None], submit_batch: int = 32,
-                 tracer: Tracer | None = None, zero_copy_outputs: bool = True) -> None:
+                 tracer: Tracer | None = None, zero_copy_outputs: bool = True,
+                 cpu_processes: int | None = None) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
+        self.cpu_processes = cpu_processes or max(1, (os.cpu_count() or 2) - 1)
+        self._procs: ProcessPool | None = None  # created on the first process stage
+        self._procs_lock = threading.Lock()
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
@@ -417,7 +440,9 @@ class Scheduler:
             queued[i] = now
             st = stages[i]
             key = (run.seq, -st.priority)
-            if st.kind == "cpu":
+            if st.process:
+                cpu_jobs.append((key, _bind(self.run_process, run, i)))
+            elif st.kind == "cpu":
                 cpu_jobs.append((key, _bind(self.run_cpu, run, i)))
             else:
                 gpu_jobs.append((key, _bind(self.run_gpu, run, i)))
@@ -436,6 +461,9 @@ class Scheduler:
             if run.stopped:
                 return
             st = stages[i]
+            if st.process:
+                self.run_process(run, i)
+                return
             attempt = 0
             tl.started[i] = time.perf_counter_ns()
             if not st.simple:
@@ -471,6 +499,75 @@ class Scheduler:
             tl.queued[i] = tl.completed[st.index]
             if len(ready_cpu) > 1:
                 self.dispatch(run, ready_cpu[1:])
+
+    # -- process stages -------------------------------------------------------------
+    def procs(self) -> ProcessPool:
+        """The process pool, started on first use."""
+        if self._procs is None:
+            with self._procs_lock:
+                if self._procs is None:
+                    self._procs = ProcessPool(self.cpu_processes)
+        return self._procs
+
+    def run_process(self, run: Run, i: int, attempt: int = 1) -> None:
+        """Hand process stage ``i`` to the process pool (pickling its arguments here) and return."""
+        if run.stopped:
+            return
+        st = run.plan.stages[i]
+        if attempt == 1:
+            run.tl.started[i] = time.perf_counter_ns()
+            if not st.simple:
+                run.begin_timed(st)
+
+        def done(ok: bool, value: Any, worker: int, t0: int, t1: int) -> None:
+            self._process_done(run, st, attempt, ok, value, worker, t0, t1)
+
+        try:
+            args, kwargs = run.args_for(st, run.values)
+            job = self.procs().submit((run.seq, -st.priority), st.fn, args, kwargs, done)
+        except BaseException as e:  # noqa: BLE001 - e.g. an argument that does not pickle
+            if not st.simple:
+                run.timed_started.pop(i, None)
+            run.fail(st, e, attempt)
+            return
+        with run.lock:
+            stopped = run.stopped
+            if not stopped:
+                run.proc_jobs[i] = job
+        if stopped:
+            self.procs().cancel(job)
+
+    def _process_done(self, run: Run, st: StagePlan, attempt: int, ok: bool, value: Any, worker: int,
+                      t0: int, t1: int) -> None:
+        """On the process pool's dispatcher thread: process stage ``st`` returned, raised or crashed."""
+        i = st.index
+        with run.lock:
+            run.proc_jobs.pop(i, None)
+        if run.stopped:
+            return
+        tl = run.tl
+        if self.tracer is not None and t1:
+            self.tracer.span(st.name, "process", t0, t1, track=f"hetero-proc-{worker}",
+                             args={"run": run.seq, "ok": ok})
+        if not ok:
+            if attempt <= st.retries:
+                self.run_process(run, i, attempt + 1)
+                return
+            if not st.simple:
+                run.timed_started.pop(i, None)
+            run.fail(st, value, attempt)
+            return
+        tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
+        if not st.simple and not run.end_timed(st):
+            return
+        run.values[i] = value
+        run.dev_values[i] = value
+        ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
+        if st.cpu_consumers:
+            ready += run.release(st.cpu_consumers)
+        if ready:
+            self.dispatch(run, ready)
+        run.stage_done()
 
     # -- GPU stages -----------------------------------------------------------------
     def run_gpu(self, run: Run, i: int) -> None:
@@ -691,8 +788,15 @@ class Scheduler:
     def close(self) -> None:
         self.cpu.close()
         self.gpu.close()
+        if self._procs is not None:
+            self._procs.close()
 
 
+
+
+def _kind(st: StagePlan) -> str:
+    """How a stage is named in errors and stats: cpu, process or gpu."""
+    return "process" if st.process else st.kind
 
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:

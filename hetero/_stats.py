@@ -20,7 +20,7 @@ class StageStats:
     """One stage of the last run. Instants are seconds from the run's start; None if it never got there."""
 
     name: str
-    kind: str  # "cpu" | "gpu"
+    kind: str  # "cpu" | "process" (a CPU stage run in a worker process) | "gpu"
     queued: float | None  # became ready
     started: float | None  # a worker began it
     recorded: float | None  # its function returned (for GPU stages: its commands were recorded)

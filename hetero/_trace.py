@@ -21,7 +21,9 @@ Tracks
     when the OS reuses its ident. Named tracks that are not threads (``GPU queue``)
     get synthetic tids from the same counter and their own ``thread_name``, so
     Perfetto draws them as separate tracks. ``thread_sort_index`` orders the tracks:
-    event loop, CPU workers, GPU recording workers, the fence thread, then GPU queues.
+    event loop, CPU workers, process workers (``hetero-proc-N``: named tracks carrying
+    the spans process stages ran in a worker process, timed there), GPU recording
+    workers, the fence thread, then GPU queues.
 
 Events
     :meth:`~Tracer.span` (``ph: "X"``, a complete event with ``dur >= 0``),
@@ -82,12 +84,14 @@ _Event = tuple[str, str, str, int, int, int, Any]
 
 
 def _sort_index(name: str) -> int:
-    """Where a track goes in Perfetto's list: loop, CPU, GPU recording, fence, GPU queues, others."""
+    """Where a track goes in Perfetto's list: loop, CPU, processes, GPU recording, fence, GPU queues, others."""
     n = name.casefold()
     if n in ("event loop", "mainthread"):
         return 0
     if n.startswith("hetero-cpu"):
         return 100
+    if n.startswith("hetero-proc"):
+        return 150
     if n.startswith("hetero-gpu"):
         return 200
     if "fence" in n:

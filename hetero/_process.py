@@ -1,0 +1,620 @@
+"""Process stages: a pool of worker processes, and shared memory for large numpy arrays.
+
+``g.cpu(fn, ..., process=True)`` runs ``fn`` in a worker process, so a pure-Python
+stage that holds the GIL does not stall the threads recording GPU work.
+
+The pool
+--------
+A small pool of our own rather than :class:`concurrent.futures.ProcessPoolExecutor`:
+a cancelled or timed-out stage must end its worker while the other workers carry on.
+The executor cannot cancel a running call; its only way out is to break (and
+recreate) the whole pool, which throws away every other stage in flight. Here each
+worker has its own pipe and sentinel, so one worker is killed and replaced, and a
+crashed worker (``os._exit``, a segfault) fails only the stage it was running.
+
+* Workers start on first use (``Runtime(cpu_processes=N)``, default cores - 1) with
+  the ``forkserver`` start method where the platform has it, else ``spawn``. Never
+  ``fork``: the parent runs wgpu, a fence thread and worker threads, and a forked
+  child inherits their locks in whatever state they were (a deadlock waiting to
+  happen). The fork server is a clean single-threaded process, so replacing a killed
+  worker costs a fork, not a fresh interpreter.
+* The thread that submits a job pickles it and, when a worker is idle, sends it
+  right away; otherwise the job waits in a priority queue (same keys as the thread
+  pools). One dispatcher thread (``hetero-proc``) waits on every worker's pipe and
+  sentinel at once, receives results, hands the next queued job to the freed worker
+  and calls the job's completion. No thread sits blocked for a running stage.
+* Workers ignore SIGINT: on Ctrl-C the parent decides what ends, and cleans up.
+
+Shared memory
+-------------
+Arguments and results are pickled with protocol 5. Each contiguous buffer of at
+least ``threshold`` bytes (numpy arrays among them) goes out of band into one POSIX
+shared-memory segment per message instead of into the pickle; the other side maps
+the segment and unpickles arrays that are views of it (one copy in, none out).
+
+* Argument segments are created by the parent and unlinked when the stage ends
+  (result, error, crash or cancellation).
+* Result segments are created by the worker; the parent maps and unlinks each as
+  soon as it arrives, so the array it receives owns the mapping: its memory lives
+  exactly as long as the value (the run holds it until its consumers ran and the
+  caller dropped it).
+* Segment names carry the parent's pid (``/hx<pid>_...``) and, for results, the
+  worker's. When a worker dies its leftovers are swept; closing the pool (or exit,
+  or Ctrl-C through ``Runtime.close``) sweeps every segment of the process; a new
+  pool sweeps those of dead parents.
+
+The segments are made with the POSIX calls :mod:`multiprocessing.shared_memory` is
+built on (``_posixshmem``), without its resource tracker: the tracker would warn
+about, and try to unlink, segments the other process owns. Where ``_posixshmem`` is
+missing (Windows) everything travels in the pickle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import heapq
+import itertools
+import logging
+import mmap
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
+
+try:
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
+__all__ = ["Job", "ProcessPool", "SHM_THRESHOLD", "check_unpicklable", "shm_segments"]
+
+log = logging.getLogger("hetero")
+
+# Buffers (numpy arrays) of at least this many bytes travel through shared memory.
+SHM_THRESHOLD = 1 << 16
+_ALIGN = 64
+_PREFIX = "hx"
+_SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for sweeping)
+
+# (pickle bytes, segment name or None, ((offset, length), ...))
+Message = tuple[bytes, str | None, tuple[tuple[int, int], ...]]
+
+
+# -- shared-memory segments ----------------------------------------------------------
+def _map(fd: int, size: int) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault all pages in one call
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _create(name: str, size: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        return _map(fd, size)
+    except BaseException:
+        _unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _attach(name: str, size: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    try:
+        return _map(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+def shm_segments(pid: int | None = None) -> list[str]:
+    """Names of this process's (or ``pid``'s) segments in /dev/shm; [] where it cannot be listed."""
+    prefix = f"{_PREFIX}{os.getpid() if pid is None else pid}_"
+    try:
+        return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
+    except OSError:
+        return []
+
+
+def _sweep(prefix: str) -> None:
+    """Unlink every segment whose name starts with ``prefix`` (e.g. a dead worker's)."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(prefix):
+            _unlink("/" + n)
+
+
+def _sweep_dead_parents() -> None:
+    """Unlink segments left by processes that no longer exist (killed with SIGKILL, say)."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    dead: dict[int, bool] = {}
+    for n in names:
+        if not n.startswith(_PREFIX):
+            continue
+        head = n[len(_PREFIX):].split("_", 1)[0]
+        if not head.isdigit():
+            continue
+        pid = int(head)
+        if pid not in dead:
+            try:
+                os.kill(pid, 0)
+                dead[pid] = False
+            except ProcessLookupError:
+                dead[pid] = True
+            except OSError:
+                dead[pid] = False
+        if dead[pid]:
+            _unlink("/" + n)
+
+
+def encode(obj: Any, new_name: Callable[[], str], threshold: int) -> Message:
+    """Pickle ``obj``; buffers of ``threshold`` bytes or more go into one new shared-memory segment."""
+    big: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        try:
+            n = buf.raw().nbytes
+        except BufferError:  # not contiguous: let pickle copy it
+            return True
+        if n < threshold:
+            return True
+        big.append(buf)
+        return False
+
+    data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band if _posixshmem is not None else None)
+    if not big:
+        return data, None, ()
+    layout = []
+    off = 0
+    for b in big:
+        n = b.raw().nbytes
+        layout.append((off, n))
+        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    name = new_name()
+    mm = _create(name, off)
+    try:
+        view = memoryview(mm)
+        try:
+            for b, (o, n) in zip(big, layout):
+                with b.raw() as raw:
+                    view[o:o + n] = raw
+        finally:
+            view.release()
+    except BaseException:
+        _unlink(name)
+        raise
+    finally:
+        mm.close()
+    return data, name, tuple(layout)
+
+
+def decode(msg: Message) -> Any:
+    """Unpickle ``msg``; its large buffers become views of the (mapped) segment."""
+    data, name, layout = msg
+    if name is None:
+        return pickle.loads(data)
+    size = max(o + n for o, n in layout)
+    mm = _attach(name, size)
+    view = memoryview(mm)
+    # Each array keeps its slice, the slice keeps the mapping: unmapped when the last array dies.
+    return pickle.loads(data, buffers=[view[o:o + n] for o, n in layout])
+
+
+def check_unpicklable(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], skip: tuple[type, ...]) -> str | None:
+    """Why ``fn`` or a constant argument cannot be pickled, or None (values of ``skip`` types are
+    graph references, checked when they arrive). Buffers are not copied while checking."""
+
+    def why(obj: Any) -> str | None:
+        try:
+            pickle.dumps(obj, protocol=5, buffer_callback=lambda b: False)
+        except Exception as e:  # noqa: BLE001 - any failure to pickle is reported
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    w = why(fn)
+    if w is not None:
+        return f"its function {fn!r} cannot be pickled ({w})"
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"keyword argument {k!r}", v)
+                                                                   for k, v in kwargs.items()]
+    for where, a in named:
+        if not isinstance(a, skip):
+            w = why(a)
+            if w is not None:
+                return f"its {where} ({type(a).__name__}) cannot be pickled ({w})"
+    return None
+
+
+# -- the worker process --------------------------------------------------------------
+class _RemoteTraceback(Exception):
+    """The worker's traceback, as text: chained under the exception it belongs to."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\nworker traceback:\n" + self.tb
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception as e:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__qualname__}: {exc} (the exception itself could not be pickled: "
+                            f"{type(e).__name__}: {e})")
+
+
+def _worker_main(conn: Any, parent: int, threshold: int) -> None:
+    """Receive (job id, message), run it, send (job id, ok, payload, t0, t1) back; stop at EOF or None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    me = os.getpid()
+    seq = itertools.count()
+
+    def new_name() -> str:
+        return f"/{_PREFIX}{parent}_{me}_{next(seq)}"
+
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        job_id, msg = job
+        t0 = time.perf_counter_ns()
+        reply: tuple[Any, bool, Any, int, int]
+        try:
+            fn, args, kwargs = decode(msg)
+            value = fn(*args, **kwargs)
+            del args, kwargs
+            t1 = time.perf_counter_ns()
+            try:
+                reply = (job_id, True, encode(value, new_name, threshold), t0, t1)
+            except Exception as e:
+                raise TypeError(f"the stage's result cannot be pickled ({type(e).__name__}: {e})") from e
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            t1 = time.perf_counter_ns()
+            tb = traceback.format_exc()
+            reply = (job_id, False, (_portable(e), tb), t0, t1)
+        del msg
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):  # the parent is gone
+            if reply[1]:
+                name = reply[2][1]
+                if name is not None:
+                    _unlink(name)
+            return
+
+
+# -- the parent side -----------------------------------------------------------------
+# on_done(ok, value or exception, worker index, t0 ns, t1 ns) runs on the dispatcher thread.
+Done = Callable[[bool, Any, int, int, int], None]
+
+
+class Job:
+    """One call of a process stage: queued, then running on one worker, then done."""
+
+    __slots__ = ("key", "msg", "on_done", "state", "worker", "arrival")
+
+    def __init__(self, key: Any, msg: Message, on_done: Done, arrival: int) -> None:
+        self.key = key
+        self.msg = msg
+        self.on_done = on_done
+        self.state = "queued"  # queued | running | done | cancelled
+        self.worker: _Worker | None = None
+        self.arrival = arrival
+
+    def __lt__(self, other: Job) -> bool:
+        return (self.key, self.arrival) < (other.key, other.arrival)
+
+
+class _Worker:
+    __slots__ = ("index", "proc", "conn", "job")
+
+    def __init__(self, index: int, proc: Any, conn: Any) -> None:
+        self.index = index
+        self.proc = proc
+        self.conn = conn
+        self.job: Job | None = None
+
+
+_live_pools: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    for pool in list(_live_pools):
+        pool.close()
+
+
+atexit.register(_close_all)
+
+
+def _context() -> Any:
+    methods = mp.get_all_start_methods()
+    return mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+class ProcessPool:
+    """``size`` worker processes, started on first submit, fed from a priority queue."""
+
+    def __init__(self, size: int, threshold: int = SHM_THRESHOLD) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"cpu_processes must be an integer >= 1, got {size!r}")
+        self.size = size
+        self.threshold = threshold
+        self._ctx = _context()
+        self._lock = threading.Lock()
+        self._workers: list[_Worker | None] = [None] * size
+        self._idle: list[_Worker] = []
+        self._queue: list[Job] = []
+        self._arrival = itertools.count()
+        self._names = itertools.count()
+        self._started = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self.calls = 0
+        self.crashes = 0
+        self.killed = 0
+
+    @property
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.proc.pid for w in self._workers if w is not None]
+
+    # -- submitting ---------------------------------------------------------------------
+    def _new_name(self) -> str:
+        return f"/{_PREFIX}{os.getpid()}_a{next(self._names)}"
+
+    def submit(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               on_done: Done) -> Job:
+        """Queue ``fn(*args, **kwargs)``; ``on_done`` gets its result. Raises if it cannot be pickled."""
+        msg = encode((fn, args, kwargs), self._new_name, self.threshold)
+        job = Job(key, msg, on_done, next(self._arrival))
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the process pool is closed")
+                if not self._started:
+                    self._start()
+                self.calls += 1
+                if not self._idle:
+                    heapq.heappush(self._queue, job)
+                    return job
+                w = self._idle.pop()
+                self._give(w, job)
+        except BaseException:
+            self._drop_segment(job)
+            raise
+        return job
+
+    def _give(self, w: _Worker, job: Job) -> None:
+        """Send ``job`` to idle worker ``w`` (called with the lock held)."""
+        job.state = "running"
+        job.worker = w
+        w.job = job
+        try:
+            w.conn.send((job.arrival, job.msg))
+        except (OSError, ValueError):  # the worker just died: the dispatcher will see its sentinel
+            pass
+
+    def cancel(self, job: Job) -> None:
+        """Forget ``job``: a queued one never runs; a running one's worker is killed (and replaced)."""
+        with self._lock:
+            if job.state == "queued":
+                job.state = "cancelled"
+                self._queue.remove(job)
+                heapq.heapify(self._queue)
+            elif job.state == "running":
+                job.state = "cancelled"
+                w = job.worker
+                if w is not None:
+                    self.killed += 1
+                    try:
+                        w.proc.kill()
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                return  # its segment goes once the dispatcher saw the worker end
+            else:
+                return
+        self._drop_segment(job)
+
+    @staticmethod
+    def _drop_segment(job: Job) -> None:
+        name = job.msg[1]
+        if name is not None:
+            _unlink(name)
+            job.msg = (b"", None, ())
+
+    # -- workers --------------------------------------------------------------------------
+    def _start(self) -> None:
+        _sweep_dead_parents()
+        self._started = True
+        for i in range(self.size):
+            self._spawn(i)
+        _live_pools.add(self)
+        self._thread = threading.Thread(target=self._dispatch, name="hetero-proc", daemon=True)
+        self._thread.start()
+
+    def _spawn(self, index: int) -> None:
+        """Start worker ``index`` (called with the lock held)."""
+        mine, theirs = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_worker_main, args=(theirs, os.getpid(), self.threshold),
+                                 name=f"hetero-proc-{index}", daemon=True)
+        proc.start()
+        theirs.close()
+        w = _Worker(index, proc, mine)
+        self._workers[index] = w
+        self._idle.append(w)
+        if self._thread is not None:
+            self._wake_w.send_bytes(b"w")  # the dispatcher must wait on the new worker too
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                workers = [w for w in self._workers if w is not None]
+            waits: dict[Any, tuple[str, _Worker | None]] = {self._wake_r: ("wake", None)}
+            for w in workers:
+                waits[w.conn] = ("conn", w)
+                waits[w.proc.sentinel] = ("dead", w)
+            for obj in mpc.wait(list(waits)):
+                what, ww = waits[obj]
+                if what == "wake":
+                    while self._wake_r.poll():
+                        self._wake_r.recv_bytes()
+                    continue
+                assert ww is not None
+                if self._workers[ww.index] is not ww:
+                    continue  # already handled through its other handle
+                if what == "conn":
+                    try:
+                        reply = ww.conn.recv()
+                    except (EOFError, OSError):
+                        self._worker_died(ww)
+                        continue
+                    self._finished(ww, reply)
+                else:
+                    self._worker_died(ww)
+
+    def _finished(self, w: _Worker, reply: tuple[Any, ...]) -> None:
+        job_id, ok, payload, t0, t1 = reply
+        with self._lock:
+            job = w.job
+            w.job = None
+            # A worker whose job was cancelled is being killed: it gets nothing more.
+            usable = not self._closed and (job is None or job.state != "cancelled")
+            nxt = heapq.heappop(self._queue) if self._queue and usable else None
+            if nxt is not None:
+                self._give(w, nxt)
+            elif usable:
+                self._idle.append(w)
+        if job is None or job.arrival != job_id:  # pragma: no cover - replies come in order
+            log.error("hetero: process worker %d answered job %s it was not given", w.index, job_id)
+            return
+        self._drop_segment(job)
+        if ok:
+            try:
+                value = decode(payload)
+            except BaseException as e:  # noqa: BLE001
+                ok, value = False, e
+            finally:
+                if payload[1] is not None:
+                    _unlink(payload[1])  # mapped (or failed): the name is no longer needed
+        else:
+            exc, tb = payload
+            exc.__cause__ = _RemoteTraceback(tb)
+            value = exc
+        if job.state == "cancelled":
+            return
+        job.state = "done"
+        self._call(job, ok, value, w.index, t0, t1)
+
+    def _worker_died(self, w: _Worker) -> None:
+        w.proc.join(timeout=5)
+        code = w.proc.exitcode
+        _sweep(f"{_PREFIX}{os.getpid()}_{w.proc.pid}_")
+        try:
+            w.conn.close()
+        except OSError:  # pragma: no cover
+            pass
+        with self._lock:
+            job = w.job
+            w.job = None
+            if w in self._idle:
+                self._idle.remove(w)
+            self._workers[w.index] = None
+            if not self._closed:
+                self._spawn(w.index)
+                nxt = heapq.heappop(self._queue) if self._queue else None
+                if nxt is not None:
+                    nw = self._idle.pop()
+                    self._give(nw, nxt)
+        if job is None:
+            return
+        self._drop_segment(job)
+        if job.state == "cancelled":
+            return
+        self.crashes += 1
+        job.state = "done"
+        how = f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        err = BrokenProcessPool(f"the worker process (pid {w.proc.pid}) running it {how}")
+        self._call(job, False, err, w.index, 0, 0)
+
+    @staticmethod
+    def _call(job: Job, ok: bool, value: Any, index: int, t0: int, t1: int) -> None:
+        try:
+            job.on_done(ok, value, index, t0, t1)
+        except BaseException:  # pragma: no cover - a completion must not kill the dispatcher
+            log.exception("hetero: a process stage's completion failed")
+
+    # -- closing --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers (idle ones finish, busy ones are killed); queued jobs fail. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = [w for w in self._workers if w is not None]
+            queued, self._queue = self._queue, []
+            self._idle = []
+        for job in queued:
+            self._drop_segment(job)
+        for w in workers:
+            try:
+                if w.job is None:
+                    w.conn.send(None)
+                else:
+                    w.proc.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._started:
+            try:
+                self._wake_w.send_bytes(b"c")
+            except OSError:  # pragma: no cover
+                pass
+        for w in workers:
+            w.proc.join(timeout=2)
+            if w.proc.exitcode is None:
+                w.proc.kill()
+                w.proc.join(timeout=2)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        for w in workers:
+            if w.job is not None:
+                self._drop_segment(w.job)
+            try:
+                w.conn.close()
+            except OSError:  # pragma: no cover
+                pass
+        _sweep(f"{_PREFIX}{os.getpid()}_")
+        for job in queued + [w.job for w in workers if w.job is not None]:
+            if job.state in ("queued", "running"):
+                job.state = "done"
+                self._call(job, False, RuntimeError("the runtime was closed while the stage waited or ran"),
+                           -1, 0, 0)
+        _live_pools.discard(self)
