@@ -16,8 +16,9 @@ crashed worker (``os._exit``, a segfault) fails only the stage it was running.
   the ``forkserver`` start method where the platform has it, else ``spawn``. Never
   ``fork``: the parent runs wgpu, a fence thread and worker threads, and a forked
   child inherits their locks in whatever state they were (a deadlock waiting to
-  happen). The fork server is a clean single-threaded process, so replacing a killed
-  worker costs a fork, not a fresh interpreter.
+  happen). The fork server is a fresh process that only imported hetero (no device,
+  no scheduler threads), so replacing a killed worker costs a fork, not a fresh
+  interpreter and its imports.
 * The thread that submits a job pickles it and, when a worker is idle, sends it
   right away; otherwise the job waits in a priority queue (same keys as the thread
   pools). One dispatcher thread (``hetero-proc``) waits on every worker's pipe and
@@ -352,8 +353,18 @@ atexit.register(_close_all)
 
 
 def _context() -> Any:
-    methods = mp.get_all_start_methods()
-    return mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # The fork server imports hetero (and numpy) once, so a worker replacing a killed or
+    # crashed one starts in a fork's time instead of an import's. Added to whatever is
+    # preloaded already; no effect once the server runs.
+    from multiprocessing import forkserver
+
+    have = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+    if __name__ not in have:
+        ctx.set_forkserver_preload([*have, __name__])
+    return ctx
 
 
 class ProcessPool:

@@ -327,38 +327,50 @@ def _alive(p: int) -> bool:
 
 
 # -- GPU, stats, trace --------------------------------------------------------------------------
-async def test_process_stage_feeds_a_gpu_stage(tmp_path: Path) -> None:
+async def test_process_stage_feeds_a_gpu_stage(shared_rt: hetero.Runtime) -> None:
     """
     ::
 
-        n --> ramp (process) --> matmul (gpu) --> caller
+        n --> ramp (process) --> square (thread) --> mm (gpu) --> caller
     """
     g = hetero.Graph("hybrid")
     n = g.input("n")
     a = g.cpu(ramp, n, process=True)
     a2 = g.cpu(np.reshape, a, (8, 8), name="square")
     g.output(g.gpu(lambda gpu, m: hetero.ops.matmul(gpu, m, m), a2, name="mm"))
-    trace = tmp_path / "t.json"
-    async with hetero.Runtime(cpu_threads=2, cpu_processes=1, trace=trace) as rt:
-        got = [r async for r in rt.map(g, ({"n": 64} for _ in range(3)), max_in_flight=2)]
-        assert [s.kind for s in rt.stats().stages] == ["process", "cpu", "gpu"]
+    got = [r async for r in shared_rt.map(g, ({"n": 64} for _ in range(3)), max_in_flight=2)]
+    assert [s.kind for s in shared_rt.stats().stages] == ["process", "cpu", "gpu"]
     m = np.arange(64, dtype=np.float32).reshape(8, 8)
     for r in got:
         np.testing.assert_allclose(r, m @ m, rtol=1e-5)
+
+
+def test_trace_puts_process_stages_on_their_own_track(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    g = hetero.Graph("traced")
+    x = g.input("x")
+    g.output(g.cpu(add, g.cpu(add, x, 1, process=True), 1, name="inc"))
+    with hetero.Runtime(cpu_threads=1, cpu_processes=1, trace=trace) as rt:
+        for i in range(3):
+            assert anyio.run(lambda: rt.run(g, x=i)) == i + 2
     data = json.loads(trace.read_text())
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
-    spans = [e for e in data["traceEvents"] if e["ph"] == "X" and e["name"] == "ramp"]
-    assert len(spans) == 3 and {names[e["tid"]] for e in spans} == {"hetero-proc-0"}
-    assert all(e["cat"] == "process" for e in spans)
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X" and e["name"] in ("add", "inc")]
+    assert sorted((e["name"], e["cat"], names[e["tid"]]) for e in spans) == (
+        [("add", "process", "hetero-proc-0")] * 3 + [("inc", "cpu", "hetero-cpu-0")] * 3)
 
 
 # -- Ctrl-C --------------------------------------------------------------------------------------
 SCRIPT = """
-import os, sys, time
+import os, time
 import anyio, numpy as np
 import hetero
-sys.path.insert(0, {tests!r})
-from test_process import sleep_then
+
+def sleep_then(started, x, seconds):
+    with open(started, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return float(x.sum())
 
 async def main():
     g = hetero.Graph("slow")
@@ -376,8 +388,7 @@ if __name__ == "__main__":
 def test_ctrl_c_leaves_no_segment_and_no_worker(tmp_path: Path, backend: str) -> None:
     started = tmp_path / "started"
     script = tmp_path / "main.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), n=BIG, started=str(started),
-                                    backend=backend))
+    script.write_text(SCRIPT.format(n=BIG, started=str(started), backend=backend))
     proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + WAIT
