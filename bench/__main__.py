@@ -24,6 +24,7 @@ BENCHES = {
     "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
     "embed": "MiniLM sentence embeddings beside sentence-transformers (random weights without the model)",
     "dask": "embed on a DaskRuntime (one and two worker processes) beside local embed(), chunk overhead",
+    "hybrid": "pure-Python CPU stage beside a GPU stage: threads vs process stages, call cost, shared memory",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
 ALL_ARGS = {
@@ -39,6 +40,7 @@ ALL_ARGS = {
     "nn": [],
     "embed": ["--n", "1024", "--batch", "128"],
     "dask": ["--n", "100000", "--batch", "128"],
+    "hybrid": [],
 }
 
 

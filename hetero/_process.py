@@ -94,11 +94,21 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _create(name: str, size: int) -> mmap.mmap:
+def _write(name: str, size: int, parts: list[tuple[pickle.PickleBuffer, int]]) -> None:
+    """Create segment ``name`` of ``size`` bytes holding each buffer at its offset.
+
+    Written with pwrite rather than through a mapping: the kernel copies into fresh
+    pages in one pass, where a mapping would first zero every page and then copy.
+    """
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, size)
-        return _map(fd, size)
+        for buf, off in parts:
+            with buf.raw() as raw:
+                view = raw.cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], off + done)
     except BaseException:
         _unlink(name)
         raise
@@ -191,20 +201,7 @@ def encode(obj: Any, new_name: Callable[[], str], threshold: int) -> Message:
         layout.append((off, n))
         off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
     name = new_name()
-    mm = _create(name, off)
-    try:
-        view = memoryview(mm)
-        try:
-            for b, (o, n) in zip(big, layout):
-                with b.raw() as raw:
-                    view[o:o + n] = raw
-        finally:
-            view.release()
-    except BaseException:
-        _unlink(name)
-        raise
-    finally:
-        mm.close()
+    _write(name, off, [(b, o) for b, (o, _) in zip(big, layout)])
     return data, name, tuple(layout)
 
 
