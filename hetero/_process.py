@@ -416,16 +416,21 @@ class ProcessPool:
         except BaseException:
             self._drop_segment(job)
             raise
+        self._send(w, job)
         return job
 
-    def _give(self, w: _Worker, job: Job) -> None:
-        """Send ``job`` to idle worker ``w`` (called with the lock held)."""
+    @staticmethod
+    def _give(w: _Worker, job: Job) -> None:
+        """Assign ``job`` to idle worker ``w`` (with the lock held; then :meth:`_send` without it)."""
         job.state = "running"
         job.worker = w
         w.job = job
+
+    @staticmethod
+    def _send(w: _Worker, job: Job) -> None:
         try:
             w.conn.send((job.arrival, job.msg))
-        except (OSError, ValueError):  # the worker just died: the dispatcher will see its sentinel
+        except (OSError, ValueError):  # the worker died (or was killed): the dispatcher sees its sentinel
             pass
 
     def cancel(self, job: Job) -> None:
@@ -438,7 +443,7 @@ class ProcessPool:
             elif job.state == "running":
                 job.state = "cancelled"
                 w = job.worker
-                if w is not None:
+                if w is not None and w.job is job:  # not yet answered: end the worker
                     self.killed += 1
                     try:
                         w.proc.kill()
@@ -520,10 +525,16 @@ class ProcessPool:
                 self._give(w, nxt)
             elif usable:
                 self._idle.append(w)
+        if nxt is not None:
+            self._send(w, nxt)
         if job is None or job.arrival != job_id:  # pragma: no cover - replies come in order
             log.error("hetero: process worker %d answered job %s it was not given", w.index, job_id)
             return
         self._drop_segment(job)
+        if job.state == "cancelled":  # nobody wants the result: only free its segment
+            if ok and payload[1] is not None:
+                _unlink(payload[1])
+            return
         if ok:
             try:
                 value = decode(payload)
@@ -549,6 +560,7 @@ class ProcessPool:
             w.conn.close()
         except OSError:  # pragma: no cover
             pass
+        nxt = nw = None
         with self._lock:
             job = w.job
             w.job = None
@@ -561,6 +573,8 @@ class ProcessPool:
                 if nxt is not None:
                     nw = self._idle.pop()
                     self._give(nw, nxt)
+        if nw is not None and nxt is not None:
+            self._send(nw, nxt)
         if job is None:
             return
         self._drop_segment(job)
