@@ -95,6 +95,18 @@ def flaky(path: str) -> str:
     return "ok"
 
 
+def rendezvous(directory: str, me: str, n: int) -> int:
+    """Arrive, then wait until ``n`` parties arrived (all must run at once to return)."""
+    d = Path(directory)
+    (d / me).write_text("")
+    deadline = time.monotonic() + WAIT
+    while len(list(d.iterdir())) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{me}: only {len(list(d.iterdir()))} of {n} arrived")
+        time.sleep(0.01)
+    return os.getpid()
+
+
 def sleep_then(started: str, x: np.ndarray, seconds: float) -> float:
     Path(started).write_text(str(os.getpid()))
     time.sleep(seconds)
@@ -151,6 +163,23 @@ async def test_stages_run_in_worker_processes(prt: hetero.Runtime) -> None:
     stats = prt.stats()
     assert [s.kind for s in stats.stages] == ["process", "cpu", "process", "process"]
     assert all(s.completed is not None and s.started is not None for s in stats.stages)
+
+
+async def test_process_stages_hold_no_thread(prt: hetero.Runtime, tmp_path: Path) -> None:
+    """Two process stages and two thread stages run at once on 2 CPU threads and 2 workers.
+
+    ::
+
+        d --> p1, p2 (process), t1, t2 (thread): all four wait for each other
+    """
+    g = hetero.Graph("meet")
+    d = g.input("d")
+    outs = [g.cpu(rendezvous, d, name, 4, process=name.startswith("p"), name=name)
+            for name in ("p1", "p2", "t1", "t2")]
+    g.output(*outs)
+    p1, p2, t1, t2 = await prt.run(g, d=str(tmp_path))
+    assert t1 == t2 == os.getpid()
+    assert {p1, p2} == set(prt._sched.procs().pids)
 
 
 async def test_real_text_and_map_backpressure(prt: hetero.Runtime) -> None:
