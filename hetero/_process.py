@@ -58,7 +58,7 @@ import itertools
 import logging
 import mmap
 import multiprocessing as mp
-import multiprocessing.connection as mpc
+import selectors
 import os
 import pickle
 import signal
@@ -383,6 +383,9 @@ class ProcessPool:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        # What the dispatcher waits on, registered once per worker (not rebuilt per wake-up).
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self.calls = 0
         self.crashes = 0
         self.killed = 0
@@ -481,37 +484,33 @@ class ProcessPool:
         w = _Worker(index, proc, mine)
         self._workers[index] = w
         self._idle.append(w)
-        if self._thread is not None:
-            self._wake_w.send_bytes(b"w")  # the dispatcher must wait on the new worker too
+        self._sel.register(mine, selectors.EVENT_READ, ("conn", w))
+        self._sel.register(proc.sentinel, selectors.EVENT_READ, ("dead", w))
 
     def _dispatch(self) -> None:
         while True:
-            with self._lock:
-                if self._closed:
-                    return
-                workers = [w for w in self._workers if w is not None]
-            waits: dict[Any, tuple[str, _Worker | None]] = {self._wake_r: ("wake", None)}
-            for w in workers:
-                waits[w.conn] = ("conn", w)
-                waits[w.proc.sentinel] = ("dead", w)
-            for obj in mpc.wait(list(waits)):
-                what, ww = waits[obj]
+            if self._closed:
+                return
+            for key, _ in self._sel.select():
+                what, w = key.data
                 if what == "wake":
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
                     continue
-                assert ww is not None
-                if self._workers[ww.index] is not ww:
+                if self._workers[w.index] is not w:
                     continue  # already handled through its other handle
-                if what == "conn":
-                    try:
-                        reply = ww.conn.recv()
-                    except (EOFError, OSError):
-                        self._worker_died(ww)
-                        continue
-                    self._finished(ww, reply)
-                else:
-                    self._worker_died(ww)
+                try:
+                    if what == "conn":
+                        try:
+                            reply = w.conn.recv()
+                        except (EOFError, OSError):
+                            self._worker_died(w)
+                            continue
+                        self._finished(w, reply)
+                    else:
+                        self._worker_died(w)
+                except Exception:  # pragma: no cover - the dispatcher must keep serving the others
+                    log.exception("hetero: the process pool failed to handle worker %d", w.index)
 
     def _finished(self, w: _Worker, reply: tuple[Any, ...]) -> None:
         job_id, ok, payload, t0, t1 = reply
@@ -556,6 +555,11 @@ class ProcessPool:
         w.proc.join(timeout=5)
         code = w.proc.exitcode
         _sweep(f"{_PREFIX}{os.getpid()}_{w.proc.pid}_")
+        for handle in (w.conn, w.proc.sentinel):
+            try:
+                self._sel.unregister(handle)
+            except (KeyError, ValueError):  # pragma: no cover
+                pass
         try:
             w.conn.close()
         except OSError:  # pragma: no cover
@@ -626,6 +630,10 @@ class ProcessPool:
                 w.proc.join(timeout=2)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self._thread is None or not self._thread.is_alive():
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
         for w in workers:
             if w.job is not None:
                 self._drop_segment(w.job)
