@@ -402,7 +402,10 @@ class ProcessPool:
     def submit(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                on_done: Done) -> Job:
         """Queue ``fn(*args, **kwargs)``; ``on_done`` gets its result. Raises if it cannot be pickled."""
-        msg = encode((fn, args, kwargs), self._new_name, self.threshold)
+        try:
+            msg = encode((fn, args, kwargs), self._new_name, self.threshold)
+        except Exception as e:
+            raise TypeError(f"the stage's arguments cannot be pickled ({type(e).__name__}: {e})") from e
         job = Job(key, msg, on_done, next(self._arrival))
         try:
             with self._lock:

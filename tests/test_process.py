@@ -257,7 +257,8 @@ async def test_unpicklable_values_at_run_time(prt: hetero.Runtime) -> None:
     g = hetero.Graph("lockin")
     x = g.input("x")
     g.output(g.cpu(add, g.cpu(give_lock, x, name="make"), 1, process=True))
-    with pytest.raises(StageError, match=r"^process stage 'add' failed: TypeError: cannot pickle '_thread.lock'"):
+    with pytest.raises(StageError, match=r"^process stage 'add' failed: TypeError: the stage's arguments cannot "
+                                         r"be pickled \(TypeError: cannot pickle '_thread.lock' object\)"):
         await prt.run(g, x=1)
     with pytest.raises(StageError, match=r"^process stage 'give_lock' failed: TypeError: the stage's result "
                                          r"cannot be pickled \(TypeError: cannot pickle '_thread.lock' object\)"):
