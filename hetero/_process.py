@@ -279,31 +279,30 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
             return
         if job is None:
             return
-        job_id, msg = job
-        t0 = time.perf_counter_ns()
-        reply: tuple[Any, bool, Any, int, int]
-        try:
-            fn, args, kwargs = decode(msg)
-            value = fn(*args, **kwargs)
-            del args, kwargs
-            t1 = time.perf_counter_ns()
-            try:
-                reply = (job_id, True, encode(value, new_name, threshold), t0, t1)
-            except Exception as e:
-                raise TypeError(f"the stage's result cannot be pickled ({type(e).__name__}: {e})") from e
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            t1 = time.perf_counter_ns()
-            tb = traceback.format_exc()
-            reply = (job_id, False, (_portable(e), tb), t0, t1)
-        del msg
+        reply = _run_job(job[0], job[1], new_name, threshold)
+        del job
         try:
             conn.send(reply)
         except (OSError, ValueError):  # the parent is gone
-            if reply[1]:
-                name = reply[2][1]
-                if name is not None:
-                    _unlink(name)
+            if reply[1] and reply[2][1] is not None:
+                _unlink(reply[2][1])
             return
+
+
+def _run_job(job_id: int, msg: Message, new_name: Callable[[], str], threshold: int) -> tuple[Any, ...]:
+    """Run one call. Its arguments (views of their segment) and its value die with this frame."""
+    t0 = time.perf_counter_ns()
+    try:
+        fn, args, kwargs = decode(msg)
+        value = fn(*args, **kwargs)
+        t1 = time.perf_counter_ns()
+        try:
+            return (job_id, True, encode(value, new_name, threshold), t0, t1)
+        except Exception as e:
+            raise TypeError(f"the stage's result cannot be pickled ({type(e).__name__}: {e})") from e
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        t1 = time.perf_counter_ns()
+        return (job_id, False, (_portable(e), traceback.format_exc()), t0, t1)
 
 
 # -- the parent side -----------------------------------------------------------------
