@@ -440,3 +440,14 @@ def test_ctrl_c_leaves_no_segment_and_no_worker(tmp_path: Path, backend: str) ->
     while _alive(worker):
         assert time.monotonic() < deadline, "the worker outlived its parent"
         time.sleep(0.05)
+
+
+def test_pool_size_option() -> None:
+    with hetero.Runtime() as rt:
+        assert rt.cpu_processes == max(1, (os.cpu_count() or 2) - 1)
+        assert rt._sched._procs is None  # nothing started without a process stage
+    with hetero.Runtime(cpu_processes=3) as rt:
+        assert rt.cpu_processes == rt.options.cpu_processes == 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"^cpu_processes must be an integer >= 1, got {bad!r}$"):
+            hetero.Runtime(cpu_processes=bad)  # type: ignore[arg-type]
