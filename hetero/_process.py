@@ -39,7 +39,7 @@ the segment and unpickles arrays that are views of it (one copy in, none out).
   soon as it arrives, so the array it receives owns the mapping: its memory lives
   exactly as long as the value (the run holds it until its consumers ran and the
   caller dropped it).
-* Segment names carry the parent's pid (``/hx<pid>_...``) and, for results, the
+* Segment names carry the parent's pid (``/hetero<pid>_...``) and, for results, the
   worker's. When a worker dies its leftovers are swept; closing the pool (or exit,
   or Ctrl-C through ``Runtime.close``) sweeps every segment of the process; a new
   pool sweeps those of dead parents.
@@ -81,7 +81,7 @@ log = logging.getLogger("hetero")
 # Buffers (numpy arrays) of at least this many bytes travel through shared memory.
 SHM_THRESHOLD = 1 << 16
 _ALIGN = 64
-_PREFIX = "hx"
+_PREFIX = "hetero"  # then the parent pid, "_", and more (short: macOS allows 31 characters)
 _SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for sweeping)
 
 # (pickle bytes, segment name or None, ((offset, length), ...))

@@ -135,6 +135,12 @@ def one_stage(fn: Any, *args: Any, name: str | None = None, **kw: Any) -> hetero
     return g
 
 
+async def started_pool(rt: hetero.Runtime) -> Any:
+    """The runtime's process pool, its workers started (a process stage ran)."""
+    assert await rt.run(one_stage(add, 1), x=0) == 1
+    return rt._sched.procs()
+
+
 async def wait_for_file(p: Path) -> int:
     with anyio.fail_after(WAIT):
         while not p.exists() or not p.read_text():
@@ -293,7 +299,7 @@ async def test_retries_rerun_in_a_worker(prt: hetero.Runtime, tmp_path: Path) ->
                                      (segfault, "was killed by signal SIGSEGV")])
 async def test_crashing_worker_fails_the_stage_and_the_pool_recovers(prt: hetero.Runtime, fn: Any,
                                                                      how: str) -> None:
-    before = prt._sched.procs().pids
+    before = (await started_pool(prt)).pids
     with pytest.raises(StageError) as e:
         await prt.run(one_stage(fn), x=np.zeros(BIG, np.float32))  # with an argument in shared memory
     assert str(e.value).startswith(f"process stage '{fn.__name__}' failed: BrokenProcessPool: the worker process")
@@ -323,7 +329,7 @@ async def test_cancelled_run_kills_its_worker(prt: hetero.Runtime, tmp_path: Pat
 
 
 async def test_timeout_ends_the_worker(prt: hetero.Runtime, tmp_path: Path) -> None:
-    pool = prt._sched.procs()
+    pool = await started_pool(prt)
     before, killed = pool.pids, pool.killed
     g = one_stage(sleep_then, np.ones(4, np.float32), 60.0, name="slow", timeout=0.5)
     with pytest.raises(StageError, match=r"^process stage 'slow' timed out after 0.5 s$"):
