@@ -36,9 +36,8 @@ the segment and unpickles arrays that are views of it (one copy in, none out).
 * Argument segments are created by the parent and unlinked when the stage ends
   (result, error, crash or cancellation).
 * Result segments are created by the worker; the parent maps and unlinks each as
-  soon as it arrives, so the array it receives owns the mapping: its memory lives
-  exactly as long as the value (the run holds it until its consumers ran and the
-  caller dropped it).
+  soon as it arrives, so the arrays it receives own the mapping: its memory lives
+  exactly as long as they (and their views) do, like any other stage value.
 * Segment names carry the parent's pid (``/hetero<pid>_...``) and, for results, the
   worker's. When a worker dies its leftovers are swept; closing the pool (or exit,
   or Ctrl-C through ``Runtime.close``) sweeps every segment of the process; a new
