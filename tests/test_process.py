@@ -60,7 +60,7 @@ def scale_arrays(d: dict[str, np.ndarray], k: float) -> dict[str, Any]:
     return {"x": d["x"] * k, "small": d["small"] + 1, "shape": d["x"].shape}
 
 
-def explode(x: int) -> int:
+def explode(x: int, *arrays: np.ndarray) -> int:
     raise ValueError(f"cannot handle {x}")
 
 
@@ -274,7 +274,7 @@ async def test_unpicklable_values_at_run_time(prt: hetero.Runtime) -> None:
 # -- failures --------------------------------------------------------------------------------
 async def test_exception_chained_with_worker_traceback(prt: hetero.Runtime) -> None:
     with pytest.raises(StageError) as e:
-        await prt.run(one_stage(explode), x=5)
+        await prt.run(one_stage(explode, np.zeros(BIG, np.float32)), x=5)  # and a segment to free
     err = e.value
     assert str(err) == "process stage 'explode' failed: ValueError: cannot handle 5"
     assert err.stage == "explode"
@@ -331,7 +331,7 @@ async def test_cancelled_run_kills_its_worker(prt: hetero.Runtime, tmp_path: Pat
 async def test_timeout_ends_the_worker(prt: hetero.Runtime, tmp_path: Path) -> None:
     pool = await started_pool(prt)
     before, killed = pool.pids, pool.killed
-    g = one_stage(sleep_then, np.ones(4, np.float32), 60.0, name="slow", timeout=0.5)
+    g = one_stage(sleep_then, np.ones(BIG, np.float32), 60.0, name="slow", timeout=0.5)
     with pytest.raises(StageError, match=r"^process stage 'slow' timed out after 0.5 s$"):
         await prt.run(g, x=str(tmp_path / "started"))
     assert pool.killed == killed + 1
