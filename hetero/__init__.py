@@ -14,6 +14,7 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _scheduler  executes a Plan from the event loop over worker threads
 #     _plan       a Graph validated once: order, consumers, last uses, transfers
 #     _graph      Graph, Input, Node: declaration only
+#     _process    process stages: the worker-process pool, shared memory for large arrays
 #
 #   GPU runtime layer
 #     _gpu        GPUContext: what a GPU stage records into (allocate, upload, dispatch)
