@@ -397,31 +397,35 @@ class ProcessPool:
     def _new_name(self) -> str:
         return f"/{_PREFIX}{os.getpid()}_a{next(self._names)}"
 
-    def submit(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               on_done: Done) -> Job:
-        """Queue ``fn(*args, **kwargs)``; ``on_done`` gets its result. Raises if it cannot be pickled."""
+    def job(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            on_done: Done) -> Job:
+        """Pickle ``fn(*args, **kwargs)`` into a job for :meth:`submit`. Raises if it cannot be pickled."""
         try:
             msg = encode((fn, args, kwargs), self._new_name, self.threshold)
         except Exception as e:
             raise TypeError(f"the stage's arguments cannot be pickled ({type(e).__name__}: {e})") from e
-        job = Job(key, msg, on_done, next(self._arrival))
+        return Job(key, msg, on_done, next(self._arrival))
+
+    def submit(self, job: Job) -> None:
+        """Run ``job`` on an idle worker now, or queue it; ``job.on_done`` gets its result."""
         try:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the process pool is closed")
+                if job.state != "queued":  # cancelled before it was submitted
+                    return
                 if not self._started:
                     self._start()
                 self.calls += 1
                 if not self._idle:
                     heapq.heappush(self._queue, job)
-                    return job
+                    return
                 w = self._idle.pop()
                 self._give(w, job)
         except BaseException:
             self._drop_segment(job)
             raise
         self._send(w, job)
-        return job
 
     @staticmethod
     def _give(w: _Worker, job: Job) -> None:
@@ -442,8 +446,9 @@ class ProcessPool:
         with self._lock:
             if job.state == "queued":
                 job.state = "cancelled"
-                self._queue.remove(job)
-                heapq.heapify(self._queue)
+                if job in self._queue:
+                    self._queue.remove(job)
+                    heapq.heapify(self._queue)
             elif job.state == "running":
                 job.state = "cancelled"
                 w = job.worker

@@ -522,20 +522,23 @@ class Scheduler:
         def done(ok: bool, value: Any, worker: int, t0: int, t1: int) -> None:
             self._process_done(run, st, attempt, ok, value, worker, t0, t1)
 
+        pool = self.procs()
         try:
             args, kwargs = run.args_for(st, run.values)
-            job = self.procs().submit((run.seq, -st.priority), st.fn, args, kwargs, done)
+            job = pool.job((run.seq, -st.priority), st.fn, args, kwargs, done)
+            # Known to the run before it can complete (or the run stop and cancel it).
+            with run.lock:
+                stopped = run.stopped
+                if not stopped:
+                    run.proc_jobs[i] = job
+            if stopped:
+                pool.cancel(job)
+                return
+            pool.submit(job)
         except BaseException as e:  # noqa: BLE001 - e.g. an argument that does not pickle
             if not st.simple:
                 run.timed_started.pop(i, None)
             run.fail(st, e, attempt)
-            return
-        with run.lock:
-            stopped = run.stopped
-            if not stopped:
-                run.proc_jobs[i] = job
-        if stopped:
-            self.procs().cancel(job)
 
     def _process_done(self, run: Run, st: StagePlan, attempt: int, ok: bool, value: Any, worker: int,
                       t0: int, t1: int) -> None:
