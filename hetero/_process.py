@@ -33,8 +33,10 @@ least ``threshold`` bytes (numpy arrays among them) goes out of band into one PO
 shared-memory segment per message instead of into the pickle; the other side maps
 the segment and unpickles arrays that are views of it (one copy in, none out).
 
-* Argument segments are created by the parent and unlinked when the stage ends
-  (result, error, crash or cancellation).
+* Argument segments are created by the parent and unlinked by the worker once it
+  mapped them (and by the parent when the stage ends, in case the worker died first);
+  the worker unmaps them after sending its answer, so freeing their pages is not on
+  the way back.
 * Result segments are created by the worker; the parent maps and unlinks each as
   soon as it arrives, so the arrays it receives own the mapping: its memory lives
   exactly as long as they (and their views) do, like any other stage value.
@@ -278,7 +280,8 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
             return
         if job is None:
             return
-        reply = _run_job(job[0], job[1], new_name, threshold)
+        keep: list[Any] = []
+        reply = _run_job(job[0], job[1], new_name, threshold, keep)
         del job
         try:
             conn.send(reply)
@@ -286,14 +289,23 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
             if reply[1] and reply[2][1] is not None:
                 _unlink(reply[2][1])
             return
+        # Only now let go of the call's arguments and value: unmapping the argument
+        # segment frees its pages, which takes a while for a large one.
+        del keep, reply
 
 
-def _run_job(job_id: int, msg: Message, new_name: Callable[[], str], threshold: int) -> tuple[Any, ...]:
-    """Run one call. Its arguments (views of their segment) and its value die with this frame."""
+def _run_job(job_id: int, msg: Message, new_name: Callable[[], str], threshold: int,
+             keep: list[Any]) -> tuple[Any, ...]:
+    """Run one call; its arguments (views of their segment) and its value go into ``keep``."""
     t0 = time.perf_counter_ns()
     try:
-        fn, args, kwargs = decode(msg)
+        call = decode(msg)
+        if msg[1] is not None:
+            _unlink(msg[1])  # mapped: the name is no longer needed (the parent unlinks it too, if we die first)
+        keep.append(call)
+        fn, args, kwargs = call
         value = fn(*args, **kwargs)
+        keep.append(value)
         t1 = time.perf_counter_ns()
         try:
             return (job_id, True, encode(value, new_name, threshold), t0, t1)

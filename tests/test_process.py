@@ -309,22 +309,34 @@ async def test_crashing_worker_fails_the_stage_and_the_pool_recovers(prt: hetero
     assert await prt.run(one_stage(add, 1), x=1) == 2
 
 
-async def test_cancelled_run_kills_its_worker(prt: hetero.Runtime, tmp_path: Path) -> None:
-    started = tmp_path / "started"
-    g = one_stage(sleep_then, np.ones(BIG, np.float32), 60.0, name="slow")
+async def test_cancelled_run_kills_its_workers(prt: hetero.Runtime, tmp_path: Path) -> None:
+    """
+    ::
+
+        s0, s1, s2 (process, each with an array in shared memory): two run, one waits for a worker
+    """
+    g = hetero.Graph("slow")
+    files = [g.input(f"f{k}") for k in range(3)]
+    g.output(*[g.cpu(sleep_then, f, np.ones(BIG, np.float32), 60.0, process=True, name=f"s{k}")
+               for k, f in enumerate(files)])
+    started = [tmp_path / f"started{k}" for k in range(3)]
 
     async def run() -> None:
-        await prt.run(g, x=str(started))
+        await prt.run(g, **{f"f{k}": str(p) for k, p in enumerate(started)})
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        worker = await wait_for_file(started)
-        assert shm_segments() != []  # the array argument is in shared memory while the stage runs
+        with anyio.fail_after(WAIT):
+            while sum(p.exists() and bool(p.read_text()) for p in started) < 2:
+                await anyio.sleep(0.02)
+        workers = {int(p.read_text()) for p in started if p.exists()}
+        # A running stage's worker unlinked its segment once mapped; the waiting one's is there.
+        assert len(shm_segments()) == 1
         tg.cancel_scope.cancel()
     with anyio.fail_after(WAIT):
-        while worker in prt._sched.procs().pids or len(prt._sched.procs().pids) < 2:
+        while workers & set(prt._sched.procs().pids) or len(prt._sched.procs().pids) < 2:
             await anyio.sleep(0.02)
-    assert not _alive(worker)
+    assert not any(_alive(p) for p in workers)
     assert await prt.run(one_stage(add, 1), x=2) == 3
 
 
@@ -411,8 +423,9 @@ def sleep_then(started, x, seconds):
 async def main():
     g = hetero.Graph("slow")
     x = g.input("x")
-    g.output(g.cpu(sleep_then, x, np.ones({n}, np.float32), 60.0, process=True))
-    async with hetero.Runtime(cpu_processes=1) as rt:
+    g.output(*[g.cpu(sleep_then, x, np.ones({n}, np.float32), 60.0, process=True, name=f"s{{k}}")
+               for k in range(2)])
+    async with hetero.Runtime(cpu_processes=1) as rt:  # one stage runs, the other waits
         await rt.run(g, x={started!r})
 
 if __name__ == "__main__":
@@ -433,7 +446,7 @@ def test_ctrl_c_leaves_no_segment_and_no_worker(tmp_path: Path, backend: str) ->
             assert time.monotonic() < deadline
             time.sleep(0.05)
         worker = int(started.read_text())
-        assert shm_segments(proc.pid) != []  # the argument is in shared memory
+        assert len(shm_segments(proc.pid)) == 1  # the waiting stage's argument is in shared memory
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=WAIT)
     finally:
