@@ -63,6 +63,7 @@ import selectors
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -84,6 +85,7 @@ SHM_THRESHOLD = 1 << 16
 _ALIGN = 64
 _PREFIX = "hetero"  # then the parent pid, "_", and more (short: macOS allows 31 characters)
 _SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for sweeping)
+_PWRITE = sys.platform.startswith("linux")  # shared memory is a tmpfs file there: pwrite fills it
 
 # (pickle bytes, segment name or None, ((offset, length), ...))
 Message = tuple[bytes, str | None, tuple[tuple[int, int], ...]]
@@ -98,18 +100,25 @@ def _map(fd: int, size: int) -> mmap.mmap:
 def _write(name: str, size: int, parts: list[tuple[pickle.PickleBuffer, int]]) -> None:
     """Create segment ``name`` of ``size`` bytes holding each buffer at its offset.
 
-    Written with pwrite rather than through a mapping: the kernel copies into fresh
-    pages in one pass, where a mapping would first zero every page and then copy.
+    On Linux it is written with pwrite rather than through a mapping: the kernel copies
+    into fresh pages in one pass, where a mapping would first zero every page and then
+    copy. Elsewhere (macOS shared memory cannot be written to) through a mapping.
     """
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         os.ftruncate(fd, size)
-        for buf, off in parts:
-            with buf.raw() as raw:
-                view = raw.cast("B")
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], off + done)
+        if _PWRITE:
+            for buf, off in parts:
+                with buf.raw() as raw:
+                    view = raw.cast("B")
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], off + done)
+        else:
+            with _map(fd, size) as mm, memoryview(mm) as dst:
+                for buf, off in parts:
+                    with buf.raw() as raw:
+                        dst[off:off + raw.nbytes] = raw.cast("B")
     except BaseException:
         _unlink(name)
         raise
