@@ -232,6 +232,30 @@ def _owner(a: np.ndarray) -> Any:
     return b
 
 
+@pytest.mark.parametrize("pwrite", [True, False])
+def test_encode_decode_round_trip(monkeypatch: pytest.MonkeyPatch, pwrite: bool) -> None:
+    """Large contiguous buffers go to one segment (written with pwrite, or through a mapping
+    as where segments are not files); small and strided ones stay in the pickle."""
+    from hetero import _process
+
+    monkeypatch.setattr(_process, "_PWRITE", pwrite)
+    rng = np.random.default_rng(0)
+    value = {"f32": rng.standard_normal(BIG).astype(np.float32), "i8": np.arange(SHM_THRESHOLD + 3, dtype=np.int8),
+             "strided": np.arange(BIG * 2, dtype=np.float32)[::2], "small": np.ones(3), "bytes": b"x" * BIG}
+    names = iter(f"/hetero{os.getpid()}_t{k}" for k in range(10))
+    msg = _process.encode(value, lambda: next(names), SHM_THRESHOLD)
+    data, name, layout = msg
+    assert name == f"/hetero{os.getpid()}_t0" and len(layout) == 2  # f32 and i8; bytes pickle in-band
+    assert all(o % 64 == 0 for o, _ in layout)
+    assert len(data) > BIG * 4  # the strided array and the bytes were copied into the pickle
+    got = _process.decode(msg)
+    _process._unlink(name)
+    assert got.keys() == value.keys()
+    for k, v in value.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v))
+    assert isinstance(_owner(got["f32"]).obj, mmap.mmap)
+
+
 # -- pickling ----------------------------------------------------------------------------
 def test_unpicklable_function_is_refused_at_declaration() -> None:
     g = hetero.Graph("p")
