@@ -492,6 +492,14 @@ class ProcessPool:
             job.msg = (b"", None, ())
 
     # -- workers --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the workers now rather than with the first job (e.g. at warm-up)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the process pool is closed")
+            if not self._started:
+                self._start()
+
     def _start(self) -> None:
         _sweep_dead_parents()
         self._started = True

@@ -190,11 +190,15 @@ class Runtime:
 
         A GPU stage declares its kernels with ``g.gpu(fn, ..., kernels=[wgsl, (wgsl, entry_point), ...])``
         or a ``kernels`` attribute on ``fn``. Returns how many pipelines were compiled or found cached.
+        A graph with process stages also gets its process pool started.
         """
+        self._check_open()
         plan = graph.plan()
         specs = [k for st in plan.stages for k in st.kernels]
 
         def compile_all() -> int:
+            if plan.has_process:
+                self._sched.procs().start()
             dev = self.device()
             for wgsl, entry in specs:
                 dev.kernel(wgsl, entry)

@@ -494,3 +494,12 @@ def test_pool_size_option() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=rf"^cpu_processes must be an integer >= 1, got {bad!r}$"):
             hetero.Runtime(cpu_processes=bad)  # type: ignore[arg-type]
+
+
+async def test_warmup_starts_the_pool() -> None:
+    g = one_stage(add, 1)
+    with hetero.Runtime(cpu_processes=2) as rt:
+        assert rt._sched._procs is None
+        await rt.warmup(g)
+        assert len(rt._sched.procs().pids) == 2
+        assert await rt.run(g, x=1) == 2
