@@ -11,6 +11,7 @@ import ctypes
 import json
 import mmap
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -306,6 +307,8 @@ async def test_exception_chained_with_worker_traceback(prt: hetero.Runtime) -> N
     assert isinstance(cause, ValueError) and str(cause) == "cannot handle 5"
     tb = str(cause.__cause__)
     assert "worker traceback:" in tb and ", in explode" in tb and 'raise ValueError(f"cannot handle {x}")' in tb
+    back = pickle.loads(pickle.dumps(err))  # it can travel on, e.g. out of a process stage of its own
+    assert str(back) == str(err) and back.stage == "explode" and str(back.__cause__) == "cannot handle 5"
     # An exception that does not survive pickling comes back as a RuntimeError naming it.
     with pytest.raises(StageError, match=r"failed: RuntimeError: Unpicklable: 5/2 \(the exception itself "
                                          r"could not be pickled"):
