@@ -56,6 +56,9 @@ class BindCache:
         self._kept: dict[int, Any] = {}  # keep()-registered buffers (strong references)
         self.hits = 0
         self.misses = 0
+        # Bumped whenever a buffer stops being cached against (destroyed by the pool, or an
+        # evicted uniform): bind groups remembered elsewhere (captures) are valid while it holds.
+        self.generation = 0
 
     # -- which buffers are safe to cache against ---------------------------------------
     def keep(self, buffer: Any) -> None:
@@ -68,6 +71,10 @@ class BindCache:
         """A pooled buffer: cacheable until :meth:`forget` (which the pool calls before destroying it)."""
         with self._lock:
             self._stable.add(id(buffer))
+
+    def is_stable(self, buffer: Any) -> bool:
+        """Whether hetero knows ``buffer``'s lifetime (pooled, a uniform of this cache, or kept)."""
+        return id(buffer) in self._stable
 
     def forget(self, buffers: Iterable[Any]) -> None:
         """Before ``buffers`` are destroyed: drop every bind group that binds one of them."""
@@ -134,6 +141,7 @@ class BindCache:
 
     def _forget_locked(self, buffer_id: int) -> None:
         """The buffer is no longer cached against, and no cached group binds it."""
+        self.generation += 1
         self._stable.discard(buffer_id)
         self._kept.pop(buffer_id, None)
         for key in self._by_buffer.pop(buffer_id, ()):
@@ -157,6 +165,7 @@ class BindCache:
 
     def clear(self) -> None:
         with self._lock:
+            self.generation += 1
             self._uniforms.clear()
             self._groups.clear()
             self._by_buffer.clear()

@@ -235,6 +235,7 @@ class Device:
         self._key = next(_device_keys)
         _DEVICES[self._key] = self
         from ._bindcache import BindCache
+        from ._capture import CaptureCache
         from ._memory import BufferPool
         from ._transfer import StagingRing
 
@@ -254,6 +255,8 @@ class Device:
         self.pool = BufferPool(self.device, budget_bytes=memory_budget, before_destroy=self.flush,
                                on_create=self.binds.track, on_destroy=self.binds.forget)
         self.ring = StagingRing(self.device)
+        # Captured GPU stages by function and signature (see _capture); the runtime sizes it.
+        self.captures = CaptureCache()
 
     # -- pipelines -------------------------------------------------------------------
     def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",
@@ -586,6 +589,7 @@ class Device:
         self.ring.close()
         self.timer.close()
         self.pool.close()
+        self.captures.clear()
         self.binds.clear()
         self._kernels.clear()
         self._by_source.clear()

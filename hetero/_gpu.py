@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import wgpu
 
+from ._capture import Capturing
 from ._device import Device, Kernel
 from ._memory import Block, MemoryWait
 from ._recorder import StageRecorder
@@ -70,6 +71,7 @@ class GPUContext:
         self.blocks: list[Block] = []  # pool blocks this context acquired (one reference each)
         self.uploads: list[Any] = []  # staging tickets of this stage's uploads
         self.downloads: list[tuple[Any, Tensor]] = []  # (staging ticket or None if empty, tensor) to the host
+        self._capture: Capturing | None = None  # set while a capturing stage function runs (see _capture)
 
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
@@ -85,7 +87,10 @@ class GPUContext:
         except MemoryWait as w:
             raise _Park(w) from None
         self.blocks.append(block)
-        return Tensor(block.buffer, shape, dt, offset=block.offset, block=block)
+        t = Tensor(block.buffer, shape, dt, offset=block.offset, block=block)
+        if self._capture is not None:
+            self._capture.on_empty(t)
+        return t
 
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
@@ -95,10 +100,12 @@ class GPUContext:
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
             t0 = time.perf_counter_ns()
-            self.uploads.append(self._dev.ring.upload(self.encoder, a, t.buffer, t.offset))
+            self.uploads.append(self._dev.ring.upload(self._recorder.encoder, a, t.buffer, t.offset))
             tracer = self._dev.tracer
             if tracer is not None:
                 tracer.span("upload", "transfer", t0, time.perf_counter_ns(), args={"bytes": a.nbytes})
+        if self._capture is not None:
+            self._capture.on_upload(t, a)
         return t
 
     def resident(self, array: Any) -> Tensor:
@@ -184,6 +191,8 @@ class GPUContext:
         cost, rec = self._dev.cost, self._recorder
         if total == 0:
             return DispatchInfo(k.label, groups, 0, 0, 0, 0.0)  # nothing to do; the bindings were checked
+        if self._capture is not None:
+            self._capture.on_dispatch(k, groups, bindings, resources, bind_group, layout)
         self.workgroups += total
         if not k.grid:
             est = cost.estimate_ns(k.key, total)
@@ -240,8 +249,11 @@ class GPUContext:
         """The command encoder this stage records into (for work hetero does not wrap).
 
         With one GPU recording thread (the default) it is shared with neighbouring
-        stages: end every pass you begin, and do not finish it.
+        stages: end every pass you begin, and do not finish it. A capturing stage that
+        uses it cannot be replayed (see ``hetero._capture``).
         """
+        if self._capture is not None:
+            self._capture.refuse("it records on gpu.encoder directly")
         return self._recorder.encoder
 
     def stage_download(self, t: Tensor, zero_copy: bool | str = False) -> Tensor:
@@ -251,6 +263,8 @@ class GPUContext:
         (no copy out; the staging buffer is recycled when the array is gone); ``"auto"``:
         only where that reuses pooled memory (``StagingRing.download``).
         """
+        if self._capture is not None:
+            self._capture.refuse("it calls gpu.stage_download")
         ticket = None
         if t.nbytes:
             if zero_copy is True and t.nbytes < ZERO_COPY_MIN:

@@ -81,6 +81,7 @@ class Node:
     index: int
     extra_deps: list[Node] = field(default_factory=list)
     kernels: tuple[tuple[str, str], ...] = ()  # (wgsl, entry point) a GPU stage declares, for warmup
+    capture: bool = False  # a GPU stage replayed per signature (see hetero._capture)
 
     def after(self, *nodes: Node) -> Node:
         """Order this stage after ``nodes`` without passing their values. Returns self."""
@@ -141,16 +142,23 @@ class Graph:
 
     def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            kernels: Iterable[str | tuple[str, str]] = (), **kwargs: Any) -> Node:
+            kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False, **kwargs: Any) -> Node:
         """Declare a GPU stage: ``fn(gpu, *args, **kwargs)`` records GPU work.
 
         numpy arrays reaching it are uploaded and arrive as :class:`hetero.Tensor`.
         Same options as :meth:`cpu`, plus ``kernels``: the WGSL sources (or
         ``(wgsl, entry_point)`` pairs) the stage uses, for ``Runtime.warmup``; a
-        ``kernels`` attribute on ``fn`` is read too.
+        ``kernels`` attribute on ``fn`` is read too; and ``capture``: the promise that
+        the work ``fn`` records depends only on the shapes and dtypes of its Tensor
+        arguments and the values of the others, so that hetero calls it once per such
+        signature and replays the captured dispatches afterwards (see ``hetero._capture``).
         """
+        if not isinstance(capture, bool):
+            raise GraphError(f"stage {name or getattr(fn, '__name__', '?')!r}: capture must be True or False, "
+                             f"got {capture!r}")
         node = self._add("gpu", fn, args, kwargs, name, retries, timeout, after)
         node.kernels = _kernel_specs(node.name, (*getattr(fn, "kernels", ()), *kernels))
+        node.capture = capture
         return node
 
     def output(self, *values: Node | Input) -> None:

@@ -45,6 +45,7 @@ class StagePlan:
     simple: bool  # no timeout: a worker may run it without the event loop watching
     kernels: tuple[tuple[str, str], ...]  # declared (wgsl, entry point) pairs, compiled by warmup
     process: bool = False  # CPU stage run in a worker process (hetero._process)
+    capture: bool = False  # GPU stage replayed per signature (see hetero._capture)
 
 
 class Plan:
@@ -107,6 +108,7 @@ class Plan:
                 fence=is_gpu and (bool(cpu_c) or i in output_idx),
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
                 simple=node.options.timeout is None, kernels=node.kernels, process=node.options.process,
+                capture=node.capture,
             ))
         # CPU values that several GPU stages read: with one recording thread they are
         # uploaded once per run and shared (see Scheduler._device_args).

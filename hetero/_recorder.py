@@ -104,15 +104,17 @@ class _Budget:
                     timeline, i = rest
                     timeline.gpu_ns[i] = (timeline.gpu_ns[i] or 0) + span.end_ns - span.start_ns
                 elif kind == "dispatch":
-                    key, workgroups = rest
+                    key, workgroups = rest[0], rest[1]
                     dev.cost.observe(key, workgroups, span.end_ns - span.start_ns, source="timestamp")
             if tracer is not None:
                 for span in timer.to_host(spans):
                     if span.meta[0] == "stage":
                         tracer.gpu_span(span.label, span.start_ns, span.end_ns, {"stage": span.label})
                     else:
-                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, {"workgroups": span.meta[2]},
-                                        queue="GPU dispatches")
+                        args: dict[str, Any] = {"workgroups": span.meta[2]}
+                        if len(span.meta) > 3:  # ("dispatch", key, workgroups, "replayed")
+                            args["replayed"] = True
+                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, args, queue="GPU dispatches")
 
         return read
 

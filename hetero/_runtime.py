@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 
+from ._capture import DEFAULT_CACHE_ENTRIES
 from ._device import Device
 from ._memory import MemoryStats
 from ._graph import Graph
@@ -39,6 +40,8 @@ class RuntimeOptions:
     gpu_timing: bool = False
     zero_copy_outputs: bool = True
     cpu_processes: int | None = None
+    capture: bool = True
+    capture_cache: int = DEFAULT_CACHE_ENTRIES
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -51,6 +54,9 @@ class RuntimeOptions:
             positive_int("cpu_processes", self.cpu_processes)
         positive_int("gpu_threads", self.gpu_threads)
         positive_int("submit_batch", self.submit_batch)
+        positive_int("capture_cache", self.capture_cache)
+        if not isinstance(self.capture, bool):
+            raise ValueError(f"capture must be True or False, got {self.capture!r}")
         budget = self.memory_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
@@ -85,6 +91,9 @@ class Runtime:
     ``cpu_processes`` is the size of the process pool that runs ``process=True`` stages
     (default: ``os.cpu_count() - 1``); the pool starts with the first such stage and
     stops at close.
+    ``capture``: replay GPU stages declared with ``g.gpu(..., capture=True)`` (see
+    "Captured stages" in the README); False calls every stage function every run.
+    ``capture_cache`` bounds the captures kept per device (least recently used go first).
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
@@ -92,10 +101,12 @@ class Runtime:
     def __init__(self, *, cpu_threads: int | None = None, gpu_threads: int = 1, submit_batch: int = 32,
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
-                 adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None) -> None:
+                 adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None,
+                 capture: bool = True, capture_cache: int = DEFAULT_CACHE_ENTRIES) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
-                                      bool(gpu_timing), bool(zero_copy_outputs), cpu_processes)
+                                      bool(gpu_timing), bool(zero_copy_outputs), cpu_processes, capture,
+                                      capture_cache)
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
@@ -103,7 +114,7 @@ class Runtime:
         o = self.options
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
                                 tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs,
-                                cpu_processes=o.cpu_processes)
+                                cpu_processes=o.cpu_processes, capture=o.capture)
         self._closed = False  # no new runs or device
         self._close_done = False  # workers joined, device and trace closed
         self._last_run: Run | None = None
@@ -165,6 +176,7 @@ class Runtime:
                     o = self.options
                     dev = Device(self._adapter, max_batch=o.submit_batch, memory_budget=o.memory_budget,
                                  gpu_budget_ms=o.gpu_budget_ms, tracer=self._tracer, gpu_timing=o.gpu_timing)
+                    dev.captures.max_entries = o.capture_cache
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev

@@ -60,6 +60,7 @@ import anyio
 import numpy as np
 
 from ._bridge import loop_caller
+from ._capture import run_captured
 from ._gpu import GPUContext, _Park, map_values
 from ._recorder import SharedRecorder, StageRecorder
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
@@ -409,7 +410,7 @@ class Scheduler:
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
                  device_if_open: Callable[[], Device | None], submit_batch: int = 32,
                  tracer: Tracer | None = None, zero_copy_outputs: bool = True,
-                 cpu_processes: int | None = None) -> None:
+                 cpu_processes: int | None = None, capture: bool = True) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
         self.cpu_processes = cpu_processes or max(1, (os.cpu_count() or 2) - 1)
         self._procs: ProcessPool | None = None  # created on the first process stage
@@ -419,6 +420,7 @@ class Scheduler:
         self._device_if_open = device_if_open
         self.submit_batch = submit_batch
         self.tracer = tracer
+        self.capture = capture  # honour stages declared with capture=True (see _capture)
         # Graph outputs: zero-copy where the staging ring can reuse memory ("auto"), else copied.
         self._output_zero_copy: bool | str = "auto" if zero_copy_outputs else False
         self._shared: SharedRecorder | None = None
@@ -609,7 +611,10 @@ class Scheduler:
                 fresh: dict[int, Any] = {}
                 try:
                     args, kwargs = _device_args(run, st, ctx, share, fresh)
-                    result = st.fn(ctx, *args, **kwargs)
+                    if st.capture and self.capture:
+                        result, tl.capture[i] = run_captured(ctx, st.fn, args, kwargs, dev.captures)
+                    else:
+                        result = st.fn(ctx, *args, **kwargs)
                     if st.download:
                         # What only CPU stages read is a view of staging memory for the run.
                         zero_copy = self._output_zero_copy if i in run.plan.output_stages else True
@@ -647,7 +652,10 @@ class Scheduler:
                 return
             tl.recorded[i] = time.perf_counter_ns()
             if self.tracer is not None:
-                self.tracer.span(st.name, "gpu-record", tl.started[i], tl.recorded[i], args={"run": run.seq})
+                targs: dict[str, Any] = {"run": run.seq}
+                if tl.capture[i] is not None:
+                    targs["capture"] = tl.capture[i]
+                self.tracer.span(st.name, "gpu-record", tl.started[i], tl.recorded[i], args=targs)
             uploads = ctx.uploads
 
             def on_done() -> None:

@@ -27,6 +27,14 @@ class StageStats:
     submitted: float | None  # GPU stages: the submission holding its commands was handed to the queue
     completed: float | None  # its value was available where needed (GPU: its submission completed)
     gpu_ms: float | None = None  # GPU execution time from timestamp queries
+    # Stages declared with capture=True: "captured" (the function ran and its work was
+    # captured), "replayed" (it did not run), "fallback" (it cannot be replayed); else None.
+    capture: str | None = None
+
+    @property
+    def replayed(self) -> bool:
+        """The stage's captured work was replayed (its function did not run)."""
+        return self.capture == "replayed"
 
     @property
     def wall_ms(self) -> float | None:
@@ -55,7 +63,7 @@ class RunStats:
 class Timeline:
     """Mutable instants (perf_counter_ns, 0 = not yet) filled in by the workers of one run."""
 
-    __slots__ = ("completed", "end", "gpu_ns", "queued", "recorded", "started", "submitted", "t0")
+    __slots__ = ("capture", "completed", "end", "gpu_ns", "queued", "recorded", "started", "submitted", "t0")
 
     def __init__(self, n: int) -> None:
         self.t0 = time.perf_counter_ns()
@@ -66,6 +74,7 @@ class Timeline:
         self.submitted = [0] * n
         self.completed = [0] * n
         self.gpu_ns: list[int | None] = [None] * n
+        self.capture: list[str | None] = [None] * n
 
     def snapshot(self, graph: str, names: list[str], kinds: list[str], ok: bool) -> RunStats:
         t0 = self.t0
@@ -76,7 +85,8 @@ class Timeline:
         stages = tuple(
             StageStats(names[i], kinds[i], rel(self.queued[i]), rel(self.started[i]), rel(self.recorded[i]),
                        rel(self.submitted[i]), rel(self.completed[i]),
-                       None if self.gpu_ns[i] is None else self.gpu_ns[i] / 1e6)  # type: ignore[operator]
+                       None if self.gpu_ns[i] is None else self.gpu_ns[i] / 1e6,  # type: ignore[operator]
+                       self.capture[i])
             for i in range(len(names))
         )
         end = self.end or time.perf_counter_ns()

@@ -1,0 +1,425 @@
+"""Captured GPU stages: record a stage's dispatches once per signature, then replay them.
+
+``g.gpu(fn, *args, capture=True)`` is the user's promise that the commands ``fn``
+records depend only on its *signature*: the shapes and dtypes of its Tensor arguments
+(and which of them share a buffer) and the values of its other arguments (compared by
+``==``; they must be hashable, as a dict key would be). WebGPU command buffers cannot
+be resubmitted, so a replay re-issues the captured dispatches into this run's encoder.
+
+* **Capture.** The first run of a signature calls ``fn`` and records as usual; the
+  :class:`GPUContext` also notes every ``gpu.empty`` (a *temporary* of the stage),
+  ``gpu.upload`` made inside ``fn`` (its data is kept *by value*), and every dispatch:
+  kernel, workgroup counts and, per binding, where the buffer came from -- an argument
+  (by position in the flattened arguments, and offset within it), a temporary, or a
+  *constant* (uniform bytes, ``gpu.resident`` tensors, any buffer hetero keeps alive).
+  The stage's return value is kept as a template over the same slots.
+* **Replay.** Later runs of the signature do not call ``fn``. Temporaries are taken
+  from the buffer pool as the capture took them (same shapes and dtypes, so memory
+  budget, waits for memory and lifetimes are unchanged), uploads are re-issued with
+  the captured data, bind groups are resolved through the bind cache (or reused from
+  the previous replay when every buffer is the same one and the pool destroyed
+  nothing since), and the dispatches are issued straight through wgpu-native's C
+  functions (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``) into the
+  recorder's open compute pass. Splittable kernels are split as planned now (the cost
+  model may have learnt since), within the GPU-time budget; timed dispatches (tracing,
+  cost-model sampling) still get GPU timestamps, marked ``replayed`` in the trace.
+* **What cannot be replayed** is found while capturing: a stage that touches
+  ``gpu.encoder`` (it records commands hetero does not see) or binds a pooled tensor
+  that is neither its argument nor its own temporary (or a buffer hetero does not
+  manage, which the user might destroy). Such a stage falls back to plain recording:
+  ``fn`` runs every time, with one warning per stage function, and ``rt.stats()``
+  says ``capture="fallback"``.
+* **Errors.** An exception while capturing fails the stage (a ``StageError``) and
+  nothing is kept: the next run captures again. An argument that cannot be hashed
+  fails the stage with a ``TypeError`` naming it.
+
+Captures are kept per device in an LRU of ``Runtime(capture_cache=...)`` entries
+(default :data:`DEFAULT_CACHE_ENTRIES`), keyed by the stage function and its
+signature. Each holds its constant buffers alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
+
+from ._split import grid_uniform
+from ._tensor import Tensor
+
+if TYPE_CHECKING:
+    from ._device import Kernel
+    from ._gpu import GPUContext
+
+__all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
+
+DEFAULT_CACHE_ENTRIES = 1024
+
+# The raw C functions (no per-call error capture: pass commands are validated when the
+# pass ends, and a replay only re-issues what was validated while capturing).
+_set_pipeline = _lib.wgpuComputePassEncoderSetPipeline
+_set_bind_group = _lib.wgpuComputePassEncoderSetBindGroup
+_dispatch = _lib.wgpuComputePassEncoderDispatchWorkgroups
+_NULL = _ffi.NULL
+
+# Where a binding's buffer comes from.
+ARG, TEMP, CONST = 0, 1, 2
+Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
+
+
+class _Unreplayable:
+    """Cache entry of a signature whose stage records what a replay cannot reproduce."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass(eq=False, slots=True)
+class _Op:
+    """One captured dispatch."""
+
+    kernel: Kernel
+    pipeline: Any  # the C handle
+    groups: tuple[int, int, int]
+    total: int
+    slots: tuple[Slot, ...]
+    layout: Any
+    group: Any  # the bind group itself when every binding is constant, else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """A tensor of the stage's result: where it lives, with its own shape and dtype."""
+
+    kind: int
+    ref: Any
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    block: Any = None  # CONST only: None
+
+
+class Capture:
+    """A stage's captured work for one signature."""
+
+    __slots__ = ("ops", "temps", "result", "workgroups", "consts", "_memo_key", "_memo_groups", "_memo_gen",
+                 "_lock")
+
+    def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
+                 result: Any, consts: list[Any]) -> None:
+        self.ops = ops
+        self.temps = temps
+        self.result = result
+        self.workgroups = sum(op.total for op in ops)
+        self.consts = consts  # buffers bound as constants: kept alive with the capture
+        self._memo_key: tuple[Any, ...] | None = None
+        self._memo_groups: list[Any] = []
+        self._memo_gen = -1
+        self._lock = threading.Lock()
+
+
+class CaptureCache:
+    """Captures of one device, LRU-bounded; thread-safe."""
+
+    def __init__(self, max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[Any, Capture | _Unreplayable] = OrderedDict()
+        self._lock = threading.Lock()
+        self._warned: set[Any] = set()
+        self.captures = 0  # signatures captured
+        self.replays = 0
+        self.evictions = 0
+
+    def get(self, key: Any) -> Capture | _Unreplayable | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: Any, entry: Capture | _Unreplayable) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            if isinstance(entry, Capture):
+                self.captures += 1
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+                self.evictions += 1
+
+    def warn_once(self, fn: Any, stage: str, reason: str) -> None:
+        with self._lock:
+            if fn in self._warned:
+                return
+            self._warned.add(fn)
+        warnings.warn(f"stage {stage!r} cannot be captured ({reason}); it is recorded normally every run. "
+                      "Declare it without capture=True to silence this", RuntimeWarning, stacklevel=2)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._entries), "captures": self.captures, "replays": self.replays,
+                    "evictions": self.evictions}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# -- signatures -----------------------------------------------------------------------------------
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> tuple[Any, list[Tensor]]:
+    """The hashable signature of a call, and its Tensor arguments in order (flattened)."""
+    flat: list[Tensor] = []
+    buffers: dict[int, int] = {}
+
+    def key(v: Any, where: str) -> Any:
+        if isinstance(v, Tensor):
+            first = buffers.setdefault(id(v.buffer), len(flat))
+            flat.append(v)
+            return (Tensor, v.shape, v.dtype.str, first if first != len(flat) - 1 else -1)
+        t = type(v)
+        if t is tuple or t is list:
+            return (t, tuple(key(x, f"{where}[{i}]") for i, x in enumerate(v)))
+        if t is dict:
+            return (t, tuple((k, key(x, f"{where}[{k!r}]")) for k, x in v.items()))
+        try:
+            hash(v)
+        except TypeError:
+            raise TypeError(f"stage {stage!r} is declared with capture=True, but its argument {where} "
+                            f"({t.__name__}) is not hashable, so runs cannot be matched to a capture; pass a "
+                            "hashable value (e.g. a tuple) or declare the stage without capture=True") from None
+        return (t, v)
+
+    k = (tuple(key(a, f"{i}") for i, a in enumerate(args)),
+         tuple((name, key(v, repr(name))) for name, v in kwargs.items()))
+    return k, flat
+
+
+# -- capturing ------------------------------------------------------------------------------------
+class Capturing:
+    """What a :class:`GPUContext` notes while a capturing stage function runs."""
+
+    def __init__(self, ctx: GPUContext, flat: list[Tensor]) -> None:
+        self._ctx = ctx
+        self._flat = flat
+        self._by_buffer: dict[int, list[int]] = {}
+        for i, t in enumerate(flat):
+            self._by_buffer.setdefault(id(t.buffer), []).append(i)
+        self._temps: list[Tensor] = []
+        self._temp_data: list[np.ndarray | None] = []
+        self._temp_of_block: dict[int, int] = {}
+        self._ops: list[_Op] = []
+        self._consts: dict[int, Any] = {}
+        self.reason: str | None = None
+
+    def refuse(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def on_empty(self, t: Tensor) -> None:
+        self._temp_of_block[id(t.block)] = len(self._temps)
+        self._temps.append(t)
+        self._temp_data.append(None)
+
+    def on_upload(self, t: Tensor, data: np.ndarray) -> None:
+        j = self._temp_of_block[id(t.block)]
+        self._temp_data[j] = np.array(data, copy=True)  # by value: the caller may change its array later
+
+    def _locate(self, t: Tensor) -> tuple[int, Any, int] | None:
+        """(kind, ref, offset relative to it) of a Tensor's data, or None if it cannot be replayed."""
+        if t.block is not None:
+            j = self._temp_of_block.get(id(t.block))
+            if j is not None:
+                return (TEMP, j, t.offset - self._temps[j].offset)
+        for i in self._by_buffer.get(id(t.buffer), ()):
+            a = self._flat[i]
+            if a.offset <= t.offset and t.offset + t.nbytes <= a.offset + max(a.binding_size, a.nbytes):
+                return (ARG, i, t.offset - a.offset)
+        if t.block is not None:
+            self.refuse(f"it binds a pooled tensor {t!r} that is neither its argument nor made by it")
+            return None
+        if not self._ctx._dev.binds.is_stable(t.buffer):
+            self.refuse(f"it binds a tensor {t!r} over a buffer hetero does not manage")
+            return None
+        self._consts[id(t.buffer)] = t.buffer
+        return (CONST, t.buffer, t.offset)
+
+    def on_dispatch(self, k: Kernel, groups: tuple[int, int, int], bindings: tuple[Any, ...],
+                    resources: list[tuple[Any, int, int]], bind_group: Any, layout: Any) -> None:
+        if self.reason is not None:
+            return
+        slots: list[Slot] = []
+        for b, (buf, off, size) in zip(bindings, resources):
+            if isinstance(b, Tensor):
+                where = self._locate(b)
+                if where is None:
+                    return
+                slots.append((where[0], where[1], where[2], size))
+            else:  # a uniform from the bind cache, made from the bytes given
+                self._consts[id(buf)] = buf
+                slots.append((CONST, buf, off, size))
+        constant = all(s[0] == CONST for s in slots)
+        self._ops.append(_Op(k, k.pipeline._internal, groups, groups[0] * groups[1] * groups[2], tuple(slots),
+                             layout, bind_group if constant else None))
+
+    def finish(self, result: Any) -> Capture | _Unreplayable:
+        if self.reason is not None:
+            return _Unreplayable(self.reason)
+
+        def ref(t: Tensor) -> Any:
+            where = self._locate(t)
+            if where is None:
+                return t
+            return _Ref(where[0], where[1], where[2], t.shape, t.dtype)
+
+        template = _map(result, ref)
+        if self.reason is not None:
+            return _Unreplayable(self.reason)
+        temps = [(t.shape, t.dtype, d) for t, d in zip(self._temps, self._temp_data)]
+        return Capture(self._ops, temps, template, list(self._consts.values()))
+
+
+def _map(value: Any, fn: Callable[[Tensor], Any]) -> Any:
+    from ._gpu import map_values
+
+    return map_values(value, fn, Tensor)
+
+
+# -- replaying ------------------------------------------------------------------------------------
+def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
+    """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
+    temps: list[Tensor] = []
+    for shape, dtype, data in cap.temps:
+        temps.append(ctx.empty(shape, dtype) if data is None else ctx.upload(data))
+    dev = ctx._dev
+    binds = dev.binds
+    # Bind groups: those of the previous replay when every buffer is the same (and the pool
+    # destroyed none since); else through the bind cache.
+    key = tuple((t.buffer, t.offset) for t in flat) + tuple((t.buffer, t.offset) for t in temps)
+    with cap._lock:
+        memo = cap._memo_groups if cap._memo_key == key and cap._memo_gen == binds.generation else None
+    if memo is None:
+        groups: list[Any] = []
+        for op in cap.ops:
+            if op.group is not None:
+                groups.append(op.group)
+                continue
+            resources = []
+            for kind, ref, off, size in op.slots:
+                if kind == ARG:
+                    t = flat[ref]
+                    resources.append((t.buffer, t.offset + off, size))
+                elif kind == TEMP:
+                    t = temps[ref]
+                    resources.append((t.buffer, t.offset + off, size))
+                else:
+                    resources.append((ref, off, size))
+            groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
+        gen = binds.generation
+        if all(binds.is_stable(t.buffer) for t in flat):
+            with cap._lock:
+                cap._memo_key, cap._memo_groups, cap._memo_gen = key, groups, gen
+        memo = groups
+    _issue(ctx, cap, memo)
+    ctx.workgroups += cap.workgroups
+
+    def resolve(r: _Ref) -> Tensor:
+        if r.kind == TEMP:
+            t = temps[r.ref]
+            return Tensor(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block)
+        if r.kind == ARG:
+            t = flat[r.ref]
+            return Tensor(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block)
+        return Tensor(r.ref, r.shape, r.dtype, r.offset)
+
+    from ._gpu import map_values
+
+    return map_values(cap.result, resolve, _Ref)
+
+
+def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
+    """The dispatches, through the C functions, into the recorder's open compute pass."""
+    dev = ctx._dev
+    rec = ctx._recorder
+    cost = dev.cost
+    tracing = dev.tracer is not None
+    budget = dev.budget_ns
+    limit = ctx.limits["max-compute-workgroups-per-dimension"]
+    estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
+    for op, bg in zip(cap.ops, groups):
+        k = op.kernel
+        gx, gy, gz = op.groups
+        if not k.grid:
+            est = estimate(k.key, op.total)
+            reserve(est)
+            h = compute_pass()._internal
+            _set_pipeline(h, op.pipeline)
+            _set_bind_group(h, 0, bg._internal, 0, _NULL)
+            if tracing:
+                span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
+                _dispatch(h, gx, gy, gz)
+                rec.end_span(span)
+            else:
+                _dispatch(h, gx, gy, gz)
+            note(k.key, op.total, est)
+            continue
+        per_x = gy * gz
+        chunk = cost.chunk(k.key, budget, per_x, limit)
+        layout1 = k.layouts[1]
+        for x0 in range(0, gx, chunk):
+            w = min(chunk, gx - x0)
+            est = estimate(k.key, w * per_x)
+            reserve(est)
+            grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
+            bg1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
+            h = compute_pass()._internal
+            _set_pipeline(h, op.pipeline)
+            _set_bind_group(h, 0, bg._internal, 0, _NULL)
+            _set_bind_group(h, 1, bg1._internal, 0, _NULL)
+            if tracing or cost.should_time(k.key):
+                span = rec.begin_span(k.label, ("dispatch", k.key, w * per_x, "replayed"))
+                _dispatch(h, w, gy, gz)
+                rec.end_span(span)
+            else:
+                _dispatch(h, w, gy, gz)
+            note(k.key, w * per_x, est)
+
+
+# -- the stage ------------------------------------------------------------------------------------
+def run_captured(ctx: GPUContext, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 cache: CaptureCache) -> tuple[Any, str]:
+    """Run a capturing stage: replay its capture, or call ``fn`` and capture.
+
+    Returns the stage's result and what happened: ``"replayed"``, ``"captured"`` or
+    ``"fallback"`` (the stage cannot be replayed and was recorded normally).
+    """
+    sig, flat = signature(args, kwargs, ctx.stage)
+    key = (fn, sig)
+    entry = cache.get(key)
+    if isinstance(entry, Capture):
+        result = replay(ctx, entry, flat)
+        cache.replays += 1  # a counter for stats: a lost update under a race is harmless
+        return result, "replayed"
+    if isinstance(entry, _Unreplayable):
+        return fn(ctx, *args, **kwargs), "fallback"
+    capturing = Capturing(ctx, flat)
+    ctx._capture = capturing
+    try:
+        result = fn(ctx, *args, **kwargs)
+        made = capturing.finish(result)
+    finally:
+        ctx._capture = None
+    cache.put(key, made)
+    if isinstance(made, _Unreplayable):
+        cache.warn_once(fn, ctx.stage, made.reason)
+        return result, "fallback"
+    return result, "captured"
