@@ -1,0 +1,331 @@
+"""Captured GPU stages: one call of the stage function per signature, then replays."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import hetero
+from hetero import ops
+
+pytestmark = pytest.mark.anyio
+
+SCALE = """
+struct P { a: f32, n: u32, pad0: u32, pad1: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> y: array<f32>;
+@group(0) @binding(2) var<uniform> p: P;
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = hetero_workgroup_id(wid).x * 64u + lid.x;
+    if (i < p.n) { y[i] = p.a * x[i] + 1.0; }
+}
+"""
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.n += 1
+
+
+def block_ops(gpu: hetero.GPUContext, x: hetero.Tensor, w: hetero.Tensor, scale: float) -> tuple[Any, ...]:
+    """Several ops, a temporary, an upload made here, a split kernel and a uniform by value."""
+    y = ops.matmul(gpu, x, w)
+    z = ops.gelu(gpu, y)
+    gamma = gpu.upload(np.linspace(0.5, 1.5, w.shape[1], dtype=np.float32))
+    ln = ops.layernorm(gpu, z, gamma, gpu.upload(np.zeros(w.shape[1], np.float32)))
+    out = gpu.empty(ln.shape, np.float32)
+    gpu.dispatch(SCALE, -(-ln.size // 64), ln, out, _params(scale, ln.size))
+    return out, ops.sum(gpu, x, axis=1), "tag"
+
+
+def _params(a: float, n: int) -> bytes:
+    return np.array([a], np.float32).tobytes() + np.array([n, 0, 0], np.uint32).tobytes()
+
+
+def graph(fn: Any, capture: bool, scale: float = 2.0) -> hetero.Graph:
+    g = hetero.Graph("cap")
+    g.output(g.gpu(fn, g.input("x"), g.input("w"), scale, capture=capture, name="block"))
+    return g
+
+
+async def test_results_equal_with_and_without_capture_over_random_shapes() -> None:
+    rng = np.random.default_rng(7)
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor, w: hetero.Tensor, scale: float) -> tuple[Any, ...]:
+        calls()
+        return block_ops(gpu, x, w, scale)
+
+    shapes = [(int(rng.integers(1, 9)), int(rng.integers(1, 40)), int(rng.integers(1, 40))) for _ in range(4)]
+    # A tiny GPU-time budget splits the grid kernel into many sub-dispatches, on replay too.
+    with hetero.Runtime(cpu_threads=2, gpu_budget_ms=0.01) as rt:
+        for m, k, n in shapes * 2:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            w = rng.standard_normal((k, n), dtype=np.float32)
+            got = await rt.run(graph(fn, True), x=x, w=w)
+            want = await rt.run(graph(block_ops, False), x=x, w=w)
+            assert got[2] == want[2] == "tag"
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+        assert calls.n == len(set(shapes))
+        assert rt.device().captures.stats()["replays"] == 2 * len(shapes) - len(set(shapes))
+
+
+async def test_fn_runs_once_per_signature_and_a_new_shape_captures_anew(shared_rt: hetero.Runtime) -> None:
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor, w: hetero.Tensor, scale: float) -> tuple[Any, ...]:
+        calls()
+        return block_ops(gpu, x, w, scale)
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 4), dtype=np.float32)
+    seen = []
+    for m, scale in [(2, 2.0), (2, 2.0), (3, 2.0), (2, 2.0), (2, 3.0), (3, 2.0)]:
+        x = rng.standard_normal((m, 8), dtype=np.float32)
+        out = await shared_rt.run(graph(fn, True, scale), x=x, w=w)
+        seen.append((calls.n, shared_rt.stats().stage("block").capture))
+        ref = await shared_rt.run(graph(block_ops, False, scale), x=x, w=w)
+        np.testing.assert_array_equal(out[0], ref[0])
+    assert seen == [(1, "captured"), (1, "replayed"), (2, "captured"), (2, "replayed"), (3, "captured"),
+                    (3, "replayed")]
+
+
+async def test_int_dtype_and_aliasing_are_part_of_the_signature(shared_rt: hetero.Runtime) -> None:
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, a: hetero.Tensor, b: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        return ops.add(gpu, a, b)
+
+    g = hetero.Graph("alias")
+    x = g.input("x")
+    g.output(g.gpu(fn, x, g.input("y"), capture=True, name="add"))
+    g2 = hetero.Graph("alias2")
+    x2 = g2.gpu(lambda gpu, v: v, g2.input("x"), name="same")  # one tensor passed twice
+    g2.output(g2.gpu(fn, x2, x2, capture=True, name="add"))
+    a = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(await shared_rt.run(g, x=a, y=a + 1), 2 * a + 1)
+    np.testing.assert_array_equal(await shared_rt.run(g2, x=a), 2 * a)
+    np.testing.assert_array_equal(await shared_rt.run(g, x=a, y=a * 3), 4 * a)
+    np.testing.assert_array_equal(await shared_rt.run(g2, x=a + 1), 2 * a + 2)
+    assert calls.n == 2
+
+
+async def test_memory_returns_to_its_baseline(rt: hetero.Runtime) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((16, 8), dtype=np.float32)
+    x = rng.standard_normal((4, 16), dtype=np.float32)
+    g = graph(block_ops, True)
+    await rt.run(g, x=x, w=w)
+    base = rt.memory_stats()
+    for _ in range(5):
+        await rt.run(g, x=x, w=w)
+        assert rt.stats().stage("block").replayed
+    after = rt.memory_stats()
+    assert after.in_use_bytes == base.in_use_bytes == 0
+    assert after.pooled_bytes == base.pooled_bytes  # the pool handed back the same buffers
+
+
+async def test_cancellation_during_replays_then_reuse(rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x -> s0 -> s1 -> ... -> s39 -> out      (captured GPU stages)
+        cancel (cpu): cancels the run as soon as it starts
+    """
+    calls = Counter()
+    started = threading.Event()
+
+    def step(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        return ops.add(gpu, t, t)
+
+    g = hetero.Graph("chain")
+    v = g.input("x")
+    for i in range(40):
+        v = g.gpu(step, v, capture=True, name=f"s{i}")
+    side = g.cpu(lambda: started.set(), name="cancel")
+    g.output(v, side)
+    x = np.ones(64, np.float32)
+    first = await rt.run(g, x=x)
+    np.testing.assert_array_equal(first[0], x * 2.0**40)
+    assert calls.n == 1  # one signature: every stage replays the first one's capture
+    started.clear()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def cancel_when_started() -> None:
+                await anyio.to_thread.run_sync(started.wait, 10)
+                scope.cancel()
+
+            tg.start_soon(cancel_when_started)
+            await rt.run(g, x=x)
+    assert scope.cancelled_caught
+    for _ in range(100):
+        if rt.memory_stats().in_use_bytes == 0:
+            break
+        await anyio.sleep(0.02)
+    assert rt.memory_stats().in_use_bytes == 0
+    again = await rt.run(g, x=x)
+    np.testing.assert_array_equal(again[0], x * 2.0**40)
+    assert all(rt.stats().stage(f"s{i}").replayed for i in range(40))
+    assert calls.n == 1
+
+
+def raw_encoder_stage(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+    out = gpu.empty(x.shape, x.dtype)
+    gpu.encoder.copy_buffer_to_buffer(x.buffer, x.offset, out.buffer, out.offset, x.nbytes)
+    return out
+
+
+async def test_a_stage_that_cannot_be_replayed_falls_back_with_one_warning(shared_rt: hetero.Runtime) -> None:
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        return raw_encoder_stage(gpu, x)
+
+    g = hetero.Graph("raw")
+    g.output(g.gpu(fn, g.input("x"), capture=True, name="raw"))
+    x = np.arange(8, dtype=np.float32)
+    with pytest.warns(RuntimeWarning, match=r"stage 'raw' cannot be captured \(it records on gpu.encoder directly\)"):
+        np.testing.assert_array_equal(await shared_rt.run(g, x=x), x)
+    assert shared_rt.stats().stage("raw").capture == "fallback"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            np.testing.assert_array_equal(await shared_rt.run(g, x=x + i), x + i)
+            assert shared_rt.stats().stage("raw").capture == "fallback"
+    assert calls.n == 4  # recorded normally every run
+
+
+async def test_a_pooled_tensor_from_outside_the_arguments_is_not_replayed(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x -> double -> use (captured; also reads tripled's value through a closure)
+        x -> triple ----^ (after)
+    """
+    kept: list[hetero.Tensor] = []
+
+    def triple(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        kept.append(ops.add(gpu, ops.add(gpu, x, x), x))
+        return kept[-1]
+
+    def use(gpu: hetero.GPUContext, y: hetero.Tensor) -> hetero.Tensor:
+        return ops.add(gpu, y, kept[-1])
+
+    g = hetero.Graph("closure")
+    x = g.input("x")
+    t = g.gpu(triple, x, name="triple")
+    g.output(g.gpu(use, g.gpu(lambda gpu, v: ops.add(gpu, v, v), x, name="double"), capture=True, name="use",
+                   after=[t]))
+    with pytest.warns(RuntimeWarning, match="it binds a pooled tensor .* that is neither its argument nor made by it"):
+        np.testing.assert_array_equal(await shared_rt.run(g, x=np.ones(4, np.float32)), np.full(4, 5.0))
+    np.testing.assert_array_equal(await shared_rt.run(g, x=np.full(4, 3.0, np.float32)), np.full(4, 15.0))
+    assert shared_rt.stats().stage("use").capture == "fallback"
+
+
+async def test_an_error_while_capturing_is_a_stage_error_and_nothing_is_kept(rt: hetero.Runtime) -> None:
+    calls = Counter()
+    fail = [True]
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        y = ops.gelu(gpu, x)
+        if fail[0]:
+            raise ValueError("boom")
+        return y
+
+    g = hetero.Graph("err")
+    g.output(g.gpu(fn, g.input("x"), capture=True, name="f"))
+    x = np.linspace(-1, 1, 16, dtype=np.float32)
+    with pytest.raises(hetero.StageError, match=r"gpu stage 'f' failed: ValueError: boom") as e:
+        await rt.run(g, x=x)
+    assert e.value.stage == "f"
+    assert len(rt.device().captures) == 0
+    assert rt.memory_stats().in_use_bytes == 0
+    fail[0] = False
+    a = await rt.run(g, x=x)
+    assert rt.stats().stage("f").capture == "captured"
+    b = await rt.run(g, x=x)
+    assert rt.stats().stage("f").capture == "replayed"
+    np.testing.assert_array_equal(a, b)
+    assert calls.n == 2
+
+
+async def test_an_unhashable_argument_is_a_stage_error(shared_rt: hetero.Runtime) -> None:
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor, opts: Any) -> hetero.Tensor:
+        return x
+
+    g = hetero.Graph("unhashable")
+    g.output(g.gpu(fn, g.input("x"), {"a": {1, 2}}, capture=True, name="f"))
+    with pytest.raises(hetero.StageError, match=r"stage 'f' is declared with capture=True, but its argument "
+                                                 r"1\['a'\] \(set\) is not hashable"):
+        await shared_rt.run(g, x=np.ones(2, np.float32))
+
+
+async def test_the_capture_cache_is_lru_bounded() -> None:
+    calls: dict[int, int] = {}
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls[x.shape[0]] = calls.get(x.shape[0], 0) + 1
+        return ops.gelu(gpu, x)
+
+    g = hetero.Graph("lru")
+    g.output(g.gpu(fn, g.input("x"), capture=True, name="f"))
+    with hetero.Runtime(cpu_threads=2, capture_cache=2) as rt:
+        for n in (1, 2, 1, 3, 1, 2):  # 2 is evicted by 3 (1 was used more recently)
+            await rt.run(g, x=np.ones(n, np.float32))
+        assert calls == {1: 1, 2: 2, 3: 1}
+        assert rt.device().captures.stats()["evictions"] == 2
+        assert len(rt.device().captures) == 2
+
+
+async def test_runtime_capture_false_calls_every_stage(shared_rt: hetero.Runtime) -> None:
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        return ops.gelu(gpu, x)
+
+    g = hetero.Graph("off")
+    g.output(g.gpu(fn, g.input("x"), capture=True, name="f"))
+    with hetero.Runtime(cpu_threads=2, capture=False) as rt:
+        for _ in range(3):
+            await rt.run(g, x=np.ones(4, np.float32))
+            assert rt.stats().stage("f").capture is None
+    assert calls.n == 3
+    with pytest.raises(ValueError, match="capture_cache must be an integer >= 1, got 0"):
+        hetero.Runtime(capture_cache=0)
+    with pytest.raises(hetero.GraphError, match="capture must be True or False, got 'yes'"):
+        g.gpu(fn, 1, capture="yes", name="bad")  # type: ignore[arg-type]
+
+
+async def test_traces_show_replayed_dispatches(tmp_path: Any) -> None:
+    path = tmp_path / "trace.json"
+    g = hetero.Graph("traced")
+    g.output(g.gpu(lambda gpu, x: ops.gelu(gpu, ops.add(gpu, x, x)), g.input("x"), capture=True, name="f"))
+    with hetero.Runtime(cpu_threads=2, trace=path) as rt:
+        for _ in range(2):
+            await rt.run(g, x=np.ones(8, np.float32))
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    records = [e for e in events if e.get("name") == "f" and e.get("cat") == "gpu-record"]
+    assert [e["args"]["capture"] for e in records] == ["captured", "replayed"]
+    dispatches = [e for e in events if e.get("args", {}).get("workgroups") is not None]
+    if dispatches:  # the adapter writes timestamps inside passes
+        assert sum(1 for e in dispatches if e["args"].get("replayed")) == 2
+        assert sum(1 for e in dispatches if not e["args"].get("replayed")) == 2
