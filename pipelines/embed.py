@@ -14,7 +14,9 @@ with the padding mask reading q, k and v in place; output projection + residual
 layernorm; gelu feed-forward + residual layernorm); ``pool`` averages the real tokens
 and L2-normalises (one kernel of this module). One stage per layer keeps the
 temporaries of a layer in the buffer pool only while it is recorded; the queue orders
-the stages without host round trips.
+the stages without host round trips. Every GPU stage is captured (``capture=True``):
+its function runs once per batch shape (sentences, padded length) and later batches of
+that shape replay its dispatches.
 
 The weights are uploaded once per device, on first use, with ``gpu.resident`` (buffers
 never pooled, never released by the scheduler) and held by the
@@ -312,13 +314,15 @@ def embedding_graph(model: Model, int8: bool = False) -> hetero.Graph:
         g = hetero.Graph(key)
         tokens = g.cpu(tokenize, g.input("texts"), model, name="tokenize")
         mask = g.cpu(_mask, tokens, name="mask")
-        x = g.gpu(_embeddings, tokens, model, name="embeddings")
+        # Every GPU stage records the same work for the same batch shape: captured once per
+        # (batch, length) and replayed afterwards (see hetero._capture).
+        x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
             if int8:
-                x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}")
+                x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
             else:
-                x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}")
-        g.output(g.gpu(_pool, x, mask, name="pool"))
+                x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}", capture=True)
+        g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
         model.graphs[key] = g
         return g
 

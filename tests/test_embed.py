@@ -130,6 +130,21 @@ async def test_embed_inside_a_running_event_loop_points_to_aembed(anyio_backend:
     assert got.shape == (2, 32)
 
 
+def test_layer_stages_are_captured_and_replay_the_same_embeddings(tiny: Model) -> None:
+    texts = ["the cat sat", "a dog ran", "hello world"] * 2 + ["x"]  # batches of 2: three shapes
+    with hetero.Runtime(cpu_threads=2, capture=False) as plain:
+        want = embed(texts + texts[::-1], model=tiny, runtime=plain, batch_size=2, max_in_flight=1)
+    with hetero.Runtime(cpu_threads=2) as rt:
+        got = embed(texts + texts[::-1], model=tiny, runtime=rt, batch_size=2, max_in_flight=1)
+        assert rt.device().captures.stats()["captures"] == 4 * 3  # four GPU stages, three batch shapes
+        np.testing.assert_array_equal(embed(["x", "x"], model=tiny, runtime=rt), want[6:8])
+        stages = rt.stats().stages
+        gpu = [s for s in stages if s.kind == "gpu"]
+        assert [s.name for s in gpu] == ["embeddings", "layer0", "layer1", "pool"]
+        assert all(s.replayed for s in gpu)  # the shape of this batch was seen before
+    np.testing.assert_array_equal(got, want)
+
+
 def test_truncation_and_padding(tiny: Model) -> None:
     ids, types, pos, mask = tokenize(["a " * 100, "b", ""], tiny)
     assert ids.shape == (3, 24) and ids.dtype == np.int32
