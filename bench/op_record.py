@@ -13,6 +13,13 @@ releases the GIL and may wait up to the switch interval to get it back).
 
 Prints one JSON line per op with the device's bind-cache counters (uniforms, bind groups,
 hits, misses) after it.
+
+Then the same stages declared with ``capture=True`` (see ``hetero._capture``): the first
+run captures, the next ones replay without calling the stage function. A replay is timed
+from the stage's start to the end of its recording (``rt.stats()``: ``recorded - started``,
+which also holds the stage's fixed cost, spread over ``R`` ops), best of three; printed per
+op and per replayed dispatch beside the recorded figure of the same op in this run, with
+their ratio.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) { if (gid.x < 4u) { x[gid
 emit = emitter("op_record")
 
 
-def graph(kind: str, r: int) -> hetero.Graph:
+def graph(kind: str, r: int, capture: bool = False) -> hetero.Graph:
     def stage(gpu: hetero.GPUContext, x: Any, w: Any, g_: Any) -> np.float64:
         t0 = time.perf_counter()
         for _ in range(r):
@@ -53,19 +60,44 @@ def graph(kind: str, r: int) -> hetero.Graph:
         return np.float64((time.perf_counter() - t0) / r * 1e6)
 
     g = hetero.Graph(kind)
-    out = g.gpu(stage, g.input("x"), g.input("w"), g.input("g"), name=kind)
+    out = g.gpu(stage, g.input("x"), g.input("w"), g.input("g"), name=kind, capture=capture)
     g.output(g.cpu(lambda v: v, out, name="id"))
     return g
 
 
 def measure(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: dict[str, np.ndarray],
-            **extra: Any) -> None:
+            **extra: Any) -> dict[str, float]:
+    recorded = {}
     for kind in kinds:
         g = graph(kind, r)
         anyio.run(lambda: rt.run(g, **arrays))
         us = [float(anyio.run(lambda: rt.run(g, **arrays))) for _ in range(3)]
+        recorded[kind] = min(us)
         emit(op=kind, **extra, record_us_per_op=round(min(us), 1), adapter=rt.device().summary["summary"],
              **rt.device().binds.stats())
+    return recorded
+
+
+def measure_replay(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: dict[str, np.ndarray],
+                   recorded: dict[str, float]) -> None:
+    """Host time of a replayed op and of one replayed dispatch, beside recording the op."""
+    cache = rt.device().captures
+    for kind in kinds:
+        g = graph(kind, r, capture=True)
+        before = cache.stats()["captures"]
+        anyio.run(lambda: rt.run(g, **arrays))  # captures
+        assert cache.stats()["captures"] == before + 1
+        dispatches = cache.newest_dispatches()
+        us = []
+        for _ in range(3):
+            anyio.run(lambda: rt.run(g, **arrays))
+            st = rt.stats().stage(kind)
+            assert st.replayed and st.started is not None and st.recorded is not None
+            us.append((st.recorded - st.started) * 1e6 / r)
+        per_op = min(us)
+        emit(op=kind, replay_us_per_op=round(per_op, 2), dispatches_per_op=dispatches / r,
+             replay_us_per_dispatch=round(per_op * r / dispatches, 2), record_us_per_op=round(recorded[kind], 1),
+             ratio_record_over_replay=round(recorded[kind] / per_op, 1), **rt.device().binds.stats())
 
 
 def main() -> None:
@@ -75,8 +107,10 @@ def main() -> None:
     arrays = {"x": rng.standard_normal((m, 384), dtype=np.float32),
               "w": rng.standard_normal((384, 384), dtype=np.float32),
               "g": rng.standard_normal(384, dtype=np.float32)}
+    kinds = ("dispatch_only", "gelu", "layernorm", "matmul")
     with hetero.Runtime() as rt:
-        measure(rt, ("dispatch_only", "gelu", "layernorm", "matmul"), r, arrays)
+        recorded = measure(rt, kinds, r, arrays)
+        measure_replay(rt, kinds, r, arrays, recorded)
     stop = [False]
 
     def busy() -> None:

@@ -165,6 +165,14 @@ class CaptureCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def newest_dispatches(self) -> int:
+        """Dispatches of the most recently used capture (0 if none): for benchmarks and tests."""
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                if isinstance(entry, Capture):
+                    return len(entry.ops)
+        return 0
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"entries": len(self._entries), "captures": self.captures, "replays": self.replays,
@@ -347,7 +355,11 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
-    """The dispatches, through the C functions, into the recorder's open compute pass."""
+    """The dispatches, through the C functions, into the recorder's open compute pass.
+
+    The recording thread holds the recorder (its lock, or a recorder of its own), so the
+    pass only changes where this loop ends it: a split for the GPU-time budget.
+    """
     dev = ctx._dev
     rec = ctx._recorder
     cost = dev.cost
@@ -355,14 +367,18 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
     budget = dev.budget_ns
     limit = ctx.limits["max-compute-workgroups-per-dimension"]
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
+    h: Any = None
+    pipeline: Any = None
     for op, bg in zip(cap.ops, groups):
         k = op.kernel
         gx, gy, gz = op.groups
         if not k.grid:
             est = estimate(k.key, op.total)
-            reserve(est)
-            h = compute_pass()._internal
-            _set_pipeline(h, op.pipeline)
+            if reserve(est) or h is None:
+                h, pipeline = compute_pass()._internal, None
+            if op.pipeline != pipeline:
+                pipeline = op.pipeline
+                _set_pipeline(h, pipeline)
             _set_bind_group(h, 0, bg._internal, 0, _NULL)
             if tracing:
                 span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
@@ -378,11 +394,13 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
         for x0 in range(0, gx, chunk):
             w = min(chunk, gx - x0)
             est = estimate(k.key, w * per_x)
-            reserve(est)
+            if reserve(est) or h is None:
+                h, pipeline = compute_pass()._internal, None
             grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
             bg1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
-            h = compute_pass()._internal
-            _set_pipeline(h, op.pipeline)
+            if op.pipeline != pipeline:
+                pipeline = op.pipeline
+                _set_pipeline(h, pipeline)
             _set_bind_group(h, 0, bg._internal, 0, _NULL)
             _set_bind_group(h, 1, bg1._internal, 0, _NULL)
             if tracing or cost.should_time(k.key):
