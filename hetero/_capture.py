@@ -296,10 +296,15 @@ class Capturing:
         return Capture(self._ops, temps, template, list(self._consts.values()))
 
 
-def _map(value: Any, fn: Callable[[Tensor], Any]) -> Any:
-    from ._gpu import map_values
-
-    return map_values(value, fn, Tensor)
+def _map(value: Any, fn: Callable[[Any], Any], kind: type = Tensor) -> Any:
+    """``fn`` applied to every ``kind`` in ``value`` and its tuples, lists and dicts (as the scheduler walks values)."""
+    if isinstance(value, kind):
+        return fn(value)
+    if type(value) in (tuple, list):
+        return type(value)(_map(v, fn, kind) for v in value)
+    if type(value) is dict:
+        return {k: _map(v, fn, kind) for k, v in value.items()}
+    return value
 
 
 # -- replaying ------------------------------------------------------------------------------------
@@ -349,9 +354,7 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
             return Tensor(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block)
         return Tensor(r.ref, r.shape, r.dtype, r.offset)
 
-    from ._gpu import map_values
-
-    return map_values(cap.result, resolve, _Ref)
+    return _map(cap.result, resolve, _Ref)
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
