@@ -92,6 +92,8 @@ class _Op:
     slots: tuple[Slot, ...]
     layout: Any
     group: Any  # the bind group itself when every binding is constant, else None
+    whole: Any = None  # a grid kernel's group-1 bind group for the whole grid in one dispatch (made on first use)
+    whole_uniform: Any = None  # the uniform it binds (held here too: the bind cache may drop it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,8 +401,13 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
             est = estimate(k.key, w * per_x)
             if reserve(est) or h is None:
                 h, pipeline = compute_pass()._internal, None
-            grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
-            bg1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
+            if w == gx and op.whole is not None:
+                bg1 = op.whole  # the common case: one dispatch covers the grid
+            else:
+                grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
+                bg1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
+                if w == gx:
+                    op.whole, op.whole_uniform = bg1, grid  # a uniform is never destroyed while the device lives
             if op.pipeline != pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
