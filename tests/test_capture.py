@@ -29,6 +29,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 """
 
 
+FILL = """
+@group(0) @binding(0) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = hetero_workgroup_id(wid).x * 64u + lid.x;
+    if (i < arrayLength(&y)) { y[i] = 1.0; }
+}
+"""
+
+
 class Counter:
     def __init__(self) -> None:
         self.n = 0
@@ -199,6 +209,70 @@ async def test_cancellation_during_replays_then_reuse(rt: hetero.Runtime) -> Non
     again = await rt.run(g, x=x)
     np.testing.assert_array_equal(again[0], x * 2.0**40)
     assert all(rt.stats().stage(f"s{i}").replayed for i in range(40))
+    assert calls.n == 1
+
+
+async def test_cancelling_a_replay_that_waits_for_memory() -> None:
+    """
+    ::
+
+        x -> big (gpu, captured) -------> use (gpu) -> out
+             slow (cpu, waits) ----------^
+
+    Run A holds big's output until slow returns; run B's replay of big needs as much
+    again, past the budget, and waits for memory inside the replay (its input is tiny);
+    B is cancelled there.
+    """
+    n = 1 << 18  # floats: 1 MiB per tensor
+    gate = threading.Event()
+    calls = Counter()
+
+    def big(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        ops.gelu(gpu, x)
+        ones = gpu.empty((n,), np.float32)  # a temporary
+        gpu.dispatch(FILL, n // 64, ones)
+        out = gpu.empty((n,), np.float32)
+        gpu.dispatch(SCALE, n // 64, ones, out, _params(1.0, n))
+        return out
+
+    def use(gpu: hetero.GPUContext, t: hetero.Tensor, _: Any) -> hetero.Tensor:
+        return ops.sum(gpu, t)
+
+    g = hetero.Graph("wait")
+    b = g.gpu(big, g.input("x"), capture=True, name="big")
+    g.output(g.gpu(use, b, g.cpu(lambda: gate.wait(10), name="slow"), name="use"))
+    x = np.zeros(16, np.float32)
+    with hetero.Runtime(cpu_threads=2, memory_budget=3 << 20) as rt:
+        gate.set()
+        assert await rt.run(g, x=x) == 2 * n  # captures
+        gate.clear()
+        waits = rt.memory_stats().waits
+        async with anyio.create_task_group() as tg:
+            async def run_a() -> None:
+                assert await rt.run(g, x=x) == 2 * n
+
+            tg.start_soon(run_a)
+            await anyio.sleep(0.05)
+            with anyio.CancelScope() as scope:
+                async def cancel_when_waiting() -> None:
+                    with anyio.fail_after(10):
+                        while rt.memory_stats().waits == waits:
+                            await anyio.sleep(0.005)
+                    scope.cancel()
+
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(cancel_when_waiting)
+                    await rt.run(g, x=x)
+            assert scope.cancelled_caught
+            gate.set()
+        for _ in range(100):
+            if rt.memory_stats().in_use_bytes == 0:
+                break
+            await anyio.sleep(0.02)
+        assert rt.memory_stats().in_use_bytes == 0
+        assert await rt.run(g, x=x) == 2 * n
+        assert rt.stats().stage("big").replayed
     assert calls.n == 1
 
 
