@@ -22,7 +22,9 @@ wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``)
 e.g. on a machine without a package registry) writes all-MiniLM-L6-v2's architecture
 with random weights into a temporary directory with
 ``hetero.pipelines.testing.write_random_model``: config.json, model.safetensors,
-a WordPiece tokenizer.json, and the sentence-transformers files (modules.json,
+a WordPiece tokenizer.json (its vocabulary made of the text's words, so sentences are
+about as many tokens as with MiniLM's: see :func:`corpus_tokenizer`), and the
+sentence-transformers files (modules.json,
 sentence_bert_config.json, 1_Pooling/config.json) that make
 ``SentenceTransformer(dir)`` build Transformer (BertModel) + Pooling(mean) + Normalize.
 
@@ -61,6 +63,42 @@ def sentences(n: int, max_words: int, corpus: str | None) -> list[str]:
     if not pool:
         raise SystemExit(f"bench.embed: no sentences in {corpus or 'the standard library docstrings'}")
     return [pool[i % len(pool)] for i in range(n)]
+
+
+def corpus_tokenizer(model_dir: Path, texts: list[str], vocab_size: int = 30522) -> None:
+    """Replace a random model's tokenizer.json by one whose vocabulary holds the corpus's words.
+
+    The random model's own vocabulary (``hetero.pipelines.testing``) cuts English words into
+    2-3 letter pieces, about 2.5 tokens a word; real MiniLM makes about 1.5 of the standard
+    library's docstring sentences. Whole words of the text (most frequent first), single
+    characters and ``##`` characters bring a random model's sequences to a realistic length.
+    """
+    import collections
+    import string
+
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    from hetero.pipelines.testing import _vocab
+
+    norm, pre = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts = collections.Counter(w for t in texts for w, _ in pre.pre_tokenize_str(norm.normalize_str(t)))
+    base = _vocab(len(string.ascii_lowercase + string.digits + string.punctuation) * 2 + 10)
+    words = list(dict.fromkeys([*base, *(w for w, _ in counts.most_common())]))[:vocab_size]
+    have = set(words)
+    filler = (w for w in _vocab(vocab_size) if w not in have)
+    while len(words) < vocab_size:
+        words.append(next(filler))
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = norm
+    tok.pre_tokenizer = pre
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.enable_truncation(max_length=256)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")  # the slow tokenizer's
 
 
 def busy_fraction(trace: dict[str, Any], since_us: float, wall_us: float) -> float:
@@ -180,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = find_minilm() if args.model == "minilm" else Path(args.model)
     texts = sentences(args.n, args.max_words, args.corpus)
     lat_texts = texts[: args.latency]
+    if args.model == "random":
+        corpus_tokenizer(model_dir, texts)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
     from hetero.pipelines.embed import MAX_IN_FLIGHT
