@@ -191,26 +191,27 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> tupl
     flat: list[Tensor] = []
     buffers: dict[int, int] = {}
 
-    def key(v: Any, where: str) -> Any:
+    def key(v: Any, where: tuple[Any, ...]) -> Any:
         if isinstance(v, Tensor):
             first = buffers.setdefault(id(v.buffer), len(flat))
             flat.append(v)
             return (Tensor, v.shape, v.dtype.str, first if first != len(flat) - 1 else -1)
         t = type(v)
         if t is tuple or t is list:
-            return (t, tuple(key(x, f"{where}[{i}]") for i, x in enumerate(v)))
+            return (t, tuple(key(x, (*where, i)) for i, x in enumerate(v)))
         if t is dict:
-            return (t, tuple((k, key(x, f"{where}[{k!r}]")) for k, x in v.items()))
+            return (t, tuple((k, key(x, (*where, k))) for k, x in v.items()))
         try:
             hash(v)
         except TypeError:
-            raise TypeError(f"stage {stage!r} is declared with capture=True, but its argument {where} "
+            path = f"{where[0]}" + "".join(f"[{p!r}]" for p in where[1:])
+            raise TypeError(f"stage {stage!r} is declared with capture=True, but its argument {path} "
                             f"({t.__name__}) is not hashable, so runs cannot be matched to a capture; pass a "
                             "hashable value (e.g. a tuple) or declare the stage without capture=True") from None
         return (t, v)
 
-    k = (tuple(key(a, f"{i}") for i, a in enumerate(args)),
-         tuple((name, key(v, repr(name))) for name, v in kwargs.items()))
+    k = (tuple(key(a, (i,)) for i, a in enumerate(args)),
+         tuple((name, key(v, (name,))) for name, v in kwargs.items()))
     return k, flat
 
 
