@@ -21,6 +21,7 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _recorder   the command encoders stages record into
 #     _device     adapter, device, pipeline cache, submission, the fence thread
 #     _fence      Fence: awaiting a submission from asyncio or trio
+#     _capture    captured GPU stages: a stage's dispatches recorded once per signature, replayed
 #     _memory     the buffer pool           _transfer   the staging ring (uploads, downloads)
 #     _bindcache  uniforms, bind groups     _split      TDR-safe dispatch splitting
 #     _timing     GPU timestamps            _tensor     Tensor
