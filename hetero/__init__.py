@@ -61,6 +61,7 @@ def _map_source_checkout() -> None:
         spec.loader.exec_module(module)
 
 
+from ._batcher import Batcher
 from ._device import Kernel
 from ._fence import Fence
 from ._gpu import GPUContext
@@ -78,6 +79,7 @@ from .errors import (
     InputError,
     NoAdapterError,
     OutOfMemoryError,
+    OverloadedError,
     RuntimeClosedError,
     StageError,
 )
@@ -89,6 +91,7 @@ from . import ops  # noqa: E402  (the op namespace: hetero.ops.sum, ...)
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batcher",
     "DeviceLostError",
     "DispatchInfo",
     "Fence",
@@ -104,6 +107,7 @@ __all__ = [
     "NoAdapterError",
     "Node",
     "OutOfMemoryError",
+    "OverloadedError",
     "RunStats",
     "Runtime",
     "RuntimeClosedError",

@@ -6,12 +6,13 @@ import atexit
 import collections
 import os
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from ._batcher import Batcher
 from ._capture import DEFAULT_CACHE_ENTRIES
 from ._device import Device
 from ._memory import MemoryStats
@@ -241,6 +242,26 @@ class Runtime:
                 tracer = self._tracer
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(tracer.maybe_write)
+
+    def batcher(self, graph: Graph, /, *, max_batch_size: int = 64, max_wait: float = 0.0,
+                cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,
+                max_queued: int = 4096, max_in_flight: int = 2,
+                split: Callable[[list[int]], list[list[int]]] | None = None,
+                on_batch: Callable[[int, int], None] | None = None) -> Batcher:
+        """An async callable gathering concurrent ``await b(**inputs)`` calls into batched runs of ``graph``.
+
+        Each graph input receives the list of the batch's items' values (arrival order); each
+        output must have one entry per item along its first axis, and each caller gets its
+        own. A batch forms when fewer than ``max_in_flight`` of its batches run (no timer;
+        ``max_wait`` seconds > 0 waits for more items), FIFO, up to ``max_batch_size`` items
+        and ``max_cost`` (item count times the largest ``cost(inputs)``: padded cost). A full
+        queue (``max_queued``) raises :class:`~hetero.OverloadedError` at once. ``split``
+        runs a batch as several concurrent runs; ``on_batch(items, cost)`` observes each
+        batch formed. See :mod:`hetero._batcher` for the rules (cancellation, errors, loops).
+        """
+        self._check_open()
+        return Batcher(self, graph, max_batch_size=max_batch_size, max_wait=max_wait, cost=cost, max_cost=max_cost,
+                       max_queued=max_queued, max_in_flight=max_in_flight, split=split, on_batch=on_batch)
 
     def stats(self) -> RunStats:
         """Per-stage timings of the last run started (wall instants; GPU time where measured)."""

@@ -10,7 +10,8 @@
     │   ├── NoAdapterError      no WebGPU adapter matches (says what to install or set)
     │   ├── OutOfMemoryError    a buffer can never fit the memory budget, or the device refused it
     │   └── DeviceLostError     the device was lost; runs fail fast instead of aborting
-    └── RuntimeClosedError      the runtime was used after close()
+    ├── RuntimeClosedError      the runtime was used after close()
+    └── OverloadedError         a batcher's queue is full; retry later
 
 Messages are lowercase, name the rule and the values, and say what to do where
 that is not obvious. Every error survives a ``pickle`` round trip (process stages
@@ -32,6 +33,7 @@ __all__ = [
     "InputError",
     "NoAdapterError",
     "OutOfMemoryError",
+    "OverloadedError",
     "RuntimeClosedError",
     "StageError",
 ]
@@ -109,3 +111,7 @@ class DeviceLostError(GPUError):
 
 class RuntimeClosedError(HeteroError):
     """The runtime was used after it was closed."""
+
+
+class OverloadedError(HeteroError):
+    """A batcher's queue is full (``max_queued`` items wait): the item was refused at once; retry later."""

@@ -1,0 +1,408 @@
+"""Dynamic batching: concurrent callers gathered into one run of a graph.
+
+``rt.batcher(graph, ...)`` returns a :class:`Batcher`; ``await b(**inputs)`` submits one
+item and returns that item's share of the batch's outputs.
+
+Rules:
+
+- **Gathering.** A batch's run gets, for each graph input, the list of its callers'
+  values in arrival order. Each graph output must have one entry per caller along its
+  first axis (a numpy array or a sequence; a tuple of those for several outputs); caller
+  ``i`` gets entry ``i`` (a tuple of entries for several outputs; numpy rows are copied
+  out of the batch's array).
+- **Continuous batching.** A batch forms as soon as the runtime can take one: fewer than
+  ``max_in_flight`` of this batcher's batches are running and an item is queued. It takes
+  queued items in FIFO order (never skipping one) up to ``max_batch_size`` items and up
+  to ``max_cost``. No timer: under light load a lone item runs at once; under heavy load
+  items queue while the batches in flight run, and the next batch takes them all.
+  ``max_wait > 0`` (seconds) makes a batch wait up to that long after its first item
+  arrived for more items, unless it is already full.
+- **Cost rule** (text-embeddings-inference's padded-token budget): each item has a cost
+  (``cost(inputs)``, default 1); a batch's cost is its item count times its largest item
+  cost, as if every item were padded to the longest. An item joins a batch of ``n``
+  items whose largest cost is ``m`` while ``max(m, c) * (n + 1) <= max_cost``. The first
+  item of a batch always joins, so an item costlier than ``max_cost`` runs alone.
+- **Splitting** (optional ``split``): a function from the formed batch's item costs to
+  groups of item indices; each group runs as a graph run of its own, concurrently, and
+  together they count as one batch in flight (the embedding pipeline sorts by length
+  and splits where padding would waste much).
+- **Cancellation.** A batch runs in a task the batcher owns. Cancelling a caller whose
+  item is still queued removes the item; cancelling one whose item is in a running batch
+  only stops that caller's wait: the batch runs on for the others.
+- **Errors.** A failed run fails exactly its callers, each with the run's error (a
+  :class:`~hetero.StageError` names the stage).
+- **Overload.** A call that finds ``max_queued`` items queued raises
+  :class:`~hetero.OverloadedError` at once.
+- **Event loops.** The batcher starts its dispatching task on the event loop (asyncio or
+  trio) of its first call and is bound to that loop while the loop runs; a call from
+  another running loop raises :class:`~hetero.HeteroError`. Once that loop has ended (its
+  dispatching task was cancelled), the next call binds the batcher to the caller's loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from .errors import HeteroError, InputError, OverloadedError, RuntimeClosedError
+
+if TYPE_CHECKING:
+    from ._graph import Graph
+    from ._runtime import Runtime
+
+__all__ = ["Batcher", "padded_cost"]
+
+
+def padded_cost(costs: Sequence[int]) -> int:
+    """A batch's cost under the padded rule: item count times the largest item cost."""
+    return max(costs) * len(costs) if costs else 0
+
+
+class _Item:
+    __slots__ = ("inputs", "cost", "arrived", "event", "result", "error", "done")
+
+    def __init__(self, inputs: dict[str, Any], cost: int) -> None:
+        self.inputs = inputs
+        self.cost = cost
+        self.arrived = time.monotonic()
+        self.event = anyio.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+def _positive_int(name: str, v: object, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"batcher: {name} must be an integer >= 1, got {v!r}")
+
+
+class Batcher:
+    """An async callable gathering concurrent calls into batched runs of a graph (see the module doc)."""
+
+    def __init__(self, runtime: Runtime, graph: Graph, *, max_batch_size: int = 64, max_wait: float = 0.0,
+                 cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,
+                 max_queued: int = 4096, max_in_flight: int = 2,
+                 split: Callable[[list[int]], list[list[int]]] | None = None,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
+        from ._graph import Graph
+
+        if not isinstance(graph, Graph):
+            raise HeteroError(f"batcher() expects a hetero.Graph, got {type(graph).__name__}")
+        _positive_int("max_batch_size", max_batch_size)
+        _positive_int("max_cost", max_cost, allow_none=True)
+        _positive_int("max_queued", max_queued)
+        _positive_int("max_in_flight", max_in_flight)
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not max_wait >= 0 \
+                or math.isinf(max_wait):
+            raise ValueError(f"batcher: max_wait must be a finite number of seconds >= 0, got {max_wait!r}")
+        self.runtime = runtime
+        self.graph = graph
+        self.max_batch_size = max_batch_size
+        self.max_wait = float(max_wait)
+        self.cost = cost
+        self.max_cost = max_cost
+        self.max_queued = max_queued
+        self.max_in_flight = max_in_flight
+        self.split = split
+        self.on_batch = on_batch
+        self._plan = graph.plan()
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._in_flight = 0
+        self._changed: anyio.Event | None = None  # events are made on the loop (in _bind)
+        self._loop: object | None = None  # the event loop the dispatcher runs on
+        self._running = False  # the dispatcher task is alive
+        self._closing = False
+        self._closed = False
+        self._stopped: anyio.Event | None = None
+        self._task: Any = None
+        self.batches = 0  # batches formed so far
+        self.items = 0  # items handed to batches so far
+
+    # -- what callers see -------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Items waiting for a batch."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """This batcher's batches running now."""
+        return self._in_flight
+
+    async def __call__(self, **inputs: Any) -> Any:
+        """Submit one item; return its entry of the batch's outputs (a tuple for several outputs)."""
+        item = self._admit([inputs])[0]
+        return await self._await(item)
+
+    async def gather(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Submit several items at once (admitted together or not at all); return their results in order.
+
+        They may land in different batches. The first failed item's error is raised once all
+        have finished.
+        """
+        admitted = self._admit(list(items))
+        results: list[Any] = []
+        try:
+            for item in admitted:
+                await item.event.wait()
+        finally:
+            self._forget(admitted)
+        for item in admitted:
+            if item.error is not None:
+                raise item.error
+            results.append(item.result)
+        return results
+
+    async def aclose(self) -> None:
+        """Stop taking items; let queued items and running batches finish; stop the dispatching task."""
+        self._closing = True
+        self._poke()
+        if self._running and self._stopped is not None:
+            await self._stopped.wait()
+        self._closed = True
+
+    async def __aenter__(self) -> Batcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- admission ----------------------------------------------------------------------
+    def _admit(self, inputs: list[Any]) -> list[_Item]:
+        if self._closing or self._closed:
+            raise RuntimeClosedError("this batcher is closed; create a new one with rt.batcher(...)")
+        self.runtime._check_open()
+        items = []
+        for x in inputs:
+            if not isinstance(x, Mapping):
+                raise InputError(f"batcher items must be dicts of graph inputs, got {type(x).__name__}")
+            self._plan.check_inputs(x)
+            c = 1
+            if self.cost is not None:
+                c = self.cost(x)
+                if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+                    raise HeteroError(f"batcher: cost() must return an integer >= 0, got {c!r}")
+            items.append(_Item(dict(x), int(c)))
+        if len(self._queue) + len(items) > self.max_queued:
+            raise OverloadedError(
+                f"the batcher of graph {self.graph.name!r} is overloaded: {len(self._queue)} items queued, "
+                f"{len(items)} more would pass max_queued={self.max_queued}; retry later or raise max_queued")
+        self._bind()
+        self._queue.extend(items)
+        self._poke()
+        return items
+
+    async def _await(self, item: _Item) -> Any:
+        try:
+            await item.event.wait()
+        finally:
+            self._forget([item])
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def _forget(self, items: list[_Item]) -> None:
+        """Drop items still queued (their callers left)."""
+        for item in items:
+            if not item.done:
+                try:
+                    self._queue.remove(item)
+                except ValueError:
+                    pass  # in a running batch: it runs on for the others
+
+    def _poke(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _changes(self) -> None:
+        """Wait for the next enqueue or batch completion."""
+        event = self._changed = anyio.Event()
+        await event.wait()
+
+    # -- the dispatching task -------------------------------------------------------------
+    def _bind(self) -> None:
+        from ._runtime import _running_loop
+
+        lib = _running_loop()
+        if lib == "asyncio":
+            import asyncio
+
+            loop: object = asyncio.get_running_loop()
+        elif lib == "trio":
+            import trio
+
+            loop = trio.lowlevel.current_trio_token()
+        else:
+            raise HeteroError("a batcher must be called from a running asyncio or trio event loop")
+        if self._running:
+            if loop is not self._loop:
+                raise HeteroError(f"this batcher runs on another event loop (it is bound to the {lib} loop of its "
+                                  "first call while that loop runs); create one batcher per event loop")
+            return
+        self._loop = loop
+        self._running = True
+        self._stopped = anyio.Event()
+        self._changed = anyio.Event()
+        if lib == "asyncio":
+            import asyncio
+
+            task = asyncio.get_running_loop().create_task(self._dispatch())
+            self._task = task  # keep a reference: the loop holds only a weak one
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._dispatch, name=f"hetero batcher of {self.graph.name!r}")
+
+    async def _dispatch(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    if not self._queue:
+                        if self._closing:
+                            break
+                        await self._changes()
+                        continue
+                    if self._in_flight >= self.max_in_flight:
+                        await self._changes()
+                        continue
+                    if self.max_wait > 0 and not self._closing and not self._full():
+                        left = self._queue[0].arrived + self.max_wait - time.monotonic()
+                        if left > 0:
+                            with anyio.move_on_after(left):
+                                await self._changes()
+                            continue
+                    batch = self._take()
+                    self._in_flight += 1
+                    tg.start_soon(self._run_batch, batch)
+                # closing: the task group waits for the running batches
+        except BaseException as e:
+            # The loop is ending (cancelled) or a bug: fail whatever is still queued.
+            err = RuntimeClosedError("the event loop of this batcher ended before the item ran")
+            while self._queue:
+                self._settle(self._queue.popleft(), None, err)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._running = False
+            self._loop = None
+            self._task = None
+            if self._stopped is not None:
+                self._stopped.set()
+
+    def _full(self) -> bool:
+        q = self._queue
+        if len(q) >= self.max_batch_size:
+            return True
+        if self.max_cost is None:
+            return False
+        m, n = 0, 0
+        for item in q:
+            m = max(m, item.cost)
+            n += 1
+            if m * n > self.max_cost:
+                return True
+        return False
+
+    def _take(self) -> list[_Item]:
+        q = self._queue
+        batch = [q.popleft()]
+        m = batch[0].cost
+        while q and len(batch) < self.max_batch_size:
+            c = max(m, q[0].cost)
+            if self.max_cost is not None and c * (len(batch) + 1) > self.max_cost:
+                break
+            m = c
+            batch.append(q.popleft())
+        for item in batch:
+            item.done = True  # no longer queued: a caller that leaves now leaves it running
+        return batch
+
+    async def _run_batch(self, batch: list[_Item]) -> None:
+        try:
+            self.batches += 1
+            self.items += len(batch)
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(len(batch), padded_cost([it.cost for it in batch]))
+                except Exception:
+                    pass  # an observer's failure must not fail the batch
+            groups = [list(range(len(batch)))]
+            if self.split is not None and len(batch) > 1:
+                groups = self._groups(batch)
+            if len(groups) == 1:
+                await self._run_group([batch[i] for i in groups[0]])
+            else:
+                async with anyio.create_task_group() as tg:
+                    for g in groups:
+                        tg.start_soon(self._run_group, [batch[i] for i in g])
+        finally:
+            self._in_flight -= 1
+            self._poke()
+
+    def _groups(self, batch: list[_Item]) -> list[list[int]]:
+        assert self.split is not None
+        try:
+            groups = [list(g) for g in self.split([it.cost for it in batch])]
+        except Exception as e:
+            groups = []
+            err: BaseException = HeteroError(f"batcher: split() failed: {type(e).__name__}: {e}")
+        else:
+            flat = sorted(i for g in groups for i in g)
+            if flat == list(range(len(batch))) and all(groups):
+                return groups
+            err = HeteroError(f"batcher: split() must return non-empty groups covering each of the "
+                              f"{len(batch)} item indices once, got {groups!r}")
+        for it in batch:
+            self._settle(it, None, err)
+        return []
+
+    async def _run_group(self, items: list[_Item]) -> None:
+        names = self._plan.input_names
+        inputs = {name: [it.inputs[name] for it in items] for name in names}
+        try:
+            out = await self.runtime.run(self.graph, **inputs)
+            shares = self._share(out, len(items))
+        except Exception as e:
+            for it in items:
+                self._settle(it, None, e)
+            return
+        except BaseException:  # the batcher's loop is ending
+            err = RuntimeClosedError("the event loop of this batcher ended while the item's batch ran")
+            for it in items:
+                self._settle(it, None, err)
+            raise
+        for it, share in zip(items, shares):
+            self._settle(it, share, None)
+
+    def _share(self, out: Any, n: int) -> list[Any]:
+        outs = out if not self._plan.single_output else (out,)
+        per: list[list[Any]] = []
+        for k, o in enumerate(outs):
+            size = len(o) if hasattr(o, "__len__") else None
+            if size != n:
+                what = f"{size} entries" if size is not None else f"a {type(o).__name__}"
+                raise HeteroError(f"batched run of graph {self.graph.name!r}: output {k} has {what} along its "
+                                  f"first axis, expected {n} (one per caller); the graph must return one entry "
+                                  "per input item")
+            if isinstance(o, np.ndarray):
+                per.append([o[i].copy() for i in range(n)])
+            else:
+                per.append([o[i] for i in range(n)])
+        if self._plan.single_output:
+            return per[0]
+        return [tuple(p[i] for p in per) for i in range(n)]
+
+    @staticmethod
+    def _settle(item: _Item, result: Any, error: BaseException | None) -> None:
+        item.done = True
+        item.result = result
+        item.error = error
+        item.event.set()
