@@ -1,4 +1,4 @@
-"""The ``hetero`` command line: ``hetero info [--check]`` and ``hetero demo``.
+"""The ``hetero`` command line: ``hetero info [--check]``, ``hetero demo``, ``hetero embed`` and ``hetero serve``.
 
 ``info`` shows what the GPU side of hetero will run on; ``info --check`` is the
 one-line probe setup scripts use to decide whether to install a software Vulkan
@@ -108,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     from hetero.pipelines import cli as embed_cli
 
     embed_cli.add_parser(sub)
+
+    from hetero.pipelines import serve as serve_cli
+
+    serve_cli.add_parser(sub)
     return p
 
 

@@ -36,6 +36,11 @@ every weight, Q/K/V stacked).
 does, so that a batch pads little), runs the batches through ``Runtime.map`` (up to
 :data:`MAX_IN_FLIGHT` at once: later batches are tokenized while the GPU works on this
 one) and restores the input order.
+
+:class:`EmbeddingService` is the batched service path for many concurrent callers (a
+server): each sentence is tokenized on arrival and becomes one item of a
+:class:`hetero.Batcher` over :func:`service_graph` (``ids -> pad -> ... -> pool``), whose
+cost is padded tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -57,9 +62,10 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV", "MapRuntime", "aembed", "embed", "embed_batches",
-           "embedding_graph", "get_model", "linear_weight", "quantized_weights", "resident_int8_weights",
-           "resident_weights", "tokenize"]
+__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
+           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "embed", "embed_batches",
+           "embedding_graph", "get_model", "linear_weight", "pad_tokens", "quantized_weights",
+           "resident_int8_weights", "resident_weights", "service_graph", "split_by_length", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
 # "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):
@@ -312,19 +318,23 @@ def embedding_graph(model: Model, int8: bool = False) -> hetero.Graph:
         if g is not None:
             return g
         g = hetero.Graph(key)
-        tokens = g.cpu(tokenize, g.input("texts"), model, name="tokenize")
-        mask = g.cpu(_mask, tokens, name="mask")
-        # Every GPU stage records the same work for the same batch shape: captured once per
-        # (batch, length) and replayed afterwards (see hetero._capture).
-        x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
-        for n in range(model.config.num_hidden_layers):
-            if int8:
-                x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
-            else:
-                x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}", capture=True)
-        g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
+        _encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8)
         model.graphs[key] = g
         return g
+
+
+def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> None:
+    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (the output)."""
+    mask = g.cpu(_mask, tokens, name="mask")
+    # Every GPU stage records the same work for the same batch shape: captured once per
+    # (batch, length) and replayed afterwards (see hetero._capture).
+    x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
+    for n in range(model.config.num_hidden_layers):
+        if int8:
+            x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
+        else:
+            x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}", capture=True)
+    g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
 
 
 # -- batching -----------------------------------------------------------------------------------------------
@@ -429,3 +439,133 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
     anyio.run(main)
     return result[0]
+
+
+# -- the batched service path ---------------------------------------------------------------------------------
+# A graph run's fixed cost counted in padded tokens: a formed batch is split into runs by length
+# only where padding would waste at least this much (see split_by_length).
+RUN_OVERHEAD_TOKENS = 2048
+# Requests with more texts than this are tokenized on a worker thread, not on the event loop.
+LOOP_TOKENIZE_MAX = 16
+
+
+def pad_tokens(ids: Sequence[np.ndarray], model: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`tokenize`'s four int32 ``[B, S]`` arrays from already tokenized sentences (one id array each)."""
+    b = len(ids)
+    lens = np.fromiter((len(x) for x in ids), np.int64, b)
+    s = int(lens.max()) if b else 0
+    real = np.arange(s) < lens[:, None]
+    out = np.full((b, s), model.config.pad_token_id, np.int32)
+    if b:
+        out[real] = np.concatenate([np.asarray(x, np.int32) for x in ids])
+    types = np.zeros((b, s), np.int32)  # single sentences: every token is segment 0
+    pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
+    return out, types, pos, real.astype(np.int32)
+
+
+def service_graph(model: Model, int8: bool = False) -> hetero.Graph:
+    """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path."""
+    key = "serve-int8" if int8 else "serve"
+    with model.lock:
+        g = model.graphs.get(key)
+        if g is not None:
+            return g
+        g = hetero.Graph(key)
+        _encoder(g, g.cpu(pad_tokens, g.input("ids"), model, name="pad"), model, int8)
+        model.graphs[key] = g
+        return g
+
+
+def split_by_length(lengths: Sequence[int], overhead: int = RUN_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Groups of indices of a formed batch, each run on its own (padded to its own longest sentence).
+
+    One group unless padding the whole batch to its longest sentence wastes at least
+    ``overhead`` tokens. Otherwise the sentences are sorted longest first and a new group
+    starts where the tokens the rest would pad (the gap to the group's longest, times the
+    sentences left) reach ``overhead``.
+    """
+    n = len(lengths)
+    if n < 2 or max(lengths) * n - sum(lengths) < overhead:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    groups = [[order[0]]]
+    head = lengths[order[0]]
+    for pos in range(1, n):
+        i = order[pos]
+        if (head - lengths[i]) * (n - pos) >= overhead:
+            groups.append([i])
+            head = lengths[i]
+        else:
+            groups[-1].append(i)
+    return groups
+
+
+class EmbeddingService:
+    """Embeddings for many concurrent callers: each sentence is one item of a :class:`hetero.Batcher`.
+
+    The batcher's cost is tokens, padded as text-embeddings-inference counts them: a batch
+    of ``n`` sentences whose longest has ``L`` tokens (``[CLS]`` and ``[SEP]`` included)
+    costs ``L * n``, at most ``max_batch_tokens``. A formed batch is split by length
+    (:func:`split_by_length`) where padding would waste much. Padding never changes a
+    sentence's embedding (masked attention, per-row everything else). ``max_in_flight``
+    batches run at once, so the next one is padded while the GPU encodes this one.
+    """
+
+    def __init__(self, runtime: hetero.Runtime, model: Model | str | os.PathLike[str] = "minilm", *,
+                 int8: bool = False, max_batch_tokens: int = 16384, max_batch_size: int | None = None,
+                 max_queued: int = 4096, max_in_flight: int = 2, max_wait: float = 0.0,
+                 on_batch: Callable[[int, int], None] | None = None) -> None:
+        self.model = get_model(model)
+        self.int8 = bool(int8)
+        longest = self.model.config.max_seq_length
+        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < longest:
+            raise ValueError(f"max_batch_tokens must be an integer >= the model's max_seq_length ({longest}), "
+                             f"got {max_batch_tokens!r}")
+        self.max_batch_tokens = max_batch_tokens
+        self.runtime = runtime
+        self.graph = service_graph(self.model, self.int8)
+        self.batcher = runtime.batcher(
+            self.graph, max_batch_size=max_batch_size or max(1, max_batch_tokens // 2), max_wait=max_wait,
+            cost=_token_count, max_cost=max_batch_tokens, max_queued=max_queued, max_in_flight=max_in_flight,
+            split=split_by_length, on_batch=on_batch)
+
+    def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids of each text (truncated at the model's ``max_seq_length``), int32."""
+        items = _check_texts(texts)
+        tok = self.model.tokenizer
+        if len(items) == 1:
+            return [np.asarray(tok.encode(items[0]).ids, np.int32)]
+        return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(items)]
+
+    async def atokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """:meth:`tokenize`, on a worker thread for more than :data:`LOOP_TOKENIZE_MAX` texts."""
+        if len(texts) <= LOOP_TOKENIZE_MAX:
+            return self.tokenize(texts)
+        return await anyio.to_thread.run_sync(self.tokenize, texts)
+
+    async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
+        """Embeddings ``[len(ids), hidden]`` of tokenized sentences, each one item of the batcher."""
+        if len(ids) == 1:
+            rows = [await self.batcher(ids=ids[0])]
+        else:
+            rows = await self.batcher.gather([{"ids": x} for x in ids])
+        if not rows:
+            return np.zeros((0, self.model.dim), np.float32)
+        return np.stack(rows)
+
+    async def aembed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embeddings of ``texts`` ``[len(texts), hidden]``, in order, through the batcher."""
+        return await self.embed_ids(await self.atokenize(texts))
+
+    async def warmup(self) -> None:
+        """Compile the graph's kernels and run one sentence (weights uploaded, shapes compiled)."""
+        await self.runtime.warmup(self.graph)
+        await self.aembed(["warm up"])
+
+    async def aclose(self) -> None:
+        """Let queued and running batches finish; take no more."""
+        await self.batcher.aclose()
+
+
+def _token_count(inputs: Mapping[str, Any]) -> int:
+    return len(inputs["ids"])

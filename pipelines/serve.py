@@ -1,0 +1,473 @@
+"""``hetero serve``: an OpenAI-compatible embeddings server (Starlette app, served by hypercorn).
+
+Needs the optional extra ``hetero[serve]`` (starlette, hypercorn, prometheus-client).
+
+Routes:
+
+- ``POST /v1/embeddings``: ``{"input": str | [str, ...], "model": str, "encoding_format":
+  "float" | "base64"}`` -> ``{"object": "list", "data": [{"object": "embedding", "index": i,
+  "embedding": [...] | "<base64 of little-endian float32>"}], "model": ..., "usage":
+  {"prompt_tokens": n, "total_tokens": n}}`` (tokens counted with ``[CLS]`` and ``[SEP]``).
+  Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
+  JSON, empty input, non-strings and token arrays; 413 past ``max_client_batch_size``
+  inputs; 429 (``Retry-After``) when the batcher's queue is full; 503 while warming up,
+  after the GPU device was lost, and while shutting down.
+- ``GET /health``: 200 once warmed up; 503 before, after a DeviceLostError, and while
+  shutting down.
+- ``GET /info``: model, dimension, max input tokens, adapter, limits.
+- ``GET /metrics``: Prometheus text (``hetero_embed_*`` counters and histograms, queue and
+  GPU memory gauges).
+
+Each sentence of a request is one item of the :class:`~hetero.pipelines.embed.EmbeddingService`
+batcher: concurrent requests share GPU batches (continuous batching under a padded-token
+budget, ``max_batch_tokens``). Shutdown (SIGTERM, Ctrl-C): new requests get 503, requests in
+flight finish, then the runtime closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TextIO
+
+import anyio
+import numpy as np
+
+import hetero
+from hetero._cli import _positive_int
+from hetero.errors import DeviceLostError, HeteroError, OverloadedError
+
+from .embed import EmbeddingService
+from .minilm import Model
+
+__all__ = ["EmbeddingServer", "RequestError", "add_parser", "listen_socket", "run", "serve", "serve_async"]
+
+# Retry-After (seconds) of a 429: about one batch's time, rounded up to what the header can say.
+RETRY_AFTER_S = 1
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error type, message, offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+
+
+def _import_serve() -> Any:
+    try:
+        import prometheus_client
+        import starlette  # noqa: F401
+    except ImportError as e:
+        raise HeteroError(f"hetero serve needs the optional extra 'serve' ({e.name} is not installed): "
+                          "pip install 'hetero[serve]'") from e
+    return prometheus_client
+
+
+class EmbeddingServer:
+    """The server's state and its Starlette ``app`` (see the module doc).
+
+    ``model``: a loaded Model, a model directory or ``"minilm"``. ``runtime``: a
+    :class:`hetero.Runtime` to use (left open at the end); by default the server makes
+    one when it starts and closes it when it stops. ``running()`` starts (warm-up in the
+    background) and stops it; the app's lifespan uses it.
+    """
+
+    def __init__(self, model: Model | str | os.PathLike[str] = "minilm", *, runtime: hetero.Runtime | None = None,
+                 model_name: str | None = None, int8: bool = False, max_batch_tokens: int = 16384,
+                 max_client_batch_size: int = 2048, max_queued: int = 4096, max_in_flight: int = 2) -> None:
+        prom = _import_serve()
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        from .embed import get_model
+
+        self.model = get_model(model)
+        self.model_name = model_name or (str(model) if isinstance(model, (str, os.PathLike)) else "hetero-embed")
+        if isinstance(model, (str, os.PathLike)) and str(model) != "minilm":
+            self.model_name = model_name or os.path.basename(os.path.normpath(str(model)))
+        self.int8 = bool(int8)
+        longest = self.model.config.max_seq_length
+        if max_batch_tokens < longest:
+            raise HeteroError(f"--max-batch-tokens {max_batch_tokens} is below the model's max_seq_length "
+                              f"({longest}): a longest sentence could never run; raise it to at least {longest}")
+        self.max_batch_tokens = max_batch_tokens
+        self.max_client_batch_size = max_client_batch_size
+        self.max_queued = max_queued
+        self.max_in_flight = max_in_flight
+        self._own_runtime = runtime is None
+        self.runtime: hetero.Runtime | None = runtime
+        self.service: EmbeddingService | None = None
+        self.ready = False
+        self.lost: str | None = None  # why the device is gone
+        self.warmup_error: str | None = None
+        self.draining = False
+        self.adapter: str | None = None
+        self.active = 0  # requests being served
+        self._idle: anyio.Event | None = None
+        self._stop: anyio.Event | None = None
+
+        reg = self.registry = prom.CollectorRegistry()
+        self.m_requests = prom.Counter("hetero_embed_requests", "Embedding requests by HTTP status code",
+                                       ["code"], registry=reg)
+        self.m_inputs = prom.Counter("hetero_embed_inputs", "Sentences embedded", registry=reg)
+        self.m_batches = prom.Counter("hetero_embed_batches", "Batches formed by the batcher", registry=reg)
+        self.m_duration = prom.Histogram(
+            "hetero_embed_request_duration_seconds", "Time to serve an embedding request", registry=reg,
+            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.m_batch_size = prom.Histogram(
+            "hetero_embed_batch_size", "Sentences per batch formed", registry=reg,
+            buckets=tuple(float(1 << k) for k in range(13)))
+        self.m_queue = prom.Gauge("hetero_embed_queue_inputs", "Sentences waiting for a batch", registry=reg)
+        self.m_queue.set_function(lambda: self.service.batcher.queued if self.service is not None else 0)
+        self.m_memory = prom.Gauge("hetero_gpu_memory_in_use_bytes", "Device memory in use by the buffer pool",
+                                   registry=reg)
+        self.m_memory.set_function(
+            lambda: self.runtime.memory_stats().in_use_bytes if self.runtime is not None else 0)
+        self._prom = prom
+
+        self.app = Starlette(routes=[
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/embeddings", self.embeddings, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/info", self.info, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], lifespan=self._lifespan)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[EmbeddingServer]:
+        """Start (warm-up in the background: /health says when it is done); on exit, :meth:`stop`."""
+        if self.runtime is None:
+            self.runtime = hetero.Runtime()
+        self.service = EmbeddingService(self.runtime, self.model, int8=self.int8,
+                                        max_batch_tokens=self.max_batch_tokens, max_queued=self.max_queued,
+                                        max_in_flight=self.max_in_flight, on_batch=self._on_batch)
+        self._idle = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._warmup)
+            try:
+                yield self
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.stop()
+                tg.cancel_scope.cancel()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        async with self.running():
+            yield
+
+    async def wait_ready(self) -> None:
+        """Wait until warm-up ended (ready, or failed: see ``warmup_error``)."""
+        while not self.ready and self.warmup_error is None:
+            await anyio.sleep(0.01)
+
+    async def _warmup(self) -> None:
+        assert self.service is not None and self.runtime is not None
+        try:
+            await self.service.warmup()
+            rt = self.runtime
+            self.adapter = await anyio.to_thread.run_sync(lambda: str(rt.device().summary["summary"]))
+            self.ready = True
+        except HeteroError as e:
+            self.warmup_error = str(e)
+            if isinstance(e, DeviceLostError):
+                self.lost = str(e)
+            print(f"hetero serve: warm-up failed: {e}", file=sys.stderr, flush=True)
+
+    async def stop(self) -> None:
+        """New requests get 503; wait for the requests in flight; close the batcher (and the own runtime)."""
+        self.draining = True
+        if self.active and self._idle is not None:
+            await self._idle.wait()
+        if self.service is not None:
+            await self.service.aclose()
+        if self._own_runtime and self.runtime is not None:
+            rt = self.runtime
+            await anyio.to_thread.run_sync(rt.close)
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown: new requests get 503; the listener stops once those in flight finish."""
+        self.draining = True
+        self._stop_event().set()
+
+    def _stop_event(self) -> anyio.Event:
+        if self._stop is None:
+            self._stop = anyio.Event()
+        return self._stop
+
+    def _on_batch(self, items: int, cost: int) -> None:
+        self.m_batches.inc()
+        self.m_batch_size.observe(items)
+
+    # -- routes -----------------------------------------------------------------------------------
+    def _unavailable(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down; retry on another instance"
+        if self.lost is not None:
+            return f"the GPU device was lost ({self.lost}); restart the server"
+        if self.warmup_error is not None:
+            return f"the server failed to warm up: {self.warmup_error}"
+        if not self.ready:
+            return "the server is warming up (compiling kernels, uploading weights); retry shortly"
+        return None
+
+    async def health(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        why = self._unavailable()
+        if why is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def info(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        c = self.model.config
+        return JSONResponse({
+            "model": self.model_name, "dimension": self.model.dim, "max_input_tokens": c.max_seq_length,
+            "int8": self.int8, "adapter": self.adapter, "ready": self.ready,
+            "max_batch_tokens": self.max_batch_tokens, "max_client_batch_size": self.max_client_batch_size,
+            "max_queued_inputs": self.max_queued, "max_batches_in_flight": self.max_in_flight,
+            "hetero_version": hetero.__version__,
+        })
+
+    async def metrics(self, request: Any) -> Any:
+        from starlette.responses import Response
+
+        return Response(self._prom.generate_latest(self.registry), media_type=self._prom.CONTENT_TYPE_LATEST)
+
+    async def embeddings(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse, Response
+
+        t0 = time.perf_counter()
+        self.active += 1
+        status = 200
+        try:
+            try:
+                why = self._unavailable()
+                if why is not None:
+                    raise RequestError(503, why, type_="server_error", code="unavailable")
+                texts, fmt = self._parse(await request.body())
+                body = await self._embed(texts, fmt)
+                return Response(body, media_type="application/json")
+            except RequestError as e:
+                status = e.status
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+                return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                                               "code": e.code}}, status_code=e.status, headers=headers)
+        finally:
+            self.active -= 1
+            self.m_requests.labels(code=str(status)).inc()
+            self.m_duration.observe(time.perf_counter() - t0)
+            if self.active == 0 and self.draining and self._idle is not None:
+                self._idle.set()
+
+    def _parse(self, raw: bytes) -> tuple[list[str], str]:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        if "input" not in body:
+            raise RequestError(400, "'input' is required: a string or a list of strings", "input")
+        inp = body["input"]
+        texts = [inp] if isinstance(inp, str) else inp
+        if not isinstance(texts, list):
+            raise RequestError(400, f"'input' must be a string or a list of strings, got {type(inp).__name__}",
+                               "input")
+        if not texts:
+            raise RequestError(400, "'input' must not be empty", "input")
+        for i, t in enumerate(texts):
+            if isinstance(t, str):
+                if not t:
+                    raise RequestError(400, f"'input[{i}]' is an empty string; send non-empty text", "input")
+                continue
+            if isinstance(t, int) or (isinstance(t, list) and all(isinstance(x, int) for x in t)):
+                raise RequestError(400, "'input' holds token ids: token arrays are not supported, send strings",
+                                   "input")
+            raise RequestError(400, f"'input[{i}]' must be a string, got {type(t).__name__}", "input")
+        if len(texts) > self.max_client_batch_size:
+            raise RequestError(413, f"'input' has {len(texts)} strings, more than this server's "
+                               f"max_client_batch_size of {self.max_client_batch_size}; split the request",
+                               "input")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, f"'model' must be a string, got {type(model).__name__}", "model")
+        fmt = body.get("encoding_format", "float")
+        if fmt is None:
+            fmt = "float"
+        if fmt not in ("float", "base64"):
+            raise RequestError(400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
+                               "encoding_format")
+        return texts, fmt
+
+    async def _embed(self, texts: list[str], fmt: str) -> bytes:
+        assert self.service is not None
+        ids = await self.service.atokenize(texts)
+        try:
+            emb = await self.service.embed_ids(ids)
+        except OverloadedError as e:
+            raise RequestError(429, f"the server is overloaded: {e}", type_="rate_limit_error",
+                               code="overloaded") from None
+        except DeviceLostError as e:
+            self.lost = str(e)
+            raise RequestError(503, f"the GPU device was lost: {e}", type_="server_error",
+                               code="device_lost") from None
+        except HeteroError as e:
+            raise RequestError(500, f"embedding failed: {e}", type_="server_error", code="internal_error") from None
+        self.m_inputs.inc(len(texts))
+        tokens = sum(len(x) for x in ids)
+        if fmt == "base64":
+            le = emb.astype("<f4", copy=False)
+            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode("ascii")}
+                    for i, row in enumerate(le)]
+        else:
+            data = [{"object": "embedding", "index": i, "embedding": row}
+                    for i, row in enumerate(emb.astype(np.float64).tolist())]
+        return json.dumps({"object": "list", "data": data, "model": self.model_name,
+                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                          separators=(",", ":")).encode()
+
+
+# -- serving ---------------------------------------------------------------------------------------------
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: an ephemeral port), for hypercorn to listen on."""
+    import socket as socket_mod
+
+    family = socket_mod.AF_INET6 if ":" in host else socket_mod.AF_INET
+    sock = socket_mod.socket(family, socket_mod.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise HeteroError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port") \
+            from e
+    return sock
+
+
+async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, *,
+                      ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
+                      signals: bool = True) -> None:
+    """Serve ``server.app`` with hypercorn on the running loop (asyncio or trio) until :meth:`~EmbeddingServer.shutdown`.
+
+    ``signals``: SIGTERM and SIGINT call ``server.shutdown()``. ``ready(url)`` is called
+    once the socket is bound (``port=0`` binds an ephemeral port; the URL names it).
+    Shutdown is graceful: new requests get 503, requests in flight finish (up to
+    ``graceful_timeout`` seconds), then the lifespan stops the server.
+    """
+    try:
+        from hypercorn.config import Config
+    except ImportError as e:
+        raise HeteroError("hetero serve needs the optional extra 'serve' (hypercorn is not installed): "
+                          "pip install 'hetero[serve]'") from e
+    from hetero._runtime import _running_loop
+
+    sock = listen_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here on
+    config.graceful_timeout = graceful_timeout
+    config.startup_timeout = 600.0  # warm-up runs in the background; this covers the lifespan's start only
+    config.keep_alive_timeout = 75.0  # load generators and proxies keep connections open between requests
+    stop = server._stop_event()
+
+    async def on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            async for _ in received:
+                server.shutdown()
+                return
+
+    async with anyio.create_task_group() as tg:
+        if signals:
+            tg.start_soon(on_signal)
+        if ready is not None:
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            ready(f"http://{shown}:{bound_port}")
+        if _running_loop() == "trio":
+            from hypercorn.trio import serve as hserve_trio
+
+            await hserve_trio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        else:
+            from hypercorn.asyncio import serve as hserve_asyncio
+
+            await hserve_asyncio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        tg.cancel_scope.cancel()
+
+
+def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, backend: str = "asyncio",
+          *, ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0) -> None:
+    """:func:`serve_async` on a new ``backend`` event loop, until SIGTERM or SIGINT."""
+    if backend not in ("asyncio", "trio"):
+        raise HeteroError(f"--backend must be 'asyncio' or 'trio', got {backend!r}")
+    anyio.run(lambda: serve_async(server, host, port, ready=ready, graceful_timeout=graceful_timeout),
+              backend=backend)
+
+
+# -- the command line --------------------------------------------------------------------------------------
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to an ``argparse`` subparsers object; its ``func`` is :func:`run`."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible embeddings server (POST /v1/embeddings) with dynamic batching",
+        description="Serve sentence embeddings over HTTP: POST /v1/embeddings (OpenAI-compatible), GET /health, "
+        "/info and /metrics (Prometheus). Concurrent requests share GPU batches under a padded-token budget. "
+        "SIGTERM or Ctrl-C shut down gracefully. Needs pip install 'hetero[serve]'.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR|minilm",
+                   help="model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8080, help="port to listen on (default: %(default)s)")
+    p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
+                   help="event loop hypercorn runs on (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, metavar="N",
+                   help="padded tokens per batch: sentences x longest sentence (default: %(default)s)")
+    p.add_argument("--max-client-batch-size", type=_positive_int, default=2048, metavar="N",
+                   help="most strings in one request; more get 413 (default: %(default)s)")
+    p.add_argument("--max-queued", type=_positive_int, default=4096, metavar="N",
+                   help="sentences waiting for a batch before requests get 429 (default: %(default)s)")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {value}")
+    return value
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run ``hetero serve`` with parsed ``args`` until SIGTERM or Ctrl-C; return the exit status."""
+    out = out if out is not None else sys.stdout
+    server = EmbeddingServer(args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
+                             max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued)
+
+    def ready(url: str) -> None:
+        print(f"hetero serve: {server.model_name} ({server.model.dim}-d) on {url} ({args.backend}); "
+              "warming up, GET /health says when ready", file=out, flush=True)
+
+    serve(server, args.host, args.port, args.backend, ready=ready)
+    print("hetero serve: stopped", file=out, flush=True)
+    return 0
