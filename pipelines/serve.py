@@ -162,9 +162,9 @@ class EmbeddingServer:
             try:
                 yield self
             finally:
+                tg.cancel_scope.cancel()  # a warm-up still running stops here
                 with anyio.CancelScope(shield=True):
                     await self.stop()
-                tg.cancel_scope.cancel()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -355,6 +355,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(1024)  # connections made before hypercorn accepts wait in the backlog
     except OSError as e:
         sock.close()
         raise HeteroError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port") \

@@ -1,0 +1,242 @@
+"""The batched embedding service path and ``hetero serve`` (a tiny random model on the test adapter)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import hetero
+from hetero._cli import main as cli_main
+from hetero.pipelines.embed import EmbeddingService, aembed, service_graph, split_by_length
+from hetero.pipelines.minilm import Model, load_model
+from hetero.pipelines.testing import write_random_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("hypercorn")
+pytest.importorskip("prometheus_client")
+
+from hetero.pipelines.serve import EmbeddingServer, serve_async  # noqa: E402
+
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=40, max_seq_length=24)
+# Real text: sentences from the standard library's documentation.
+TEXTS = [
+    "Return the absolute value of a number.",
+    "Open file and return a corresponding file object.",
+    "Return a new sorted list from the items in iterable.",
+    "hi",
+    "The optional arguments mode, buffering, encoding, errors, newline, closefd and opener are "
+    "passed on to the underlying file object when the file is opened.",
+    "Return the number of items in a container.",
+    "Return True if the object argument appears callable, False if not.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return load_model(write_random_model(tmp_path_factory.mktemp("tiny-serve"), seed=3, scale=0.3, **TINY))
+
+
+def ids_of(model: Model, text: str) -> np.ndarray:
+    return np.asarray(model.tokenizer.encode(text).ids, np.int32)
+
+
+# -- the service path ---------------------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_padding_does_not_change_an_embedding(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    g = service_graph(tiny)
+    short, long = ids_of(tiny, TEXTS[3]), ids_of(tiny, TEXTS[4])
+    assert len(long) > 4 * len(short)
+    alone = await shared_rt.run(g, ids=[short])
+    padded = await shared_rt.run(g, ids=[long, short])
+    np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
+    # the bulk path pads within its batches too
+    bulk = await aembed([TEXTS[3], TEXTS[4]], model=tiny, runtime=shared_rt, batch_size=2)
+    np.testing.assert_allclose(bulk[0], alone[0], atol=1e-5)
+
+
+def test_split_by_length() -> None:
+    assert split_by_length([10] * 50) == [list(range(50))]
+    assert split_by_length([5]) == [[0]]
+    lengths = [256] + [10] * 63
+    groups = split_by_length(lengths, overhead=1024)
+    assert sorted(i for g in groups for i in g) == list(range(64))
+    assert groups[0] == [0] and len(groups) == 2
+    padded = sum(max(lengths[i] for i in g) * len(g) for g in groups)
+    assert padded < 256 * 64
+    # groups come longest first, each sorted by length
+    mixed = [3, 200, 40, 41, 199, 2, 39]
+    out = split_by_length(mixed, overhead=100)
+    flat = [mixed[i] for g in out for i in g]
+    assert flat == sorted(mixed, reverse=True)
+
+
+@pytest.mark.anyio
+async def test_service_matches_embed_under_concurrency(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    batches: list[tuple[int, int]] = []
+    svc = EmbeddingService(shared_rt, tiny, max_batch_tokens=64, on_batch=lambda n, c: batches.append((n, c)))
+    texts = TEXTS * 4
+    out: dict[int, np.ndarray] = {}
+
+    async def one(i: int) -> None:
+        out[i] = (await svc.aembed([texts[i]]))[0]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(texts)):
+            tg.start_soon(one, i)
+    ref = await aembed(texts, model=tiny, runtime=shared_rt)
+    np.testing.assert_allclose(np.stack([out[i] for i in range(len(texts))]), ref, atol=1e-5)
+    assert sum(n for n, _ in batches) == len(texts)
+    assert all(c <= 64 or n == 1 for n, c in batches)
+    await svc.aclose()
+    with pytest.raises(ValueError, match="max_seq_length"):
+        EmbeddingService(shared_rt, tiny, max_batch_tokens=8)
+
+
+# -- the app in process ---------------------------------------------------------------------------------------
+def client(server: EmbeddingServer) -> Any:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://test")
+
+
+@pytest.mark.anyio
+async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=8)
+    async with client(server) as c:
+        r = await c.get("/health")
+        assert r.status_code == 503  # not started, not warmed up
+        async with server.running():
+            await server.wait_ready()
+            assert (await c.get("/health")).json() == {"status": "ok"}
+            r = await c.post("/v1/embeddings", json={"input": TEXTS, "model": "tiny"})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["model"] == "tiny"
+            assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+            assert all(d["object"] == "embedding" for d in body["data"])
+            vecs = np.array([d["embedding"] for d in body["data"]], np.float32)
+            np.testing.assert_allclose(vecs, await aembed(TEXTS, model=tiny, runtime=shared_rt), atol=1e-5)
+            tokens = sum(len(ids_of(tiny, t)) for t in TEXTS)
+            assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+            r = await c.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"})
+            b64 = np.array([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]])
+            np.testing.assert_array_equal(b64, vecs)
+
+            one = (await c.post("/v1/embeddings", json={"input": TEXTS[0]})).json()
+            assert len(one["data"]) == 1 and len(one["data"][0]["embedding"]) == tiny.dim
+
+            bad: list[tuple[Any, int, str | None]] = [
+                (b"{not json", 400, None), ({"input": []}, 400, "input"), ({"input": ""}, 400, "input"),
+                ({"input": ["a", 3.5]}, 400, "input"), ({"input": [101, 102]}, 400, "input"),
+                ({"input": [[101, 102]]}, 400, "input"), ({"model": "tiny"}, 400, "input"),
+                ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+                ({"input": "a", "model": 3}, 400, "model"), ({"input": ["a"] * 9}, 413, "input"),
+            ]
+            for payload, status, param in bad:
+                if isinstance(payload, bytes):
+                    r = await c.post("/v1/embeddings", content=payload)
+                else:
+                    r = await c.post("/v1/embeddings", json=payload)
+                assert r.status_code == status, (payload, r.text)
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+                assert err["param"] == param and err["message"]
+
+            info = (await c.get("/info")).json()
+            assert info["model"] == "tiny" and info["dimension"] == tiny.dim
+            assert info["max_input_tokens"] == 24 and info["max_client_batch_size"] == 8
+            assert info["adapter"]
+
+            metrics = (await c.get("/metrics")).text
+            for name in ('hetero_embed_requests_total{code="200"} 3.0', 'hetero_embed_requests_total{code="413"}',
+                         "hetero_embed_inputs_total", "hetero_embed_batches_total",
+                         "hetero_embed_request_duration_seconds_bucket", "hetero_embed_batch_size_bucket",
+                         "hetero_embed_queue_inputs", "hetero_gpu_memory_in_use_bytes"):
+                assert name in metrics, name
+        assert (await c.get("/health")).status_code == 503  # stopped
+
+
+@pytest.mark.anyio
+async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
+    gate = threading.Event()
+
+    def hold(x: int) -> int:
+        gate.wait(30)
+        return x
+
+    blocker = hetero.Graph("blocker")
+    blocker.output(blocker.cpu(hold, blocker.input("x")))
+    rt = hetero.Runtime(cpu_threads=1)  # one CPU worker: the blocker holds it, so batches wait
+    try:
+        server = EmbeddingServer(tiny, runtime=rt, max_queued=1, max_in_flight=1)
+        status: dict[str, int] = {}
+        async with client(server) as c:
+
+            async def post(name: str) -> None:
+                r = await c.post("/v1/embeddings", json={"input": name})
+                status[name] = r.status_code
+
+            async with server.running():
+                await server.wait_ready()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: rt.run(blocker, x=1))
+                    await anyio.sleep(0.05)
+                    tg.start_soon(post, "first")
+                    with anyio.fail_after(30):
+                        while server.service is None or server.service.batcher.in_flight < 1:
+                            await anyio.sleep(0.005)
+                    tg.start_soon(post, "second")
+                    with anyio.fail_after(30):
+                        while server.service.batcher.queued < 1:
+                            await anyio.sleep(0.005)
+                    r = await c.post("/v1/embeddings", json={"input": "third"})
+                    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["type"] == "rate_limit_error"
+                    server.shutdown()  # what SIGTERM and Ctrl-C do
+                    r = await c.post("/v1/embeddings", json={"input": "fourth"})
+                    assert r.status_code == 503
+                    assert (await c.get("/health")).status_code == 503
+                    gate.set()
+        assert status == {"first": 200, "second": 200}  # in flight when the shutdown began: they finished
+    finally:
+        gate.set()
+        rt.close()
+
+
+@pytest.mark.anyio
+async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    server = EmbeddingServer(tiny, runtime=shared_rt)
+    urls: list[str] = []
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve_async(server, "127.0.0.1", 0, ready=urls.append, signals=False,
+                                              graceful_timeout=5))
+            while not urls:
+                await anyio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=urls[0]) as c:
+                while (await c.get("/health")).status_code != 200:
+                    await anyio.sleep(0.02)
+                r = await c.post("/v1/embeddings", json={"input": TEXTS[:3]})
+                assert r.status_code == 200
+                vecs = np.array([d["embedding"] for d in r.json()["data"]], np.float32)
+            np.testing.assert_allclose(vecs, await aembed(TEXTS[:3], model=tiny, runtime=shared_rt), atol=1e-5)
+            server.shutdown()
+    assert server.draining
+
+
+def test_serve_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--help"]) == 0
+    assert "/v1/embeddings" in capsys.readouterr().out
+    assert cli_main(["serve", "--model", "minilm", "--port", "70000"]) == 2
+    assert cli_main(["serve", "--model", str(tmp_path / "missing")]) == 1
+    assert "hetero: error:" in capsys.readouterr().err
+    d = write_random_model(tmp_path / "m", seed=4, **TINY)
+    assert cli_main(["serve", "--model", str(d), "--max-batch-tokens", "8"]) == 1
+    assert "max_seq_length" in capsys.readouterr().err
