@@ -25,6 +25,7 @@ BENCHES = {
     "embed": "MiniLM sentence embeddings of real text beside sentence-transformers (random weights without the model)",
     "dask": "embed on a DaskRuntime (one and two worker processes) beside local embed(), chunk overhead",
     "hybrid": "pure-Python CPU stage beside a GPU stage: threads vs process stages, call cost, shared memory",
+    "serve": "hetero serve under open-loop Poisson load (1, 16, 256 clients) beside in-process embed()",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
 ALL_ARGS = {
@@ -41,6 +42,7 @@ ALL_ARGS = {
     "embed": ["--n", "1024", "--batch", "128"],
     "dask": ["--n", "100000", "--batch", "128"],
     "hybrid": [],
+    "serve": ["--concurrency", "1,16,256", "--duration", "10"],
 }
 
 

