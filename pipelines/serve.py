@@ -48,7 +48,8 @@ from hetero.errors import DeviceLostError, HeteroError, OverloadedError
 from .embed import EmbeddingService
 from .minilm import Model
 
-__all__ = ["EmbeddingServer", "RequestError", "add_parser", "listen_socket", "run", "serve", "serve_async"]
+__all__ = ["EmbeddingServer", "RequestError", "add_parser", "listen_socket", "run", "serve", "serve_async",
+           "serve_workers"]
 
 # Retry-After (seconds) of a 429: about one batch's time, rounded up to what the header can say.
 RETRY_AFTER_S = 1
@@ -120,6 +121,10 @@ class EmbeddingServer:
         self._idle: anyio.Event | None = None
         self._stop: anyio.Event | None = None
 
+        # With several worker processes (PROMETHEUS_MULTIPROC_DIR set before prometheus_client was
+        # imported), every worker writes its samples to files there and /metrics sums them all;
+        # the gauges are then refreshed by each worker (livesum), not read at scrape time.
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         reg = self.registry = prom.CollectorRegistry()
         self.m_requests = prom.Counter("hetero_embed_requests", "Embedding requests by HTTP status code",
                                        ["code"], registry=reg)
@@ -131,12 +136,19 @@ class EmbeddingServer:
         self.m_batch_size = prom.Histogram(
             "hetero_embed_batch_size", "Sentences per batch formed", registry=reg,
             buckets=tuple(float(1 << k) for k in range(13)))
-        self.m_queue = prom.Gauge("hetero_embed_queue_inputs", "Sentences waiting for a batch", registry=reg)
-        self.m_queue.set_function(lambda: self.service.batcher.queued if self.service is not None else 0)
+        self.m_queue = prom.Gauge("hetero_embed_queue_inputs", "Sentences waiting for a batch", registry=reg,
+                                  multiprocess_mode="livesum")
         self.m_memory = prom.Gauge("hetero_gpu_memory_in_use_bytes", "Device memory in use by the buffer pool",
-                                   registry=reg)
-        self.m_memory.set_function(
-            lambda: self.runtime.memory_stats().in_use_bytes if self.runtime is not None else 0)
+                                   registry=reg, multiprocess_mode="livesum")
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            self.exposed = prom.CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed)
+        else:
+            self.exposed = reg
+            self.m_queue.set_function(self._queued)
+            self.m_memory.set_function(self._memory_in_use)
         self._prom = prom
 
         self.app = Starlette(routes=[
@@ -159,6 +171,8 @@ class EmbeddingServer:
         self._idle = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._warmup)
+            if self.multiprocess:
+                tg.start_soon(self._refresh_gauges)
             try:
                 yield self
             finally:
@@ -184,6 +198,8 @@ class EmbeddingServer:
             self.adapter = await anyio.to_thread.run_sync(lambda: str(rt.device().summary["summary"]))
             self.ready = True
         except HeteroError as e:
+            if self.draining:
+                return  # stopped while warming up
             self.warmup_error = str(e)
             if isinstance(e, DeviceLostError):
                 self.lost = str(e)
@@ -209,6 +225,19 @@ class EmbeddingServer:
         if self._stop is None:
             self._stop = anyio.Event()
         return self._stop
+
+    def _queued(self) -> int:
+        return self.service.batcher.queued if self.service is not None else 0
+
+    def _memory_in_use(self) -> int:
+        return self.runtime.memory_stats().in_use_bytes if self.runtime is not None else 0
+
+    async def _refresh_gauges(self) -> None:
+        """Worker processes: write the gauges to the shared metric files a few times a second."""
+        while True:
+            self.m_queue.set(self._queued())
+            self.m_memory.set(self._memory_in_use())
+            await anyio.sleep(0.25)
 
     def _on_batch(self, items: int, cost: int) -> None:
         self.m_batches.inc()
@@ -243,13 +272,13 @@ class EmbeddingServer:
             "int8": self.int8, "adapter": self.adapter, "ready": self.ready,
             "max_batch_tokens": self.max_batch_tokens, "max_client_batch_size": self.max_client_batch_size,
             "max_queued_inputs": self.max_queued, "max_batches_in_flight": self.max_in_flight,
-            "hetero_version": hetero.__version__,
+            "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
         })
 
     async def metrics(self, request: Any) -> Any:
         from starlette.responses import Response
 
-        return Response(self._prom.generate_latest(self.registry), media_type=self._prom.CONTENT_TYPE_LATEST)
+        return Response(self._prom.generate_latest(self.exposed), media_type=self._prom.CONTENT_TYPE_LATEST)
 
     async def embeddings(self, request: Any) -> Any:
         from starlette.responses import JSONResponse, Response
@@ -346,16 +375,23 @@ class EmbeddingServer:
 
 
 # -- serving ---------------------------------------------------------------------------------------------
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: an ephemeral port), for hypercorn to listen on."""
+def listen_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: an ephemeral port), for hypercorn to listen on.
+
+    ``reuse_port``: SO_REUSEPORT, so that worker processes listen on one port and the kernel
+    spreads connections over them.
+    """
     import socket as socket_mod
 
     family = socket_mod.AF_INET6 if ":" in host else socket_mod.AF_INET
     sock = socket_mod.socket(family, socket_mod.SOCK_STREAM)
     try:
         sock.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(1024)  # connections made before hypercorn accepts wait in the backlog
+        if listen:
+            sock.listen(1024)  # connections made before hypercorn accepts wait in the backlog
     except OSError as e:
         sock.close()
         raise HeteroError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port") \
@@ -365,7 +401,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, *,
                       ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
-                      signals: bool = True) -> None:
+                      signals: bool = True, reuse_port: bool = False) -> None:
     """Serve ``server.app`` with hypercorn on the running loop (asyncio or trio) until :meth:`~EmbeddingServer.shutdown`.
 
     ``signals``: SIGTERM and SIGINT call ``server.shutdown()``. ``ready(url)`` is called
@@ -380,7 +416,7 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
                           "pip install 'hetero[serve]'") from e
     from hetero._runtime import _running_loop
 
-    sock = listen_socket(host, port)
+    sock = listen_socket(host, port, reuse_port=reuse_port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the descriptor from here on
@@ -389,11 +425,12 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
     config.keep_alive_timeout = 75.0  # load generators and proxies keep connections open between requests
     stop = server._stop_event()
 
+    watching = anyio.CancelScope()  # cancelled once hypercorn has returned (the host task is never cancelled)
+
     async def on_signal() -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-            async for _ in received:
+        with watching, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            async for _ in received:  # a second signal must not kill the process mid-shutdown
                 server.shutdown()
-                return
 
     async with anyio.create_task_group() as tg:
         if signals:
@@ -409,16 +446,84 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
             from hypercorn.asyncio import serve as hserve_asyncio
 
             await hserve_asyncio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-        tg.cancel_scope.cancel()
+        watching.cancel()
 
 
 def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, backend: str = "asyncio",
-          *, ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0) -> None:
+          *, ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
+          reuse_port: bool = False) -> None:
     """:func:`serve_async` on a new ``backend`` event loop, until SIGTERM or SIGINT."""
     if backend not in ("asyncio", "trio"):
         raise HeteroError(f"--backend must be 'asyncio' or 'trio', got {backend!r}")
-    anyio.run(lambda: serve_async(server, host, port, ready=ready, graceful_timeout=graceful_timeout),
-              backend=backend)
+    anyio.run(lambda: serve_async(server, host, port, ready=ready, graceful_timeout=graceful_timeout,
+                                  reuse_port=reuse_port), backend=backend)
+
+
+def _worker_main(options: dict[str, Any], host: str, port: int, backend: str) -> None:
+    serve(EmbeddingServer(**options), host, port, backend, reuse_port=True)
+
+
+def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, workers: int,
+                  ready: Callable[[str], None] | None = None) -> int:
+    """Serve with ``workers`` processes, each an :class:`EmbeddingServer` (its own Runtime and device)
+    listening on one port (SO_REUSEPORT: the kernel spreads connections over them).
+
+    ``options`` are EmbeddingServer's keyword arguments (picklable: the model as a path).
+    /metrics sums every worker's counters, histograms and gauges; /health and /info answer for
+    the worker that took the connection. SIGTERM or SIGINT shut every worker down gracefully.
+    Returns 0, or 1 if a worker exited on its own.
+    """
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    metrics_dir = tempfile.mkdtemp(prefix="hetero-serve-metrics-")
+    saved_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers before they import it
+    probe = listen_socket(host, port, reuse_port=True, listen=False)
+    port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(options, host, port, backend), name=f"hetero-serve-{i}")
+             for i in range(workers)]
+    stopping = False
+
+    def forward(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in procs:
+            if proc.pid is not None and proc.exitcode is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        for proc in procs:
+            proc.start()
+        probe.close()
+        if ready is not None:
+            shown = f"[{host}]" if ":" in host else host
+            ready(f"http://{shown}:{port}")
+        while any(proc.exitcode is None for proc in procs):
+            for proc in procs:
+                proc.join(0.2)
+                if proc.exitcode is not None and not stopping:
+                    print(f"hetero serve: worker {proc.name} exited with status {proc.exitcode}; stopping the others",
+                          file=sys.stderr, flush=True)
+                    status = 1
+                    forward(signal.SIGTERM, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        probe.close()
+        if saved_env is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_env
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
 
 
 # -- the command line --------------------------------------------------------------------------------------
@@ -443,6 +548,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="most strings in one request; more get 413 (default: %(default)s)")
     p.add_argument("--max-queued", type=_positive_int, default=4096, metavar="N",
                    help="sentences waiting for a batch before requests get 429 (default: %(default)s)")
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                   help="server processes on the port, each with its own runtime and batcher; /metrics sums "
+                   "them (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
     p.set_defaults(func=run)
@@ -462,13 +570,20 @@ def _port(text: str) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero serve`` with parsed ``args`` until SIGTERM or Ctrl-C; return the exit status."""
     out = out if out is not None else sys.stdout
-    server = EmbeddingServer(args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
-                             max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued)
+    options: dict[str, Any] = dict(model=args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
+                                   max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued)
+    server = EmbeddingServer(**options)  # loads the model: a bad --model or limit fails here, once
+    workers = int(getattr(args, "workers", 1))
 
     def ready(url: str) -> None:
-        print(f"hetero serve: {server.model_name} ({server.model.dim}-d) on {url} ({args.backend}); "
+        procs = f", {workers} worker processes" if workers > 1 else ""
+        print(f"hetero serve: {server.model_name} ({server.model.dim}-d) on {url} ({args.backend}{procs}); "
               "warming up, GET /health says when ready", file=out, flush=True)
 
-    serve(server, args.host, args.port, args.backend, ready=ready)
+    if workers > 1:
+        status = serve_workers(options, args.host, args.port, args.backend, workers, ready=ready)
+    else:
+        serve(server, args.host, args.port, args.backend, ready=ready)
+        status = 0
     print("hetero serve: stopped", file=out, flush=True)
-    return 0
+    return status

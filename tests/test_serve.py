@@ -240,3 +240,62 @@ def test_serve_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     d = write_random_model(tmp_path / "m", seed=4, **TINY)
     assert cli_main(["serve", "--model", str(d), "--max-batch-tokens", "8"]) == 1
     assert "max_seq_length" in capsys.readouterr().err
+
+
+def test_worker_processes_and_sigterm(tmp_path: Path) -> None:
+    """``hetero serve --workers 2`` in a subprocess: both serve, /metrics sums them, SIGTERM stops all."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    d = write_random_model(tmp_path / "m", seed=5, **TINY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
+                             "--workers", "2", "--max-batch-tokens", "256"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 120
+        pids: set[int] = set()
+        while len(pids) < 2:  # every worker warmed up (new connections land on either)
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    pids.add(httpx.get(url + "/info", timeout=5).json()["worker_pid"])
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        for _ in range(8):
+            r = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=30)
+            assert r.status_code == 200, r.text
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        ok = re_float(metrics, r'^hetero_embed_requests_total\{code="200"\} (\S+)$')
+        assert ok >= 8  # the sum over both workers
+        assert re_float(metrics, r"^hetero_embed_inputs_total (\S+)$") >= 16
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log.seek(0)
+        out = log.read()
+        assert "hetero serve: stopped" in out and "Traceback" not in out, out
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, if anything is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+
+
+def re_float(text: str, pattern: str) -> float:
+    import re
+
+    m = re.search(pattern, text, re.M)
+    assert m is not None, pattern
+    return float(m.group(1))
