@@ -1,7 +1,7 @@
 """``hetero serve`` under open-loop load: throughput and latency beside in-process bulk ``embed()``.
 
     python -m bench serve [--model minilm|random|DIR] [--concurrency 1,16,256] [--duration 10]
-                          [--load 0.85] [--backend asyncio|trio] [--int8] [--processes N]
+                          [--load 0.85] [--backend asyncio|trio] [--workers 1] [--int8] [--processes N]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     p.add_argument("--int8", action="store_true")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (server processes)")
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "n": len(texts),
+    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "workers": args.workers,
+              "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
 
     # -- references, in this process ----------------------------------------------------------------
@@ -265,25 +267,31 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
            "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-queued", "65536"] + (["--int8"] if args.int8 else [])
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--max-queued", "65536", "--workers", str(args.workers)] + (["--int8"] if args.int8 else [])
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def server_log() -> str:
+        log.seek(0)
+        return log.read()[-4000:]
+
     import httpx
 
     summary: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + 600
-        while True:
+        ready_pids: set[int] = set()
+        while len(ready_pids) < args.workers:  # every worker warmed up (new connections land on any)
             if server.poll() is not None:
-                raise SystemExit(f"bench serve: the server exited with status {server.returncode}: "
-                                 f"{server.stdout.read() if server.stdout else ''}")
+                raise SystemExit(f"bench serve: the server exited with status {server.returncode}: {server_log()}")
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
+                    ready_pids.add(httpx.get(url + "/info", timeout=5).json()["worker_pid"])
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit("bench serve: the server did not become ready within 600 s")
-            time.sleep(0.2)
+                raise SystemExit(f"bench serve: the server did not become ready within 600 s: {server_log()}")
+            time.sleep(0.05)
         from bench.serve import load_process as worker  # by module name: picklable from `python -m bench.serve` too
 
         ctx = get_context("spawn")
@@ -327,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
             server.wait()
+        log.close()
         if tmp is not None:
             tmp.cleanup()
     targets: dict[str, Any] = {}
