@@ -285,7 +285,9 @@ class Batcher:
                 # closing: the task group waits for the running batches
         except BaseException as e:
             # The loop is ending (cancelled) or a bug: fail whatever is still queued.
-            err = RuntimeClosedError("the event loop of this batcher ended before the item ran")
+            err: HeteroError = RuntimeClosedError("the event loop of this batcher ended before the item ran")
+            if isinstance(e, Exception):
+                err = HeteroError(f"the batcher of graph {self.graph.name!r} failed: {type(e).__name__}: {e}")
             while self._queue:
                 self._settle(self._queue.popleft(), None, err)
             if not isinstance(e, Exception):

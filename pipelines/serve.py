@@ -299,6 +299,9 @@ class EmbeddingServer:
                 headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
                 return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param,
                                                "code": e.code}}, status_code=e.status, headers=headers)
+            except Exception:
+                status = 500
+                raise
         finally:
             self.active -= 1
             self.m_requests.labels(code=str(status)).inc()
