@@ -42,9 +42,10 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero._cli import _positive_int
 from hetero.errors import DeviceLostError, HeteroError, OverloadedError
+from hetero.lowlevel import running_loop
 
+from .cli import _positive_int
 from .embed import EmbeddingService
 from .minilm import Model
 
@@ -417,8 +418,6 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
     except ImportError as e:
         raise HeteroError("hetero serve needs the optional extra 'serve' (hypercorn is not installed): "
                           "pip install 'hetero[serve]'") from e
-    from hetero._runtime import _running_loop
-
     sock = listen_socket(host, port, reuse_port=reuse_port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = Config()
@@ -441,7 +440,7 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
         if ready is not None:
             shown = f"[{bound_host}]" if ":" in bound_host else bound_host
             ready(f"http://{shown}:{bound_port}")
-        if _running_loop() == "trio":
+        if running_loop() == "trio":
             from hypercorn.trio import serve as hserve_trio
 
             await hserve_trio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
