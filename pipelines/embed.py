@@ -443,9 +443,9 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
 # -- the batched service path ---------------------------------------------------------------------------------
 # A graph run's fixed cost counted in padded tokens: a formed batch is split into runs by length
-# only where padding would waste at least this much (see split_by_length). On the H200 a run's
-# layers take ~9 ms to record whatever the batch (1.2-3.6 ms per layer stage, BENCHMARKS.md),
-# while the GPU encodes ~1.2 M padded tokens/s: a run costs about 10k tokens' worth of time.
+# only where padding would waste at least this much (see split_by_length). A run's fixed host
+# cost (recording or replaying its layer stages, starting and waking its stages) is several
+# milliseconds whatever the batch, while the H200 encodes ~1.2 M padded tokens/s.
 RUN_OVERHEAD_TOKENS = 8192
 # Requests with more texts than this are tokenized on a worker thread, not on the event loop.
 LOOP_TOKENIZE_MAX = 16
