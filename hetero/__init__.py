@@ -27,7 +27,8 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _timing     GPU timestamps            _tensor     Tensor
 #     _wgsl       what hetero reads of WGSL: bindings, element types, comments out
 #
-#   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors
+#   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors,
+#     _dot (pictures of a graph: DOT text, networkx, rendered files)
 #
 #   public faces: this module (graphs), ops (GPU ops), lowlevel (the extension API),
 #   dask (graphs on a dask.distributed cluster; the optional [dask] extra, not imported here);
@@ -75,6 +76,7 @@ from .errors import (
     DeviceLostError,
     GPUError,
     GraphError,
+    GraphvizError,
     HeteroError,
     InputError,
     NoAdapterError,
@@ -99,6 +101,7 @@ __all__ = [
     "GPUError",
     "Graph",
     "GraphError",
+    "GraphvizError",
     "HeteroError",
     "Input",
     "InputError",

@@ -12,6 +12,7 @@ plan stays behind and is derived again there.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from collections.abc import Iterable
@@ -20,7 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from .errors import GraphError
 
 if TYPE_CHECKING:
+    import networkx as nx
+    from pathlib import Path
+
     from ._plan import Plan
+    from ._stats import RunStats
 
 __all__ = ["Graph", "Input", "Node"]
 
@@ -229,6 +234,41 @@ class Graph:
 
             self._plan = Plan(self)
         return self._plan
+
+    # -- pictures ---------------------------------------------------------------------
+    def to_dot(self, rankdir: str = "LR", stats: RunStats | None = None) -> str:
+        """Graphviz DOT text of this graph: inputs, CPU and GPU stages, outputs, ``after=`` edges.
+
+        Edges where the plan moves a value between host and device say ``upload`` or
+        ``download``. ``rankdir`` is ``"LR"``, ``"TB"``, ``"RL"`` or ``"BT"``. ``stats``
+        (``rt.stats()`` after a run of this graph) adds each stage's wall time and,
+        where measured, GPU time. Ids are quoted and escaped, so any stage name works.
+        """
+        from ._dot import to_dot
+
+        return to_dot(self, rankdir=rankdir, stats=stats)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """This graph as a ``networkx.DiGraph``: nodes keyed by stage name, ``input X`` and ``output N``.
+
+        Nodes carry ``kind`` (``input``, ``cpu``, ``gpu``, ``output``) and ``name``; edges
+        carry ``kind`` (``value``, ``upload``, ``download``, ``after``).
+        """
+        from ._dot import to_networkx
+
+        return to_networkx(self)
+
+    def visualize(self, path: str | os.PathLike[str] = "graph.svg", *, rankdir: str = "LR",
+                  stats: RunStats | None = None) -> Path:
+        """Write a picture of this graph to ``path``; the suffix picks the format; returns the path.
+
+        ``.svg``, ``.png``, ``.pdf`` (and other Graphviz formats) are rendered by Graphviz's
+        ``dot`` program; without it this raises :class:`hetero.GraphvizError` giving the
+        install command. ``.dot`` and ``.gv`` get the DOT text and need nothing installed.
+        """
+        from ._dot import visualize
+
+        return visualize(self, path, rankdir=rankdir, stats=stats)
 
     def __repr__(self) -> str:
         return f"<Graph {self.name!r}: {len(self.inputs)} inputs, {len(self.nodes)} stages>"

@@ -11,7 +11,8 @@
     │   ├── OutOfMemoryError    a buffer can never fit the memory budget, or the device refused it
     │   └── DeviceLostError     the device was lost; runs fail fast instead of aborting
     ├── RuntimeClosedError      the runtime was used after close()
-    └── OverloadedError         a batcher's queue is full; retry later
+    ├── OverloadedError         a batcher's queue is full; retry later
+    └── GraphvizError           a graph picture cannot be rendered or written (says how to install dot)
 
 Messages are lowercase, name the rule and the values, and say what to do where
 that is not obvious. Every error survives a ``pickle`` round trip (process stages
@@ -29,6 +30,7 @@ __all__ = [
     "DeviceLostError",
     "GPUError",
     "GraphError",
+    "GraphvizError",
     "HeteroError",
     "InputError",
     "NoAdapterError",
@@ -115,3 +117,7 @@ class RuntimeClosedError(HeteroError):
 
 class OverloadedError(HeteroError):
     """A batcher's queue is full (``max_queued`` items wait): the item was refused at once; retry later."""
+
+
+class GraphvizError(HeteroError):
+    """A graph picture cannot be rendered (Graphviz's ``dot`` is missing or failed) or written."""
