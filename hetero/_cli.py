@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     from hetero.pipelines import serve as serve_cli
 
     serve_cli.add_parser(sub)
+
+    from hetero.pipelines import picture
+
+    picture.add_parser(sub)
     return p
 
 

@@ -188,3 +188,30 @@ def test_embed_pipeline_picture_renders(tmp_path: Path) -> None:
     model = load_model(write_random_model(tmp_path / "m"))
     path = embedding_graph(model).visualize(tmp_path / "embed.svg")
     assert path.read_text().lstrip().startswith("<?xml")
+
+
+def test_cli_graph_prints_dot_and_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero import _cli
+    from hetero.pipelines.testing import write_random_model
+
+    model = str(write_random_model(tmp_path / "m", num_hidden_layers=2))
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", model]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith('digraph "embed" {') and '"layer1" -> "pool";' in text
+    assert '"tokenize" -> "embeddings" [label="upload"' in text
+    assert '"pool" -> "output" [label="download"' in text
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", model, "-o", str(tmp_path / "e.dot")]) == 0
+    assert (tmp_path / "e.dot").read_text() == text
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", model, "-o", str(tmp_path / "e.txt")]) == 1
+    assert "hetero: error: graph 'embed': cannot tell the picture format" in capsys.readouterr().err
+
+
+@needs_dot
+def test_cli_graph_renders_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero import _cli
+    from hetero.pipelines.testing import write_random_model
+
+    model = str(write_random_model(tmp_path / "m", num_hidden_layers=1))
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", model, "-o", str(tmp_path / "embed.svg")]) == 0
+    assert "(5 stages)" in capsys.readouterr().out
+    assert "<title>layer0&#45;&gt;pool</title>" in (tmp_path / "embed.svg").read_text()
