@@ -67,7 +67,7 @@ from ._device import Kernel
 from ._fence import Fence
 from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
-from ._runtime import Runtime, RuntimeOptions, run
+from ._runtime import MapResults, Runtime, RuntimeOptions, run
 from ._memory import MemoryStats
 from ._split import DispatchInfo
 from ._stats import RunStats, StageStats
@@ -106,6 +106,7 @@ __all__ = [
     "Input",
     "InputError",
     "Kernel",
+    "MapResults",
     "MemoryStats",
     "NoAdapterError",
     "Node",

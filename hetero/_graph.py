@@ -52,19 +52,48 @@ class Input:
         return f"<Input {self.name!r} of graph {self.graph.name!r}>"
 
 
+# Retries wait DEFAULT_BACKOFF_S before the first retry, doubling each time, at most
+# MAX_BACKOFF_S (or backoff itself when larger) between two attempts.
+DEFAULT_BACKOFF_S = 0.01
+MAX_BACKOFF_S = 5.0
+
+
 @dataclass(frozen=True)
 class StageOptions:
-    """Per-stage execution options, validated when the stage is declared."""
+    """Per-stage execution options, validated when the stage is declared.
+
+    A failing stage is retried up to ``retries`` times when what it raised is an
+    instance of ``retry_on``; before retry ``n`` it waits ``backoff_s * 2**(n-1)``
+    seconds, at most :data:`MAX_BACKOFF_S` (or ``backoff_s`` itself, when larger).
+    """
 
     retries: int = 0
     timeout: float | None = None
     process: bool = False  # run in a worker process of the runtime's process pool
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+    backoff_s: float = DEFAULT_BACKOFF_S
+
+    def retry_delay_s(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the first): doubling from ``backoff_s``, capped."""
+        if not self.backoff_s:
+            return 0.0
+        return float(min(self.backoff_s * 2.0 ** min(retry - 1, 64), max(self.backoff_s, MAX_BACKOFF_S)))
 
     def __post_init__(self) -> None:
         if not isinstance(self.process, bool):
             raise GraphError(f"process must be True or False, got {self.process!r}")
         if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
             raise GraphError(f"retries must be an integer >= 0, got {self.retries!r}")
+        retry_on = self.retry_on
+        if isinstance(retry_on, type):
+            retry_on = (retry_on,)
+        if (not isinstance(retry_on, tuple) or not retry_on
+                or not all(isinstance(t, type) and issubclass(t, BaseException) for t in retry_on)):
+            raise GraphError(f"retry_on must be an exception type or a non-empty tuple of them, got {self.retry_on!r}")
+        object.__setattr__(self, "retry_on", retry_on)
+        b = self.backoff_s
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
+            raise GraphError(f"backoff must be a number of seconds >= 0, got {b!r}")
         if self.timeout is not None:
             if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
                 raise GraphError(f"timeout must be a number of seconds or None, got {self.timeout!r}")
@@ -133,21 +162,29 @@ class Graph:
 
     def cpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            process: bool = False, **kwargs: Any) -> Node:
+            process: bool = False,
+            retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
+            backoff: float = DEFAULT_BACKOFF_S, **kwargs: Any) -> Node:
         """Declare a CPU stage: ``fn(*args, **kwargs)`` runs on the runtime's thread pool.
 
         Arguments may be stages, graph inputs or constants. ``name`` defaults to the
-        function's name; ``retries`` re-runs a failing stage; ``timeout`` (seconds)
-        fails the run when the stage runs longer; ``after`` adds ordering-only
-        dependencies; ``process=True`` runs it in a worker process of the runtime's
-        process pool (``fn`` and its arguments must pickle; checked here for ``fn`` and
-        constants). These five keywords are reserved; others go to ``fn``.
+        function's name; ``retries`` re-runs a failing stage when what it raised is an
+        instance of ``retry_on`` (an exception type or a tuple of them; default
+        ``Exception``), waiting ``backoff`` seconds before the first retry and twice as
+        long before each next one (see :class:`StageOptions`); ``timeout`` (seconds)
+        fails the run when the stage runs longer, over all attempts; ``after`` adds
+        ordering-only dependencies; ``process=True`` runs it in a worker process of the
+        runtime's process pool (``fn`` and its arguments must pickle; checked here for
+        ``fn`` and constants). These keywords are reserved; others go to ``fn``.
         """
-        return self._add("cpu", fn, args, kwargs, name, retries, timeout, after, process)
+        return self._add("cpu", fn, args, kwargs, name, retries, timeout, after, process, retry_on=retry_on,
+                         backoff=backoff)
 
     def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False, **kwargs: Any) -> Node:
+            kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False,
+            retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
+            backoff: float = DEFAULT_BACKOFF_S, **kwargs: Any) -> Node:
         """Declare a GPU stage: ``fn(gpu, *args, **kwargs)`` records GPU work.
 
         numpy arrays reaching it are uploaded and arrive as :class:`hetero.Tensor`.
@@ -161,7 +198,7 @@ class Graph:
         if not isinstance(capture, bool):
             raise GraphError(f"stage {name or getattr(fn, '__name__', '?')!r}: capture must be True or False, "
                              f"got {capture!r}")
-        node = self._add("gpu", fn, args, kwargs, name, retries, timeout, after)
+        node = self._add("gpu", fn, args, kwargs, name, retries, timeout, after, retry_on=retry_on, backoff=backoff)
         node.kernels = _kernel_specs(node.name, (*getattr(fn, "kernels", ()), *kernels))
         node.capture = capture
         return node
@@ -182,7 +219,8 @@ class Graph:
 
     # -- helpers ----------------------------------------------------------------------
     def _add(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             name: str | None, retries: int, timeout: float | None, after: Any, process: bool = False) -> Node:
+             name: str | None, retries: int, timeout: float | None, after: Any, process: bool = False,
+             retry_on: Any = (Exception,), backoff: float = DEFAULT_BACKOFF_S) -> Node:
         if not callable(fn):
             raise GraphError(f"graph {self.name!r}: {kind} stage {name or '?'!r} is not callable: got {fn!r}")
         if name is None:
@@ -195,7 +233,8 @@ class Graph:
         for a in (*args, *kwargs.values()):
             if isinstance(a, (Node, Input)):
                 self._check_own(a, name)
-        options = StageOptions(retries=retries, timeout=timeout, process=process)
+        options = StageOptions(retries=retries, timeout=timeout, process=process, retry_on=retry_on,
+                               backoff_s=backoff)
         if process:
             from ._process import check_unpicklable
 

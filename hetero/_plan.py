@@ -16,7 +16,7 @@ import networkx as nx
 
 from .errors import GraphError, InputError
 
-from ._graph import Graph, Input, Node
+from ._graph import Graph, Input, Node, StageOptions
 
 __all__ = ["Plan", "StagePlan"]
 
@@ -44,6 +44,7 @@ class StagePlan:
     timeout: float | None
     simple: bool  # no timeout: a worker may run it without the event loop watching
     kernels: tuple[tuple[str, str], ...]  # declared (wgsl, entry point) pairs, compiled by warmup
+    options: StageOptions  # retries, retry_on, backoff, timeout as declared
     process: bool = False  # CPU stage run in a worker process (hetero._process)
     capture: bool = False  # GPU stage replayed per signature (see hetero._capture)
 
@@ -109,6 +110,7 @@ class Plan:
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
                 simple=node.options.timeout is None, kernels=node.kernels, process=node.options.process,
                 capture=node.capture,
+                options=node.options,
             ))
         # CPU values that several GPU stages read: with one recording thread they are
         # uploaded once per run and shared (see Scheduler._device_args).

@@ -6,7 +6,7 @@ import atexit
 import collections
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from ._stats import RunStats
 from ._trace import Tracer
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
-__all__ = ["Runtime", "RuntimeOptions", "run"]
+__all__ = ["MapResults", "Runtime", "RuntimeOptions", "run"]
 
 
 def _is_number(v: object) -> bool:
@@ -269,16 +269,31 @@ class Runtime:
             raise HeteroError("no run yet: stats() describes the last run of this Runtime")
         return self._last_run.stats()
 
-    async def map(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
-                  max_in_flight: int = 4) -> AsyncIterator[Any]:
-        """Run ``graph`` over many inputs, at most ``max_in_flight`` at once; yield results in input order.
+    def map(self, graph: Graph, inputs: Iterable[Mapping[str, Any]], *,
+            max_in_flight: int = 4, ordered: bool = True) -> MapResults:
+        """Run ``graph`` over many inputs, at most ``max_in_flight`` at once; yield the results.
 
-        A result counts as in flight until it is yielded, so a slow consumer holds the
-        producer back (backpressure). The first failure is raised at its place in the
-        order and stops the runs behind it.
+        ``ordered=True`` yields in input order; ``ordered=False`` yields each result as
+        its run completes. A result counts as in flight until it is yielded, so a slow
+        consumer holds the producer back (backpressure). The first failure is raised (in
+        input order when ordered, else as soon as it happens) and stops the runs still in
+        flight. Use it as ``async for r in rt.map(...)``, and to stop the runs in flight
+        at once when leaving the loop early, as ``async with rt.map(...) as results:``
+        (or ``contextlib.aclosing``), as trio advises for async generators.
         """
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        gen = self._map_ordered(graph, inputs, max_in_flight) if ordered else \
+            self._map_unordered(graph, inputs, max_in_flight)
+        return MapResults(gen)
+
+    def _start_item(self, graph: Graph, item: object) -> Run:
+        if not isinstance(item, Mapping):
+            raise HeteroError(f"map() inputs must be dicts of graph inputs, got {type(item).__name__}")
+        return self._start(graph, item)
+
+    async def _map_ordered(self, graph: Graph, inputs: Iterable[Mapping[str, Any]],
+                           max_in_flight: int) -> AsyncGenerator[Any, None]:
         pending: collections.deque[Run | BaseException] = collections.deque()
         source = iter(inputs)
         exhausted = False
@@ -291,11 +306,7 @@ class Runtime:
                         exhausted = True
                         break
                     try:
-                        if not isinstance(item, Mapping):
-                            raise HeteroError(
-                                f"map() inputs must be dicts of graph inputs, got {type(item).__name__}"
-                            )
-                        pending.append(self._start(graph, item))
+                        pending.append(self._start_item(graph, item))
                     except HeteroError as e:
                         pending.append(e)
                 if not pending:
@@ -308,6 +319,71 @@ class Runtime:
             for r in pending:
                 if isinstance(r, Run):
                     r.stop()
+
+    async def _map_unordered(self, graph: Graph, inputs: Iterable[Mapping[str, Any]],
+                             max_in_flight: int) -> AsyncGenerator[Any, None]:
+        pending: list[Run] = []
+        source = iter(inputs)
+        exhausted = False
+        wake = anyio.Event()
+
+        def woken() -> None:  # on the loop: some run of ours stopped or has a deadline to check
+            wake.set()
+
+        try:
+            while True:
+                while not exhausted and len(pending) < max_in_flight:
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    run = self._start_item(graph, item)
+                    run.on_wake = woken
+                    pending.append(run)
+                if not pending:
+                    return
+                # A fresh event before looking: a run that stops after the look wakes it.
+                wake = anyio.Event()
+                done = next((r for r in pending if r.stopped), None)
+                if done is None:
+                    delay = min(r.check_timeouts() for r in pending)  # fails overdue runs
+                    done = next((r for r in pending if r.stopped), None)
+                    if done is None:
+                        with anyio.move_on_after(delay):
+                            await wake.wait()
+                        continue
+                pending.remove(done)
+                yield await done.wait()
+        finally:
+            for r in pending:
+                r.stop()
+
+
+class MapResults:
+    """The results of :meth:`Runtime.map`: an async iterator and an async context manager.
+
+    ``aclose()`` (or leaving ``async with``) stops the runs still in flight.
+    """
+
+    def __init__(self, gen: AsyncGenerator[Any, None]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> MapResults:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the runs still in flight; later iteration ends at once."""
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> MapResults:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 _default: Runtime | None = None

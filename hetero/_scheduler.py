@@ -180,6 +180,7 @@ class Run:
         self.cleaned = False
         self._event: anyio.Event | None = None
         self._call: Callable[[Callable[[], Any]], None] | None = None
+        self.on_wake: Callable[[], None] | None = None  # also called on the loop whenever the run wakes its waiter
 
     # -- loop side ------------------------------------------------------------------
     def start(self) -> None:
@@ -227,6 +228,10 @@ class Run:
             raise self.error
         return self.outputs()
 
+    def check_timeouts(self) -> float:
+        """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
+        return self._check_timeouts()
+
     def _check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
         now = time.monotonic()
@@ -249,6 +254,8 @@ class Run:
     def _set_event(self) -> None:
         if self._event is not None:
             self._event.set()
+        if self.on_wake is not None:
+            self.on_wake()
 
     def stop(self) -> None:
         with self.lock:
@@ -477,7 +484,7 @@ class Scheduler:
                     value = st.fn(*args, **kwargs)
                     break
                 except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
-                    if attempt > st.retries or run.stopped:
+                    if not _retry(run, st, e, attempt):
                         if not st.simple:
                             run.timed_started.pop(i, None)
                         run.fail(st, e, attempt)
@@ -555,8 +562,14 @@ class Scheduler:
             self.tracer.span(st.name, "process", t0, t1, track=f"hetero-proc-{worker}",
                              args={"run": run.seq, "ok": ok})
         if not ok:
-            if attempt <= st.retries:
-                self.run_process(run, i, attempt + 1)
+            if attempt <= st.retries and isinstance(value, st.options.retry_on):
+                delay = st.options.retry_delay_s(attempt)
+                if delay <= 0:
+                    self.run_process(run, i, attempt + 1)
+                else:  # the backoff must not hold up the dispatcher thread
+                    timer = threading.Timer(delay, self.run_process, (run, i, attempt + 1))
+                    timer.daemon = True
+                    timer.start()
                 return
             if not st.simple:
                 run.timed_started.pop(i, None)
@@ -638,7 +651,7 @@ class Scheduler:
                         lost.__cause__ = e
                         run._set_error(lost)
                         return
-                    if attempt > st.retries or run.stopped:
+                    if not _retry(run, st, e, attempt):
                         if not st.simple:
                             run.timed_started.pop(i, None)
                         run.fail(st, e, attempt)
@@ -808,6 +821,24 @@ class Scheduler:
 def _kind(st: StagePlan) -> str:
     """How a stage is named in errors and stats: cpu, process or gpu."""
     return "process" if st.process else st.kind
+
+
+def _retry(run: Run, st: StagePlan, exc: BaseException, attempt: int) -> bool:
+    """Whether stage ``st`` runs again after failing with ``exc`` on ``attempt``; waits its backoff first.
+
+    Only instances of the stage's ``retry_on`` are retried, up to ``retries`` times. The
+    wait is cut short when the run stops meanwhile (then False).
+    """
+    opts = st.options
+    if attempt > opts.retries or run.stopped or not isinstance(exc, opts.retry_on):
+        return False
+    deadline = time.monotonic() + opts.retry_delay_s(attempt)
+    while not run.stopped:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(left, 0.05))
+    return False
 
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
