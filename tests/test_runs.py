@@ -28,11 +28,10 @@ async def test_unordered_map_yields_as_runs_complete(rt: hetero.Runtime) -> None
     g = hetero.Graph("asdone")
     g.output(g.cpu(work, g.input("i"), name="work"))
     got = []
-    async for r in rt.map(g, ({"i": i} for i in range(3)), max_in_flight=3, ordered=False):
+    async for r in rt.map(g, ({"i": i} for i in range(2)), max_in_flight=2, ordered=False):
         got.append(r)
         release.set()
-    assert got[0] != 0 and got[-1] == 0
-    assert sorted(got) == [0, 10, 20]
+    assert got == [10, 0]
 
 
 async def test_unordered_map_runs_everything_with_backpressure(rt: hetero.Runtime) -> None:
