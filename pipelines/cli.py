@@ -1,4 +1,4 @@
-"""``hetero embed``: sentence embeddings of a text file, one sentence per line, to a .npy file.
+"""``hetero embed``: sentence embeddings of a text file (or stdin), one sentence per line, to .npy or JSON lines.
 
 Wiring (in ``hetero._cli``)::
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import os
 import signal
 import sys
@@ -25,7 +27,10 @@ import numpy as np
 from hetero.lowlevel import check_writable
 from hetero.errors import HeteroError
 
-__all__ = ["InputFileError", "add_parser", "read_lines", "run"]
+__all__ = ["FORMATS", "InputFileError", "add_parser", "read_input", "read_lines", "run", "write_jsonl"]
+
+FORMATS = ("npy", "jsonl")
+STDIO = "-"  # --input - reads stdin, --output - writes stdout
 
 
 class InputFileError(HeteroError):
@@ -55,8 +60,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, metavar="DIR|minilm",
                    help="model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'")
-    p.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text, one sentence per line")
-    p.add_argument("--output", required=True, metavar="OUT.npy", help="where to save the embeddings")
+    p.add_argument("--input", required=True, metavar="FILE",
+                   help="UTF-8 text, one sentence per line; '-' reads standard input")
+    p.add_argument("--output", required=True, metavar="OUT.npy",
+                   help="where to save the embeddings; '-' writes them to standard output (the summary goes to "
+                   "standard error)")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="npy: one float32 [lines, dim] array (np.save); jsonl: one JSON object per line, "
+                   '{"index": i, "text": ..., "embedding": [...]} (default: from the output suffix, .jsonl '
+                   "for jsonl, else npy)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on standard error (default: for 1000 lines or more on a terminal)")
     p.add_argument("--batch-size", type=_positive_int, default=32, metavar="N",
                    help="sentences per GPU batch (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
@@ -75,18 +89,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def read_input(name: str | Path) -> list[str]:
+    """The lines of ``name`` as :func:`read_lines` reads them; ``"-"`` reads standard input."""
+    if str(name) == STDIO:
+        stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else None
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+        return _split_lines(data, "standard input")
+    return read_lines(name)
+
+
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 file without their line ends (``\\n`` or ``\\r\\n``); no trailing empty line."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise InputFileError(f"cannot read input file {str(path)!r}: {e.strerror or e}") from e
+    return _split_lines(data, f"input file {str(path)!r}")
+
+
+def _split_lines(data: bytes, where: str) -> list[str]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise InputFileError(f"input file {str(path)!r} is not UTF-8: invalid byte 0x{data[e.start]:02x} "
-                             f"on line {line}") from e
+        raise InputFileError(f"{where} is not UTF-8: invalid byte 0x{data[e.start]:02x} on line {line}") from e
     if not text:
         return []
     lines = text.split("\n")
@@ -116,14 +142,27 @@ def interrupts_held() -> Iterator[None]:
 
 def _save(dest: Path, array: np.ndarray) -> None:
     """``np.save`` to a file beside ``dest``, renamed over it: an interrupted save leaves no partial file."""
+    _save_to(dest, lambda f: np.save(f, array))
+
+
+def write_jsonl(f: Any, texts: list[str], emb: np.ndarray) -> None:
+    """One JSON object per sentence: ``{"index": i, "text": ..., "embedding": [...]}`` (float32, 9 digits)."""
+    for i, (t, row) in enumerate(zip(texts, emb)):
+        vec = ",".join(f"{float(v):.9g}" for v in row)
+        f.write(f'{{"index": {i}, "text": {json.dumps(t, ensure_ascii=False)}, "embedding": [{vec}]}}\n'
+                .encode("utf-8"))
+
+
+def _save_to(dest: Path, write: Any) -> None:
+    """``write(f)`` into a file beside ``dest``, renamed over it: an interrupted save leaves no partial file."""
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
+            write(f)
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # as np.save(dest) would create it (mkstemp makes 0600)
+        os.chmod(tmp, 0o666 & ~mask)  # as open(dest, "w") would create it (mkstemp makes 0600)
         os.replace(tmp, dest)
         tmp = None
     except OSError as e:
@@ -134,25 +173,38 @@ def _save(dest: Path, array: np.ndarray) -> None:
                 os.unlink(tmp)
 
 
+def _output_format(args: argparse.Namespace) -> str:
+    fmt: str | None = getattr(args, "format", None)
+    if fmt is None:
+        fmt = "jsonl" if str(args.output).endswith(".jsonl") else "npy"
+    return fmt
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero embed`` with parsed ``args``; print one summary line; return the exit status."""
     import hetero
 
     from .embed import embed, get_model
 
-    out = out if out is not None else sys.stdout
+    from .encoder import resolve_model
+
+    to_stdout = str(args.output) == STDIO
+    out = out if out is not None else (sys.stderr if to_stdout else sys.stdout)
+    fmt = _output_format(args)
     # Where the results go is checked before any work: a bad path must not cost a whole run.
     dest = Path(args.output)
-    if dest.suffix != ".npy":
-        raise InputFileError(f"output file {str(dest)!r} must end in .npy (np.save would add the suffix)")
-    check_writable(dest, "output file", InputFileError)
+    if not to_stdout:
+        if fmt == "npy" and dest.suffix != ".npy":
+            raise InputFileError(f"output file {str(dest)!r} must end in .npy (np.save would add the suffix), "
+                                 "or pass --format jsonl")
+        check_writable(dest, "output file", InputFileError)
     if args.trace is not None:
         check_writable(args.trace, "trace file", InputFileError)
     scheduler, workers = getattr(args, "scheduler", None), getattr(args, "workers", None)
     if (scheduler or workers) and args.trace:
         raise HeteroError("--trace records a local run; it cannot be combined with --scheduler or --workers")
-    model = get_model(args.model)
-    texts = read_lines(args.input)
+    model = get_model(resolve_model(args.model))
+    texts = read_input(args.input)
     int8 = bool(getattr(args, "int8", False))  # Namespaces built without --int8 (older callers) mean float32
     t0 = time.perf_counter()
     if scheduler or workers:
@@ -160,15 +212,34 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     else:
         rt = hetero.Runtime(trace=args.trace)
         try:
-            emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8)
+            emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
+                        progress=getattr(args, "progress", None))
             adapter = rt.device().summary["summary"]
         finally:
             with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
                 rt.close()
     dt = time.perf_counter() - t0
-    _save(dest, emb.astype(np.float32, copy=False))
+    emb = emb.astype(np.float32, copy=False)
+    if to_stdout:
+        buf = io.BytesIO()
+        if fmt == "npy":
+            np.save(buf, emb)
+        else:
+            write_jsonl(buf, texts, emb)
+        sink = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        if sink is not None:
+            sink.write(buf.getvalue())
+            sink.flush()
+        else:
+            sys.stdout.write(buf.getvalue().decode("latin-1" if fmt == "npy" else "utf-8"))
+    elif fmt == "npy":
+        _save(dest, emb)
+    else:
+        _save_to(dest, lambda f: write_jsonl(f, texts, emb))
     rate = f" ({len(texts) / dt:.1f} sentences/s)" if texts and dt > 0 else ""
-    print(f"embedded {len(texts)} sentence(s) in {dt:.2f} s{rate}: {emb.shape[0]}x{emb.shape[1]} float32 -> {dest}"
+    where = "standard output" if to_stdout else str(dest)
+    print(f"embedded {len(texts)} sentence(s) in {dt:.2f} s{rate}: {emb.shape[0]}x{emb.shape[1]} float32 "
+          f"{'as JSON lines ' if fmt == 'jsonl' else ''}-> {where}"
           f" on {adapter}" + (" with int8 weights" if int8 else "")
           + (f"; trace in {args.trace}" if args.trace else ""), file=out)
     return 0
