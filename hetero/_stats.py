@@ -1,10 +1,12 @@
 """Per-stage timings of a run: wall-clock events, and GPU time where the adapter measures it.
 
-Wall time and GPU time are never mixed: ``queued``, ``started``, ``recorded``,
-``submitted`` and ``completed`` are host wall-clock instants (seconds from the run's
-start); ``gpu_ms`` is GPU execution time from timestamp queries, ``None`` unless the
+Every name carries its unit: ``*_s`` in seconds, ``*_ms`` in milliseconds. Wall time and
+GPU time are never mixed: ``queued_s``, ``started_s``, ``recorded_s``, ``submitted_s`` and
+``completed_s`` are host wall-clock instants (seconds from the run's start); ``wall_ms`` is
+wall time; ``gpu_ms`` is GPU execution time from timestamp queries, ``None`` unless the
 runtime times stages (``Runtime(gpu_timing=True)`` or ``trace=``) on an adapter that
-writes timestamps inside passes.
+writes timestamps inside passes. The names without a unit (``queued``, ...) still read
+the same instants.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ class StageStats:
 
     name: str
     kind: str  # "cpu" | "process" (a CPU stage run in a worker process) | "gpu"
-    queued: float | None  # became ready
-    started: float | None  # a worker began it
-    recorded: float | None  # its function returned (for GPU stages: its commands were recorded)
-    submitted: float | None  # GPU stages: the submission holding its commands was handed to the queue
-    completed: float | None  # its value was available where needed (GPU: its submission completed)
+    queued_s: float | None  # became ready
+    started_s: float | None  # a worker began it
+    recorded_s: float | None  # its function returned (for GPU stages: its commands were recorded)
+    submitted_s: float | None  # GPU stages: the submission holding its commands was handed to the queue
+    completed_s: float | None  # its value was available where needed (GPU: its submission completed)
     gpu_ms: float | None = None  # GPU execution time from timestamp queries
     # Stages declared with capture=True: "captured" (the function ran and its work was
     # captured), "replayed" (it did not run), "fallback" (it cannot be replayed); else None.
@@ -38,10 +40,31 @@ class StageStats:
 
     @property
     def wall_ms(self) -> float | None:
-        """Wall time from start to completion."""
-        if self.started is None or self.completed is None:
+        """Wall time from start to completion, in milliseconds."""
+        if self.started_s is None or self.completed_s is None:
             return None
-        return (self.completed - self.started) * 1e3
+        return (self.completed_s - self.started_s) * 1e3
+
+    # The instants under their names without a unit (seconds, as ``*_s``).
+    @property
+    def queued(self) -> float | None:
+        return self.queued_s
+
+    @property
+    def started(self) -> float | None:
+        return self.started_s
+
+    @property
+    def recorded(self) -> float | None:
+        return self.recorded_s
+
+    @property
+    def submitted(self) -> float | None:
+        return self.submitted_s
+
+    @property
+    def completed(self) -> float | None:
+        return self.completed_s
 
 
 @dataclass(frozen=True)
@@ -50,7 +73,7 @@ class RunStats:
 
     graph: str
     ok: bool
-    wall_ms: float
+    wall_ms: float  # the run's wall time, in milliseconds
     stages: tuple[StageStats, ...]
 
     def stage(self, name: str) -> StageStats:

@@ -46,13 +46,13 @@ async def test_stats_of_a_cpu_gpu_cpu_run(shared_rt: hetero.Runtime) -> None:
     prep_s, gpu_s, total_s = s.stages
     assert prep_s.kind == "cpu" and gpu_s.kind == "gpu"
     for st in s.stages:
-        assert st.queued is not None and st.started is not None and st.completed is not None
-        assert 0 <= st.queued <= st.started <= st.completed <= s.wall_ms / 1e3
+        assert st.queued_s is not None and st.started_s is not None and st.completed_s is not None
+        assert 0 <= st.queued_s <= st.started_s <= st.completed_s <= s.wall_ms / 1e3
     assert prep_s.wall_ms is not None and prep_s.wall_ms >= 20
-    assert gpu_s.recorded is not None and gpu_s.submitted is not None
-    assert gpu_s.started <= gpu_s.recorded <= gpu_s.submitted <= gpu_s.completed
-    assert prep_s.completed <= gpu_s.started and gpu_s.completed <= total_s.started
-    assert prep_s.submitted is None  # CPU stages are not submitted
+    assert gpu_s.recorded_s is not None and gpu_s.submitted_s is not None
+    assert gpu_s.started_s <= gpu_s.recorded_s <= gpu_s.submitted_s <= gpu_s.completed_s
+    assert prep_s.completed_s <= gpu_s.started_s and gpu_s.completed_s <= total_s.started_s
+    assert prep_s.submitted_s is None  # CPU stages are not submitted
     assert s.stage("double") is gpu_s
     with pytest.raises(KeyError, match="has no stage 'nope'"):
         s.stage("nope")
@@ -66,8 +66,8 @@ async def test_stats_of_a_failed_run(rt: hetero.Runtime) -> None:
         await rt.run(g)
     s = rt.stats()
     assert not s.ok
-    assert s.stage("div").started is not None and s.stage("div").completed is None
-    assert s.stage("neg").queued is None
+    assert s.stage("div").started_s is not None and s.stage("div").completed_s is None
+    assert s.stage("neg").queued_s is None
 
 
 def test_stats_before_any_run() -> None:
@@ -117,3 +117,10 @@ async def test_gpu_time_per_stage_when_asked() -> None:
             assert (s.gpu_ms is not None) == measured
             if measured:
                 assert s.gpu_ms is not None and 0 <= s.gpu_ms < rt.stats().wall_ms
+
+
+def test_instants_carry_their_unit_and_keep_their_old_names() -> None:
+    s = hetero.StageStats("a", "cpu", 0.5, 1.0, 1.25, None, 1.5, gpu_ms=None)
+    assert (s.queued_s, s.started_s, s.recorded_s, s.submitted_s, s.completed_s) == (0.5, 1.0, 1.25, None, 1.5)
+    assert (s.queued, s.started, s.recorded, s.submitted, s.completed) == (0.5, 1.0, 1.25, None, 1.5)
+    assert s.wall_ms == 500.0
