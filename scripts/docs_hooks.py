@@ -1,0 +1,33 @@
+"""MkDocs hook: lay out the package as it is installed, for the API reference.
+
+``kernels/`` and ``pipelines/`` ship as ``hetero.kernels`` and ``hetero.pipelines``
+(``[tool.setuptools.package-dir]`` in pyproject.toml). mkdocstrings reads the source
+without importing it, so it is pointed at ``build/docs-src``, where ``hetero/`` holds
+links to every file of ``hetero/`` plus ``kernels`` and ``pipelines``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mkdocs.plugins import event_priority
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE = ROOT / "build" / "docs-src"
+
+
+@event_priority(100)  # before mkdocstrings reads its search paths
+def on_config(config: Any) -> Any:
+    pkg = TREE / "hetero"
+    if TREE.exists():
+        shutil.rmtree(TREE)
+    pkg.mkdir(parents=True)
+    for entry in sorted((ROOT / "hetero").iterdir()):
+        if entry.name != "__pycache__":
+            os.symlink(entry, pkg / entry.name, target_is_directory=entry.is_dir())
+    for sub in ("kernels", "pipelines"):
+        os.symlink(ROOT / sub, pkg / sub, target_is_directory=True)
+    return config
