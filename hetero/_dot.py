@@ -7,8 +7,8 @@ cut at the ``:``. Every id and label here is quoted, with ``\\`` and ``"`` escap
 What a picture shows:
 
 * graph inputs (ovals) and outputs (double ovals, ``output`` or ``output N``);
-* CPU stages (rounded boxes, blue) and GPU stages (boxes, green), each labelled with
-  its name and kind, and, given a run's :class:`~hetero.RunStats`, its wall time
+* CPU stages (rounded boxes, blue; violet for ``process=True`` stages, run in a worker
+  process) and GPU stages (boxes, green), each labelled with its name and kind, and, given a run's :class:`~hetero.RunStats`, its wall time
   (``wall 1.2 ms``) and GPU time where measured (``gpu 0.8 ms``);
 * value edges; those that cross between host and device carry the transfer the plan
   inserts: ``upload`` (an input or a CPU value read by a GPU stage) and ``download``
@@ -52,6 +52,7 @@ TEXT_SUFFIXES = (".dot", ".gv")
 _STYLE = {
     "input": 'shape=oval, style=filled, fillcolor="#f2f2f2"',
     "cpu": 'shape=box, style="rounded,filled", fillcolor="#dbe8f7"',
+    "process": 'shape=box, style="rounded,filled", fillcolor="#e6dcf5"',
     "gpu": 'shape=box, style="filled,bold", fillcolor="#d5f0d0"',
     "output": 'shape=oval, peripheries=2, style=filled, fillcolor="#f2f2f2"',
 }
@@ -65,7 +66,7 @@ _EDGE_STYLE = {
 @dataclass(frozen=True)
 class PictureNode:
     id: str
-    kind: str  # "input" | "cpu" | "gpu" | "output"
+    kind: str  # "input" | "cpu" | "process" | "gpu" | "output"
     name: str  # the stage or input name; for outputs, what they return
 
 
@@ -86,18 +87,21 @@ def picture(graph: Graph) -> tuple[list[PictureNode], list[PictureEdge]]:
     stage_ids = {id(n): n for n in graph.nodes}
     input_ids = {id(i): i for i in graph.inputs.values()}
 
+    def kind(n: Any) -> str:
+        return "process" if getattr(n.options, "process", False) else str(n.kind)
+
     def ref(v: Any) -> tuple[str, str] | None:
-        """(picture id, "input" | "cpu" | "gpu") of a stage or input of this graph, else None."""
+        """(picture id, "input" | "cpu" | "process" | "gpu") of a stage or input of this graph, else None."""
         n = stage_ids.get(id(v))
         if n is not None:
-            return n.name, n.kind
+            return n.name, kind(n)
         i = input_ids.get(id(v))
         if i is not None:
             return f"input {i.name}", "input"
         return None
 
     nodes = [PictureNode(f"input {name}", "input", name) for name in graph.inputs]
-    nodes += [PictureNode(n.name, n.kind, n.name) for n in graph.nodes]
+    nodes += [PictureNode(n.name, kind(n), n.name) for n in graph.nodes]
     edges: list[PictureEdge] = []
     for n in graph.nodes:
         seen: set[str] = set()
@@ -106,7 +110,7 @@ def picture(graph: Graph) -> tuple[list[PictureNode], list[PictureEdge]]:
             if r is None or r[0] in seen:
                 continue
             seen.add(r[0])
-            edges.append(PictureEdge(r[0], n.name, _transfer(r[1], n.kind)))
+            edges.append(PictureEdge(r[0], n.name, _transfer(r[1], kind(n))))
         for d in n.extra_deps:
             r = ref(d)
             if r is not None and r[0] not in seen:
@@ -123,9 +127,9 @@ def picture(graph: Graph) -> tuple[list[PictureNode], list[PictureEdge]]:
 
 
 def _transfer(src: str, dst: str) -> str:
-    if dst == "gpu" and src in ("input", "cpu"):
+    if dst == "gpu" and src in ("input", "cpu", "process"):
         return "upload"
-    if dst == "cpu" and src == "gpu":
+    if dst in ("cpu", "process") and src == "gpu":
         return "download"
     return "value"
 
@@ -163,7 +167,7 @@ def to_dot(graph: Graph, rankdir: str = "LR", stats: RunStats | None = None) -> 
         "  edge [fontname=Helvetica, fontsize=9];",
     ]
     for p in nodes:
-        if p.kind in ("cpu", "gpu"):
+        if p.kind in ("cpu", "process", "gpu"):
             label = quote(p.name)[:-1] + f"\\n{p.kind}" + (f"\\n{times[p.name]}" if p.name in times else "") + '"'
         elif p.kind == "output":
             label = quote(p.id)
@@ -180,7 +184,7 @@ def to_dot(graph: Graph, rankdir: str = "LR", stats: RunStats | None = None) -> 
 def to_networkx(graph: Graph) -> nx.DiGraph:
     """``graph`` as a networkx DiGraph keyed by the picture ids (stage names, ``input X``, ``output N``).
 
-    Node attributes: ``kind`` (``input``, ``cpu``, ``gpu``, ``output``) and ``name``;
+    Node attributes: ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``output``) and ``name``;
     edge attributes: ``kind`` (``value``, ``upload``, ``download``, ``after``).
     """
     import networkx as nx

@@ -290,7 +290,7 @@ class Graph:
     def to_networkx(self) -> nx.DiGraph:
         """This graph as a ``networkx.DiGraph``: nodes keyed by stage name, ``input X`` and ``output N``.
 
-        Nodes carry ``kind`` (``input``, ``cpu``, ``gpu``, ``output``) and ``name``; edges
+        Nodes carry ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``output``) and ``name``; edges
         carry ``kind`` (``value``, ``upload``, ``download``, ``after``).
         """
         from ._dot import to_networkx

@@ -215,3 +215,14 @@ def test_cli_graph_renders_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert _cli.main(["graph", "--pipeline", "embed", "--model", model, "-o", str(tmp_path / "embed.svg")]) == 0
     assert "(5 stages)" in capsys.readouterr().out
     assert "<title>layer0&#45;&gt;pool</title>" in (tmp_path / "embed.svg").read_text()
+
+
+def test_process_stages_are_told_apart() -> None:
+    g = hetero.Graph("procs")
+    a = g.cpu(same, g.input("x"), name="parse", process=True)
+    b = g.gpu(first, a, name="k")
+    g.output(g.cpu(same, b, name="proc2", process=True))
+    text = g.to_dot()
+    assert '  "parse" [label="parse\\nprocess", shape=box, style="rounded,filled", fillcolor="#e6dcf5"];' in text
+    assert '"parse" -> "k" [label="upload"' in text and '"k" -> "proc2" [label="download"' in text
+    assert g.to_networkx().nodes["parse"]["kind"] == "process"
