@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
@@ -220,3 +221,21 @@ def test_bad_retry_options(kw: dict, msg: str) -> None:
     with pytest.raises(GraphError) as e:
         g.cpu(int, 1, name="s", retries=1, **kw)
     assert str(e.value) == msg
+
+
+def connection_then_value_error(path: str) -> str:
+    """Raises ConnectionError on its first call (per path), ValueError after."""
+    p = Path(path)
+    if not p.exists():
+        p.write_text("x")
+        raise ConnectionError("first")
+    raise ValueError("second")
+
+
+async def test_process_stage_retries_follow_retry_on(tmp_path: Path) -> None:
+    g = hetero.Graph("procretry")
+    g.output(g.cpu(connection_then_value_error, g.input("x"), process=True, retries=3, retry_on=ConnectionError,
+                   backoff=0.001))
+    with hetero.Runtime(cpu_threads=1, cpu_processes=1) as rt:
+        with pytest.raises(StageError, match="failed after 2 attempts: ValueError: second"):
+            await rt.run(g, x=str(tmp_path / "marker"))
