@@ -165,8 +165,8 @@ class GPUContext:
         ``bindings`` follow the ``@binding`` order of ``@group(0)``: a Tensor binds as a
         storage buffer; a numpy array or bytes is uploaded as a uniform buffer.
 
-        Kernels that use hetero's grid helpers (``hetero_workgroup_id``; see
-        ``hetero._split``) may have any number of workgroups along x: the dispatch is
+        Kernels that use hetero's grid helpers (``hetero_workgroup_id``; see "Large grids
+        and long kernels" in the README) may have any number of workgroups along x: the dispatch is
         split into sub-dispatches and, past the GPU-time budget, into several
         submissions. Other kernels get at most the adapter's per-dimension limit.
         """

@@ -72,10 +72,11 @@ class Runtime:
     ``gpu_threads`` is the number of threads recording GPU stages; ``submit_batch`` is
     how many small GPU stages may share one queue submission (1 turns coalescing off);
     ``memory_budget`` caps the device memory (bytes) the buffer pool holds: past it,
-    younger runs wait for memory while the oldest one proceeds (default: see
-    ``hetero._memory.default_budget``); ``gpu_budget_ms`` is the GPU time one
-    submission may hold before work is split across submissions (see ``hetero._split``;
-    drivers reset a device whose submission runs for seconds). ``trace`` is a path: one
+    younger runs wait for memory while the oldest one proceeds (default: the smaller of
+    8 GiB and 4 times the adapter's ``max-buffer-size``); ``gpu_budget_ms`` is the GPU
+    time one submission may hold before work is split across submissions (see "Large
+    grids and long kernels" in the README; drivers reset a device whose submission runs
+    for seconds). ``trace`` is a path: one
     Chrome/Perfetto trace-event JSON file with CPU worker spans, GPU recording spans,
     GPU stage and dispatch spans (timestamps aligned to the wall clock), fence waits,
     transfers and buffer-pool counters, rewritten after each run and at close.

@@ -9,6 +9,7 @@ links to every file of ``hetero/`` plus ``kernels`` and ``pipelines``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,3 +32,17 @@ def on_config(config: Any) -> Any:
     for sub in ("kernels", "pipelines"):
         os.symlink(ROOT / sub, pkg / sub, target_is_directory=True)
     return config
+
+
+# Docstrings use Sphinx roles (:class:`~hetero.Tensor`); Markdown leaves the role's name in
+# front of the code span. Drop it, and the module path where a leading "~" asks for that.
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>(~?)([^<]*)</code>")
+
+
+def _role(m: re.Match[str]) -> str:
+    tilde, target = m.groups()
+    return f"<code>{target.rsplit('.', 1)[-1] if tilde else target}</code>"
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    return _ROLE.sub(_role, html)
