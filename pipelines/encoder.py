@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero.lowlevel import default_runtime
+from hetero.lowlevel import default_runtime, running_loop
 
 from .embed import aembed, get_model
 from .minilm import Model, ModelNotFoundError
@@ -132,6 +132,12 @@ class Encoder:
         accepted for compatibility. ``convert_to_numpy=False`` returns a list of 1-D
         arrays instead of one 2-D array. Synchronous: from async code use :meth:`aencode`.
         """
+        lib = running_loop()
+        if lib is not None:
+            raise hetero.HeteroError(
+                f"Encoder.encode() cannot be called inside a running {lib} event loop; "
+                "use 'await encoder.aencode(sentences)'"
+            )
         rt = self.runtime if self.runtime is not None else default_runtime()
         result: list[Any] = []
 

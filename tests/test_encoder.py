@@ -56,6 +56,10 @@ async def test_aencode_from_asyncio_and_trio(shared_rt: hetero.Runtime, tiny_dir
     one = await enc.aencode(TEXTS[0])
     assert got.shape == (3, 32) and one.shape == (32,)
     np.testing.assert_allclose(one, got[0], atol=1e-6)
+    with pytest.raises(hetero.HeteroError) as e:
+        enc.encode(TEXTS[0])
+    assert str(e.value).startswith("Encoder.encode() cannot be called inside a running ")
+    assert str(e.value).endswith(" event loop; use 'await encoder.aencode(sentences)'")
 
 
 def test_encode_refuses_what_embed_refuses(shared_rt: hetero.Runtime, tiny_dir: Path) -> None:
