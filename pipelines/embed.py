@@ -378,9 +378,10 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     g = embedding_graph(m, int8=bool(int8))
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
-    async for emb in runtime.map(g, inputs, max_in_flight=max_in_flight):
-        yield chunks[n], emb
-        n += 1
+    async with runtime.map(g, inputs, max_in_flight=max_in_flight) as results:  # closing stops batches in flight
+        async for emb in results:
+            yield chunks[n], emb
+            n += 1
 
 
 # Inputs at least this long get a progress bar when stderr is a terminal (progress=None).
