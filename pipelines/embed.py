@@ -378,10 +378,15 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     g = embedding_graph(m, int8=bool(int8))
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
-    async with runtime.map(g, inputs, max_in_flight=max_in_flight) as results:  # closing stops batches in flight
+    results = runtime.map(g, inputs, max_in_flight=max_in_flight)
+    try:
         async for emb in results:
             yield chunks[n], emb
             n += 1
+    finally:
+        aclose = getattr(results, "aclose", None)  # Runtime.map's results and async generators: stop what is in flight
+        if aclose is not None:
+            await aclose()
 
 
 # Inputs at least this long get a progress bar when stderr is a terminal (progress=None).
