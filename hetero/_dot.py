@@ -8,8 +8,10 @@ What a picture shows:
 
 * graph inputs (ovals) and outputs (double ovals, ``output`` or ``output N``);
 * CPU stages (rounded boxes, blue; violet for ``process=True`` stages, run in a worker
-  process) and GPU stages (boxes, green), each labelled with its name and kind, and, given a run's :class:`~hetero.RunStats`, its wall time
-  (``wall 1.2 ms``) and GPU time where measured (``gpu 0.8 ms``);
+  process) and GPU stages (boxes, green), each labelled with its name and kind
+  (``gpu, captured`` for ``capture=True`` stages) and, given a run's
+  :class:`~hetero.RunStats`, its wall time (``wall 1.2 ms``) and GPU time where measured
+  (``gpu 0.8 ms``);
 * value edges; those that cross between host and device carry the transfer the plan
   inserts: ``upload`` (an input or a CPU value read by a GPU stage) and ``download``
   (a GPU value read by a CPU stage or returned as an output);
@@ -68,6 +70,7 @@ class PictureNode:
     id: str
     kind: str  # "input" | "cpu" | "process" | "gpu" | "output"
     name: str  # the stage or input name; for outputs, what they return
+    captured: bool = False  # a GPU stage declared with capture=True (replayed per signature)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def picture(graph: Graph) -> tuple[list[PictureNode], list[PictureEdge]]:
         return None
 
     nodes = [PictureNode(f"input {name}", "input", name) for name in graph.inputs]
-    nodes += [PictureNode(n.name, kind(n), n.name) for n in graph.nodes]
+    nodes += [PictureNode(n.name, kind(n), n.name, bool(getattr(n, "capture", False))) for n in graph.nodes]
     edges: list[PictureEdge] = []
     for n in graph.nodes:
         seen: set[str] = set()
@@ -168,7 +171,8 @@ def to_dot(graph: Graph, rankdir: str = "LR", stats: RunStats | None = None) -> 
     ]
     for p in nodes:
         if p.kind in ("cpu", "process", "gpu"):
-            label = quote(p.name)[:-1] + f"\\n{p.kind}" + (f"\\n{times[p.name]}" if p.name in times else "") + '"'
+            what = f"{p.kind}, captured" if p.captured else p.kind
+            label = quote(p.name)[:-1] + f"\\n{what}" + (f"\\n{times[p.name]}" if p.name in times else "") + '"'
         elif p.kind == "output":
             label = quote(p.id)
         else:

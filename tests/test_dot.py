@@ -226,3 +226,9 @@ def test_process_stages_are_told_apart() -> None:
     assert '  "parse" [label="parse\\nprocess", shape=box, style="rounded,filled", fillcolor="#e6dcf5"];' in text
     assert '"parse" -> "k" [label="upload"' in text and '"k" -> "proc2" [label="download"' in text
     assert g.to_networkx().nodes["parse"]["kind"] == "process"
+
+
+def test_captured_gpu_stages_say_so() -> None:
+    g = hetero.Graph("cap")
+    g.output(g.gpu(first, g.input("x"), name="k", capture=True))
+    assert '  "k" [label="k\\ngpu, captured", shape=box, style="filled,bold", fillcolor="#d5f0d0"];' in g.to_dot()
