@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from ._bridge import running_loop
 from .errors import HeteroError, InputError, OverloadedError, RuntimeClosedError
 
 if TYPE_CHECKING:
@@ -229,9 +230,7 @@ class Batcher:
 
     # -- the dispatching task -------------------------------------------------------------
     def _bind(self) -> None:
-        from ._runtime import _running_loop
-
-        lib = _running_loop()
+        lib = running_loop()
         if lib == "asyncio":
             import asyncio
 

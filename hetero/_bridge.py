@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import anyio.lowlevel
 
-__all__ = ["loop_caller"]
+__all__ = ["loop_caller", "running_loop"]
 
 
 def loop_caller() -> Callable[[Callable[[], Any]], None]:
@@ -24,3 +24,23 @@ def loop_caller() -> Callable[[Callable[[], Any]], None]:
             pass
 
     return call
+
+
+def running_loop() -> str | None:
+    """Name of the event loop running in this thread, if any."""
+    import asyncio
+    import sys
+
+    try:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return "trio"
+        except RuntimeError:
+            pass
+    return None

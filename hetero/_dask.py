@@ -51,7 +51,8 @@ from distributed import Client, Future, LocalCluster, WorkerPlugin, get_worker
 
 from ._bridge import loop_caller
 from ._graph import Graph
-from ._runtime import Runtime, _running_loop
+from ._bridge import running_loop
+from ._runtime import Runtime
 from .errors import GraphError, HeteroError, StageError, _own_reducers
 
 _own_reducers()  # importing distributed (above) replaced the reducers of hetero's errors
@@ -409,7 +410,7 @@ class DaskRuntime:
 
     @staticmethod
     def _not_in_loop(what: str) -> None:
-        lib = _running_loop()
+        lib = running_loop()
         if lib is not None:
             raise HeteroError(f"DaskRuntime.{what}() cannot be called inside a running {lib} event loop; "
                               f"use 'async with DaskRuntime(client) as drt' and the async methods")

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from ._batcher import Batcher
+from ._bridge import running_loop
 from ._capture import DEFAULT_CACHE_ENTRIES
 from ._device import Device
 from ._memory import MemoryStats
@@ -402,7 +403,7 @@ def _default_runtime() -> Runtime:
 
 def run(graph: Graph, /, **inputs: Any) -> Any:
     """Run ``graph`` once from synchronous code, on a shared default runtime."""
-    lib = _running_loop()
+    lib = running_loop()
     if lib is not None:
         raise HeteroError(
             f"hetero.run() cannot be called inside a running {lib} event loop; "
@@ -410,23 +411,3 @@ def run(graph: Graph, /, **inputs: Any) -> Any:
         )
     rt = _default_runtime()
     return anyio.run(lambda: rt.run(graph, **inputs))
-
-
-def _running_loop() -> str | None:
-    """Name of the event loop running in this thread, if any."""
-    import asyncio
-    import sys
-
-    try:
-        asyncio.get_running_loop()
-        return "asyncio"
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-            return "trio"
-        except RuntimeError:
-            pass
-    return None

@@ -45,7 +45,8 @@ from typing import Any
 from ._device import Device, Kernel
 from ._files import atomic_write_text, check_writable
 from ._gpu import GPUContext
-from ._runtime import Runtime, _default_runtime, _running_loop
+from ._bridge import running_loop as _running_loop
+from ._runtime import Runtime, _default_runtime
 from ._split import DispatchInfo, grid_uniform
 from ._tensor import Tensor
 

@@ -37,7 +37,7 @@ class InputFileError(HeteroError):
     """The input file of ``hetero embed`` cannot be read, or the output cannot be written."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """An ``argparse`` type: an integer >= 1."""
     try:
         value = int(text)
@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "for jsonl, else npy)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a progress bar on standard error (default: for 1000 lines or more on a terminal)")
-    p.add_argument("--batch-size", type=_positive_int, default=32, metavar="N",
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N",
                    help="sentences per GPU batch (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (quantized per output channel; "
@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cluster.add_argument("--scheduler", metavar="tcp://HOST:PORT", default=None,
                          help="run the batches on this dask scheduler's workers that declare the 'wgpu' resource "
                          "(needs the hetero[dask] extra; the model directory must exist on the workers too)")
-    cluster.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+    cluster.add_argument("--workers", type=positive_int, default=None, metavar="N",
                          help="start a local dask cluster of N worker processes, one per GPU adapter "
                          "(round-robin when N exceeds them), and run the batches there")
     p.set_defaults(func=run)

@@ -45,7 +45,7 @@ import hetero
 from hetero.errors import DeviceLostError, HeteroError, OverloadedError
 from hetero.lowlevel import running_loop
 
-from .cli import _positive_int
+from .cli import positive_int
 from .embed import EmbeddingService
 from .minilm import Model
 
@@ -220,9 +220,9 @@ class EmbeddingServer:
     def shutdown(self) -> None:
         """Begin a graceful shutdown: new requests get 503; the listener stops once those in flight finish."""
         self.draining = True
-        self._stop_event().set()
+        self.stop_event().set()
 
-    def _stop_event(self) -> anyio.Event:
+    def stop_event(self) -> anyio.Event:
         if self._stop is None:
             self._stop = anyio.Event()
         return self._stop
@@ -425,7 +425,7 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
     config.graceful_timeout = graceful_timeout
     config.startup_timeout = 600.0  # warm-up runs in the background; this covers the lifespan's start only
     config.keep_alive_timeout = 75.0  # load generators and proxies keep connections open between requests
-    stop = server._stop_event()
+    stop = server.stop_event()
 
     watching = anyio.CancelScope()  # cancelled once hypercorn has returned (the host task is never cancelled)
 
@@ -544,13 +544,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
                    help="event loop hypercorn runs on (default: %(default)s)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, metavar="N",
+    p.add_argument("--max-batch-tokens", type=positive_int, default=16384, metavar="N",
                    help="padded tokens per batch: sentences x longest sentence (default: %(default)s)")
-    p.add_argument("--max-client-batch-size", type=_positive_int, default=2048, metavar="N",
+    p.add_argument("--max-client-batch-size", type=positive_int, default=2048, metavar="N",
                    help="most strings in one request; more get 413 (default: %(default)s)")
-    p.add_argument("--max-queued", type=_positive_int, default=4096, metavar="N",
+    p.add_argument("--max-queued", type=positive_int, default=4096, metavar="N",
                    help="sentences waiting for a batch before requests get 429 (default: %(default)s)")
-    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="server processes on the port, each with its own runtime and batcher; /metrics sums "
                    "them (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
