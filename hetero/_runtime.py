@@ -318,9 +318,13 @@ class Runtime:
                     raise head
                 yield await head.wait()
         finally:
-            for r in pending:
-                if isinstance(r, Run):
-                    r.stop()
+            # The runs behind a failure or a cancellation stop, and give their memory back
+            # before map() raises (shielded; the loop keeps running meanwhile).
+            runs = [r for r in pending if isinstance(r, Run)]
+            for r in runs:
+                r.stop()
+            for r in runs:
+                await r.settled()
 
     async def _map_unordered(self, graph: Graph, inputs: Iterable[Mapping[str, Any]],
                              max_in_flight: int) -> AsyncGenerator[Any, None]:
@@ -358,8 +362,10 @@ class Runtime:
                 pending.remove(done)
                 yield await done.wait()
         finally:
-            for r in pending:
+            for r in pending:  # as in the ordered map: stopped, and their memory back
                 r.stop()
+            for r in pending:
+                await r.settled()
 
 
 class MapResults:

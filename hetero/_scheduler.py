@@ -198,7 +198,11 @@ class Run:
         self.sched.dispatch(self, list(self.plan.roots))
 
     async def wait(self) -> Any:
-        """Wait for the run to end; return its outputs or raise its error."""
+        """Wait for the run to end; return its outputs or raise its error.
+
+        Whether it completed, failed or was cancelled, the run returns (or raises) only
+        once no stage of it is being recorded and every block it held is back in the pool.
+        """
         try:
             while True:
                 event = self._event = anyio.Event()
@@ -212,18 +216,7 @@ class Run:
         finally:
             if not self.stopped:  # cancelled by the caller
                 self.stop()
-        if not self.cleaned:
-            # Let GPU stages being recorded finish and the run's buffers go back to the
-            # pool before returning or raising (recording is short; a stage's GPU work is
-            # not awaited). Even a run that succeeded can get here: its last stage's GPU
-            # work may complete on the fence thread while the recording thread is still
-            # letting go of that stage's inputs.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT):
-                while not self.cleaned:
-                    event = self._event = anyio.Event()
-                    if self.cleaned:
-                        break
-                    await event.wait()
+            await self.settled()
         if self.error is not None:
             raise self.error
         return self.outputs()
@@ -231,6 +224,24 @@ class Run:
     def check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
         return self._check_timeouts()
+
+    async def settled(self) -> None:
+        """Wait, shielded from cancellation and without blocking the loop, until the stopped
+        run's blocks are back in the pool (at most ``_CLEANUP_WAIT`` seconds).
+
+        Stages being recorded when the run stopped finish recording first (recording is
+        short; a stage's GPU work is not awaited). Even a run that succeeded can wait here:
+        its last stage's GPU work may complete on the fence thread while the recording
+        thread is still letting go of that stage's inputs.
+        """
+        if self.cleaned:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT):
+            while not self.cleaned:
+                event = self._event = anyio.Event()
+                if self.cleaned:
+                    break
+                await event.wait()
 
     def _check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""

@@ -7,6 +7,7 @@ import threading
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 import hetero
@@ -400,3 +401,159 @@ def test_runtime_options_record() -> None:
     with hetero.Runtime(cpu_threads=3, gpu_budget_ms=50) as rt:
         assert rt.options == hetero.RuntimeOptions(cpu_threads=3, gpu_budget_ms=50.0)
         assert rt.cpu_threads == 3
+
+
+ADD_ONE = """
+@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i < arrayLength(&dst)) { dst[i] = src[i] + 1.0; }
+}
+"""
+
+
+def _slow_gpu_graph(started: threading.Event, release: threading.Event) -> hetero.Graph:
+    """
+    ::
+
+        x -> first (gpu) -> slow (gpu: takes temporaries, then waits inside recording) -> out
+    """
+    def first(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        out = gpu.empty(t.shape)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, t, out)
+        return out
+
+    def slow(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        tmp = [gpu.empty(64 * 1024) for _ in range(3)]  # pooled temporaries held while recording
+        out = gpu.empty(t.shape)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, t, tmp[0])
+        started.set()
+        release.wait(WAIT)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, tmp[0], out)
+        return out
+
+    g = hetero.Graph("slow-record")
+    g.output(g.gpu(slow, g.gpu(first, g.input("x"), name="first"), name="slow"))
+    return g
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_cancelled_run_returns_its_gpu_memory_before_it_returns(shared_rt: hetero.Runtime, how: str) -> None:
+    """A run cancelled while a GPU stage is being recorded returns only once that stage let go
+    of its temporaries and its input; the event loop keeps running meanwhile."""
+    started, release = threading.Event(), threading.Event()
+    g = _slow_gpu_graph(started, release)
+    x = np.arange(1000, dtype=np.float32)
+    np.testing.assert_array_equal(await shared_rt.run(_slow_gpu_graph(threading.Event(), _set()), x=x), x + 3)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.005)
+
+    async def cancel_when_recording(scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(started.wait, WAIT)
+        if how == "cancel":
+            scope.cancel()
+        else:
+            scope.deadline = anyio.current_time()  # as move_on_after does when it expires
+        before = ticks
+        while ticks < before + 3:  # the loop runs while the cancelled run waits for the stage
+            await anyio.sleep(0.005)
+        release.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            with anyio.move_on_after(WAIT) as scope:
+                tg.start_soon(cancel_when_recording, scope)
+                await shared_rt.run(g, x=x)
+            s = shared_rt.memory_stats()
+            assert (s.in_use_bytes, s.blocks_in_use) == (0, 0)
+            assert scope.cancelled_caught and release.is_set()  # it returned once the stage let go
+            tg.cancel_scope.cancel()
+    finally:
+        release.set()
+
+
+def _set() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e
+
+
+async def test_map_failure_returns_the_memory_of_the_runs_behind_it(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        mode -> gate (cpu: fails for mode 1)
+        x ----> work (gpu: temporaries; for mode 2 waits inside recording)
+
+    Run 0 fails while run 1's GPU stage is being recorded; map() raises once run 1 let go.
+    """
+    started, release = threading.Event(), threading.Event()
+
+    def gate(mode: int) -> int:
+        if mode == 1:
+            started.wait(WAIT)
+            raise ValueError("planned failure")
+        return mode
+
+    def work(gpu: hetero.GPUContext, t: hetero.Tensor, mode: int) -> hetero.Tensor:
+        tmp = gpu.empty(64 * 1024)
+        out = gpu.empty(t.shape)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, t, tmp)
+        if mode == 2:
+            started.set()
+            release.wait(WAIT)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, tmp, out)
+        return out
+
+    g = hetero.Graph("map-letgo")
+    x, mode = g.input("x"), g.input("mode")
+    g.output(g.cpu(gate, mode, name="gate"), g.gpu(work, x, mode, name="work"))
+    xs = np.zeros(500, np.float32)
+
+    async def release_later() -> None:
+        await anyio.to_thread.run_sync(started.wait, WAIT)
+        await anyio.sleep(0.1)
+        release.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_later)
+            with pytest.raises(StageError, match="'gate' failed: ValueError: planned failure"):
+                async for _ in shared_rt.map(g, [{"x": xs, "mode": m} for m in (1, 2, 0, 0)], max_in_flight=3):
+                    pass
+            s = shared_rt.memory_stats()
+            assert (s.in_use_bytes, s.blocks_in_use) == (0, 0)
+            assert release.is_set()
+    finally:
+        release.set()
+
+
+def test_asyncio_task_cancel_returns_gpu_memory() -> None:
+    """A plain ``task.cancel()`` (no anyio scope) also lets the run return only once its memory is back."""
+    import asyncio
+
+    started, release = threading.Event(), threading.Event()
+    g = _slow_gpu_graph(started, release)
+
+    async def main(rt: hetero.Runtime) -> tuple[bool, int]:
+        task = asyncio.ensure_future(rt.run(g, x=np.ones(100, np.float32)))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, WAIT)
+        task.cancel()
+        asyncio.get_running_loop().call_later(0.05, release.set)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return release.is_set(), rt.memory_stats().in_use_bytes
+
+    try:
+        with hetero.Runtime() as rt:
+            assert asyncio.run(main(rt)) == (True, 0)
+    finally:
+        release.set()
