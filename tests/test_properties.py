@@ -71,8 +71,8 @@ class Dag:
 
 
 @st.composite
-def dags(draw: st.DrawFn, max_stages: int = 7) -> Dag:
-    size = draw(st.sampled_from(SIZES))
+def dags(draw: st.DrawFn, max_stages: int = 7, sizes: tuple[int, ...] = SIZES) -> Dag:
+    size = draw(st.sampled_from(sizes))
     stages: list[Stage] = []
     for i in range(draw(st.integers(1, max_stages))):
         readable: list[str | int] = ["x", "y", *(j for j in range(i) if stages[j].op == "affine")]
@@ -167,9 +167,10 @@ def assert_memory_back(rt: hetero.Runtime) -> None:
     assert (s.in_use_bytes, s.blocks_in_use) == (0, 0)
 
 
-@pytest.fixture(scope="module")
-def prop_rt() -> Iterator[hetero.Runtime]:
-    rt = hetero.Runtime(cpu_threads=2)
+@pytest.fixture(scope="module", params=["shared-encoder", "encoder-per-stage"])
+def prop_rt(request: pytest.FixtureRequest) -> Iterator[hetero.Runtime]:
+    """One recording thread (stages share an encoder) or two (an encoder per stage)."""
+    rt = hetero.Runtime(cpu_threads=2, gpu_threads=1 if request.param == "shared-encoder" else 2)
     yield rt
     rt.close()
 
@@ -239,3 +240,33 @@ async def test_random_cancellation_returns_memory_to_baseline(prop_rt: hetero.Ru
     gate.stage = None  # the same graph runs to the end now
     check(dag, await prop_rt.run(g, **given), given)
     assert_memory_back(prop_rt)
+
+
+@pytest.fixture(scope="module")
+def tight_rt() -> Iterator[hetero.Runtime]:
+    """A budget of three 4 KiB blocks: younger runs park their GPU stages until memory is freed."""
+    rt = hetero.Runtime(cpu_threads=2, memory_budget=12 * 1024)
+    yield rt
+    rt.close()
+
+
+@settings(PROPERTY, max_examples=20)
+@given(dag=dags(max_stages=5, sizes=(257, 1000)), batch=st.integers(2, 6), in_flight=st.integers(2, 4),
+       delay=st.sampled_from([None, 0.0, 0.001, 0.005, 0.02]))
+async def test_random_cancellation_of_runs_waiting_for_memory(tight_rt: hetero.Runtime, dag: Dag, batch: int,
+                                                              in_flight: int, delay: float | None) -> None:
+    """Runs in flight under a tight budget (stages park and are requeued), cancelled at a random
+    moment or not at all: results match numpy, memory is back the moment map() is left."""
+    g = build(dag, Gate())
+    items = [{k: v + j for k, v in inputs(dag.size).items()} for j in range(batch)]
+    n = 0
+    with anyio.CancelScope() as scope:
+        if delay is not None:
+            scope.deadline = anyio.current_time() + delay
+        async for got in tight_rt.map(g, items, max_in_flight=in_flight):
+            check(dag, got, items[n])
+            n += 1
+    assert_memory_back(tight_rt)
+    assert n == batch or scope.cancelled_caught
+    check(dag, await tight_rt.run(g, **items[0]), items[0])  # nothing was left parked or stuck
+    assert_memory_back(tight_rt)
