@@ -79,7 +79,8 @@ log = logging.getLogger("hetero")
 # A stage dispatching more workgroups than this is submitted on its own rather than
 # coalesced with its neighbours: its GPU time dwarfs the cost of a submission.
 LARGE_STAGE_WORKGROUPS = 1 << 14
-# How long a failed run waits for its GPU stages being recorded before raising anyway.
+# How long a stopped (failed or cancelled) run waits for its GPU stages being recorded
+# before returning anyway (a stage function that never returns must not hang the caller).
 _CLEANUP_WAIT = 5.0
 
 
@@ -242,6 +243,9 @@ class Run:
                 if self.cleaned:
                     break
                 await event.wait()
+        if not self.cleaned:
+            log.warning("run %d of %r: a GPU stage is still being recorded %g s after the run stopped; "
+                        "returning with its device memory in use", self.seq, self.plan.name, _CLEANUP_WAIT)
 
     def _check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""

@@ -2,14 +2,19 @@
 
 Every example builds a DAG over two graph inputs ``x`` and ``y`` (1-D float32 arrays of
 one size, empty and odd sizes included). A stage reads one to three earlier values
-(inputs or stages; the same one twice is allowed) and computes either
+(inputs or stages; the same one twice is allowed) and computes one of
 
 * ``k * (p0 + p1 + ...) + c`` -- a CPU stage with numpy; a GPU stage with ``ops.add``
-  (pooled temporaries) and a small WGSL kernel, or
+  (pooled temporaries) and a small WGSL kernel;
+* ``p0`` itself -- a GPU stage hands on the tensor it read (one buffer, two values);
 * ``sum(p0)`` -- ``numpy.sum`` or ``ops.sum``; nothing reads a sum, it is an output.
 
 Values stay small integers, so float32 results are exact whatever the order of
 additions, and the graph's outputs must equal a plain sequential numpy evaluation.
+The DAGs run one at a time and several in flight (``rt.map``), with one recording
+thread (a shared encoder) and with two (an encoder per stage), under a budget tight
+enough that runs park for memory, and cancelled inside a chosen stage or after a
+random delay: whenever a run or a map returns, the pool has every block back.
 Examples are derandomized (the same ones every run, no example database) and few:
 lavapipe on a loaded 2-core machine runs the whole file in seconds.
 """
@@ -75,9 +80,9 @@ def dags(draw: st.DrawFn, max_stages: int = 7, sizes: tuple[int, ...] = SIZES) -
     size = draw(st.sampled_from(sizes))
     stages: list[Stage] = []
     for i in range(draw(st.integers(1, max_stages))):
-        readable: list[str | int] = ["x", "y", *(j for j in range(i) if stages[j].op == "affine")]
-        op = draw(st.sampled_from(["affine", "affine", "affine", "sum"]))
-        parents = draw(st.lists(st.sampled_from(readable), min_size=1, max_size=1 if op == "sum" else 3))
+        readable: list[str | int] = ["x", "y", *(j for j in range(i) if stages[j].op != "sum")]
+        op = draw(st.sampled_from(["affine", "affine", "affine", "sum", "same"]))
+        parents = draw(st.lists(st.sampled_from(readable), min_size=1, max_size=3 if op == "affine" else 1))
         stages.append(Stage(draw(st.sampled_from(["cpu", "gpu"])), op, tuple(parents),
                             draw(st.sampled_from([1.0, -1.0])), draw(st.sampled_from([0.0, 1.0, 2.0]))))
     read = {p for s in stages for p in s.parents}
@@ -96,7 +101,10 @@ def reference(dag: Dag, given: dict[str, np.ndarray]) -> list[np.ndarray]:
     values: dict[str | int, np.ndarray] = {k: v.astype(np.float64) for k, v in given.items()}
     for i, s in enumerate(dag.stages):
         ps = [values[p] for p in s.parents]
-        values[i] = np.asarray(ps[0].sum()) if s.op == "sum" else s.k * np.sum(ps, axis=0) + s.c
+        if s.op == "same":
+            values[i] = ps[0]
+        else:
+            values[i] = np.asarray(ps[0].sum()) if s.op == "sum" else s.k * np.sum(ps, axis=0) + s.c
     return [values[o] for o in dag.outputs]
 
 
@@ -116,7 +124,9 @@ class Gate:
 
 def cpu_stage(*parents: np.ndarray, i: int, op: str, k: float, c: float, gate: Gate) -> np.ndarray:
     gate.at(i, "start")
-    if op == "sum":
+    if op == "same":
+        out = parents[0]
+    elif op == "sum":
         out = np.asarray(np.sum(parents[0]), np.float32)
     else:
         out = (k * np.sum(parents, axis=0, dtype=np.float32) + c).astype(np.float32)
@@ -127,7 +137,9 @@ def cpu_stage(*parents: np.ndarray, i: int, op: str, k: float, c: float, gate: G
 def gpu_stage(gpu: hetero.GPUContext, *parents: Tensor, i: int, op: str, k: float, c: float,
               gate: Gate) -> Tensor:
     gate.at(i, "start")
-    if op == "sum":
+    if op == "same":
+        out = parents[0]  # the value it read (a GPU value, or the upload of a CPU one), held twice
+    elif op == "sum":
         out = hetero.ops.sum(gpu, parents[0])
     else:
         acc = parents[0]

@@ -557,3 +557,30 @@ def test_asyncio_task_cancel_returns_gpu_memory() -> None:
             assert asyncio.run(main(rt)) == (True, 0)
     finally:
         release.set()
+
+
+async def test_cancelled_run_stops_waiting_for_a_stage_that_never_lets_go(
+        shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stage function stuck in recording does not hang the cancelled caller: the run returns
+    after the cleanup wait, says so in the log, and the memory comes back when the stage ends."""
+    import hetero._scheduler
+
+    monkeypatch.setattr(hetero._scheduler, "_CLEANUP_WAIT", 0.05)
+    started, release = threading.Event(), threading.Event()
+    g = _slow_gpu_graph(started, release)
+    try:
+        with anyio.move_on_after(WAIT) as scope:
+            async with anyio.create_task_group() as tg:
+                async def cancel_when_recording() -> None:
+                    await anyio.to_thread.run_sync(started.wait, WAIT)
+                    scope.cancel()
+
+                tg.start_soon(cancel_when_recording)
+                await shared_rt.run(g, x=np.ones(10, np.float32))
+        assert scope.cancelled_caught and not release.is_set()
+        assert "a GPU stage is still being recorded 0.05 s after the run stopped" in caplog.text
+    finally:
+        release.set()
+    with anyio.fail_after(WAIT):
+        while shared_rt.memory_stats().in_use_bytes:
+            await anyio.sleep(0.01)
