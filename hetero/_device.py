@@ -39,10 +39,16 @@ from typing import Any, Callable
 import wgpu
 from wgpu.backends.wgpu_native._ffi import lib as _raw_lib
 
+# Imported here, not where the device is created: that is a worker thread, and CPython
+# before 3.11.8 could fail an import compiled in another thread at the same time.
+from ._bindcache import BindCache
+from ._capture import CaptureCache
 from ._fence import Fence
+from ._memory import BufferPool
 from ._split import CostModel, wants_grid, with_prelude
 from ._timing import GPUTimer
 from ._trace import Tracer
+from ._transfer import StagingRing
 from ._wgsl import Binding, group_bindings
 from .errors import DeviceLostError, NoAdapterError, RuntimeClosedError
 
@@ -234,10 +240,6 @@ class Device:
         self._work_done = _work_done_callback(self._ffi)
         self._key = next(_device_keys)
         _DEVICES[self._key] = self
-        from ._bindcache import BindCache
-        from ._capture import CaptureCache
-        from ._memory import BufferPool
-        from ._transfer import StagingRing
 
         self.budget_ns = gpu_budget_ms * 1e6  # GPU time one submission may hold (see _split)
         self.cost = CostModel()
