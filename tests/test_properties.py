@@ -108,18 +108,29 @@ def reference(dag: Dag, given: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [values[o] for o in dag.outputs]
 
 
-class Gate:
-    """Where a run is cancelled: stage ``stage`` reaching ``phase`` ("start" or "end") of its
-    function waits there until the canceller cancelled the run (no stage: never waits)."""
+class Planned(Exception):
+    """The failure a Gate raises on purpose."""
 
-    def __init__(self, stage: int | None = None, phase: str = "start") -> None:
-        self.stage, self.phase = stage, phase
+
+class Gate:
+    """What happens when stage ``stage`` reaches ``phase`` ("start" or "end") of its function:
+    ``"wait"`` until the canceller cancelled the run, ``"fail"`` every time, or ``"fail-once"``
+    (the stage is declared with a retry). With no stage nothing happens."""
+
+    def __init__(self, stage: int | None = None, phase: str = "start", action: str = "wait") -> None:
+        self.stage, self.phase, self.action = stage, phase, action
         self.reached, self.proceed = threading.Event(), threading.Event()
+        self.failures = 0
 
     def at(self, stage: int, phase: str) -> None:
-        if stage == self.stage and phase == self.phase:
+        if stage != self.stage or phase != self.phase:
+            return
+        if self.action == "wait":
             self.reached.set()
             self.proceed.wait(WAIT)
+        elif self.action == "fail" or self.failures == 0:
+            self.failures += 1
+            raise Planned(f"n{stage} at its {phase}")
 
 
 def cpu_stage(*parents: np.ndarray, i: int, op: str, k: float, c: float, gate: Gate) -> np.ndarray:
@@ -159,7 +170,9 @@ def build(dag: Dag, gate: Gate) -> hetero.Graph:
     for i, s in enumerate(dag.stages):
         fn = cpu_stage if s.kind == "cpu" else gpu_stage
         add = g.cpu if s.kind == "cpu" else g.gpu
-        refs[i] = add(fn, *(refs[p] for p in s.parents), name=f"n{i}", i=i, op=s.op, k=s.k, c=s.c, gate=gate)
+        retries = 1 if gate.action == "fail-once" and gate.stage == i else 0
+        refs[i] = add(fn, *(refs[p] for p in s.parents), name=f"n{i}", retries=retries, i=i, op=s.op, k=s.k, c=s.c,
+                      gate=gate)
     g.output(*(refs[o] for o in dag.outputs))
     return g
 
@@ -282,3 +295,25 @@ async def test_random_cancellation_of_runs_waiting_for_memory(tight_rt: hetero.R
     assert n == batch or scope.cancelled_caught
     check(dag, await tight_rt.run(g, **items[0]), items[0])  # nothing was left parked or stuck
     assert_memory_back(tight_rt)
+
+
+@settings(PROPERTY, max_examples=25)
+@given(dag=dags(max_stages=5), data=st.data())
+async def test_random_failures_and_retries(prop_rt: hetero.Runtime, dag: Dag, data: st.DataObject) -> None:
+    """One stage fails at the start or the end of its function (a GPU stage after recording its
+    work into an encoder other stages share): the run raises naming it, with memory back; a stage
+    that fails once and is retried gives the right result."""
+    gate = Gate(data.draw(st.integers(0, len(dag.stages) - 1), label="stage"),
+                data.draw(st.sampled_from(["start", "end"]), label="phase"),
+                data.draw(st.sampled_from(["fail", "fail-once"]), label="action"))
+    g, given = build(dag, gate), inputs(dag.size)
+    if gate.action == "fail":
+        with pytest.raises(hetero.StageError) as e:
+            await prop_rt.run(g, **given)
+        assert e.value.stage == f"n{gate.stage}" and isinstance(e.value.__cause__, Planned)
+    else:
+        check(dag, await prop_rt.run(g, **given), given)
+        assert gate.failures == 1
+    assert_memory_back(prop_rt)
+    gate.stage = None
+    check(dag, await prop_rt.run(g, **given), given)  # the runtime (and a shared encoder) goes on
