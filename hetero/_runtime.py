@@ -325,6 +325,7 @@ class Runtime:
                 r.stop()
             for r in runs:
                 await r.settled()
+                r.forget_values()
 
     async def _map_unordered(self, graph: Graph, inputs: Iterable[Mapping[str, Any]],
                              max_in_flight: int) -> AsyncGenerator[Any, None]:

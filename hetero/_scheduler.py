@@ -42,7 +42,9 @@ State
 Per run (:class:`Run`): host values, device values, remaining-dependency counts,
 the number of unfinished stages, start times of timed stages, held device blocks
 (GPU values and shared uploads), and the first error. Counts are changed under the
-run's lock; the plan is shared, read-only.
+run's lock; the plan is shared, read-only. Once the run's caller has its outputs (or
+its error, or was cancelled) the run forgets its values: stages of it that complete
+later store nothing, and the Run kept for ``Runtime.stats()`` holds only timings.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ log = logging.getLogger("hetero")
 # A stage dispatching more workgroups than this is submitted on its own rather than
 # coalesced with its neighbours: its GPU time dwarfs the cost of a submission.
 LARGE_STAGE_WORKGROUPS = 1 << 14
+_KEEP: Any = object()  # Run.set_value: leave the device-side value as it is
+
 # How long a stopped (failed or cancelled) run waits for its GPU stages being recorded
 # before returning anyway (a stage function that never returns must not hang the caller).
 _CLEANUP_WAIT = 5.0
@@ -179,6 +183,7 @@ class Run:
         self.recording = 0  # GPU stages of this run being recorded right now
         self.tl = Timeline(n)
         self.cleaned = False
+        self.forgotten = False  # the caller has what it needs: values are no longer stored
         self._event: anyio.Event | None = None
         self._call: Callable[[Callable[[], Any]], None] | None = None
         self.on_wake: Callable[[], None] | None = None  # also called on the loop whenever the run wakes its waiter
@@ -218,9 +223,11 @@ class Run:
             if not self.stopped:  # cancelled by the caller
                 self.stop()
             await self.settled()
+            outputs = self.outputs() if self.error is None else None
+            self.forget_values()
         if self.error is not None:
             raise self.error
-        return self.outputs()
+        return outputs
 
     def check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
@@ -246,6 +253,36 @@ class Run:
         if not self.cleaned:
             log.warning("run %d of %r: a GPU stage is still being recorded %g s after the run stopped; "
                         "returning with its device memory in use", self.seq, self.plan.name, _CLEANUP_WAIT)
+
+    def forget_values(self) -> None:
+        """The run is over for its caller: drop every value it computed.
+
+        The Run outlives its return (``Runtime.stats()`` describes the last one), and its
+        values would keep large intermediates, and downloads on staging memory, alive.
+        A stage of a stopped run that completes later stores nothing.
+        """
+        n = len(self.plan.stages)
+        with self.lock:
+            self.forgotten = True
+            self.values, self.dev_values, self.uploaded = [None] * n, [None] * n, {}
+
+    def set_value(self, i: int, *, host: Any = _KEEP, dev: Any = _KEEP) -> None:
+        """Store stage ``i``'s value: on the host side (what CPU stages and the caller see)
+        and what GPU stages see, unless the run's caller is gone."""
+        with self.lock:
+            if not self.forgotten:
+                if host is not _KEEP:
+                    self.values[i] = host
+                if dev is not _KEEP:
+                    self.dev_values[i] = dev
+
+    def stage_args(self, st: StagePlan) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A CPU stage's arguments; None once the run's caller is gone."""
+        with self.lock:
+            if self.forgotten:
+                return None
+            values = self.values
+        return self.args_for(st, values)
 
     def _check_timeouts(self) -> float:
         """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
@@ -479,8 +516,8 @@ class Scheduler:
     def run_cpu(self, run: Run, i: int) -> None:
         """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready."""
         stages = run.plan.stages
-        values = run.values
         tl = run.tl
+        value: Any = None
         while True:
             if run.stopped:
                 return
@@ -495,8 +532,12 @@ class Scheduler:
             while True:
                 attempt += 1
                 try:
-                    args, kwargs = run.args_for(st, values)
-                    value = st.fn(*args, **kwargs)
+                    # Locals here outlive a failure (in the traceback of the error the caller
+                    # gets): they hold the stage's own arguments, never the run's other values.
+                    got = run.stage_args(st)
+                    if got is None:
+                        return  # stopped, and its caller is gone
+                    value = st.fn(*got[0], **got[1])
                     break
                 except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
                     if not _retry(run, st, e, attempt):
@@ -504,13 +545,14 @@ class Scheduler:
                             run.timed_started.pop(i, None)
                         run.fail(st, e, attempt)
                         return
+            got = None
             tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
             if self.tracer is not None:
                 self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args={"run": run.seq})
             if not st.simple and not run.end_timed(st):
                 return
-            values[i] = value
-            run.dev_values[i] = value
+            run.set_value(i, host=value, dev=value)
+            value = None
             ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
             ready_cpu = run.release(st.cpu_consumers) if st.cpu_consumers else []
             if ready:
@@ -713,14 +755,16 @@ class Scheduler:
             run.drop_hold(d)
         for d in run.plan.shared_reads.get(i, ()) if share else ():
             run.drop_hold(d)
-        run.dev_values[i] = result
+        if st.fence:
+            run.set_value(i, dev=result)  # the host side arrives with the download
+        else:
+            run.set_value(i, host=result, dev=result)
         run.drop_hold(i)  # the recording hold: from here only consumers and the download keep it
         if st.gpu_consumers:
             ready = run.release(st.gpu_consumers)
             if ready:
                 self.dispatch(run, ready)
         if not st.fence:
-            run.values[i] = result
             if not st.simple and not run.end_timed(st):
                 return
             run.stage_done()
@@ -761,7 +805,7 @@ class Scheduler:
                     tracer.span("download", "transfer", t0, time.perf_counter_ns(),
                                 args={"bytes": sum(t.nbytes for _, t in ctx.downloads)})
                     tracer.counter("gpu memory", None, {"in_use": stats.in_use_bytes, "pooled": stats.pooled_bytes})
-                run.values[st.index] = map_values(result, lambda t: host.get(id(t), t), Tensor) if host else result
+                run.set_value(st.index, host=map_values(result, lambda t: host.get(id(t), t), Tensor) if host else result)
             except BaseException as e:  # noqa: BLE001
                 run.fail(st, e)
                 return

@@ -584,3 +584,76 @@ async def test_cancelled_run_stops_waiting_for_a_stage_that_never_lets_go(
     with anyio.fail_after(WAIT):
         while shared_rt.memory_stats().in_use_bytes:
             await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("end", ["done", "failed", "cancelled"])
+async def test_a_returned_run_keeps_no_intermediate_values(rt: hetero.Runtime, end: str) -> None:
+    """
+    ::
+
+        x -> big (cpu) -> small (cpu) -> last (cpu: fails or waits when asked)
+
+    Once the run returned, however it ended, the runtime holds none of its values (``stats()``
+    of the last run included): a large intermediate is freed when its consumers are done.
+    """
+    import weakref
+
+    refs: list[weakref.ref[np.ndarray]] = []
+    started, release = threading.Event(), threading.Event()
+
+    def big(x: int) -> np.ndarray:
+        a = np.full(1 << 16, x, np.float32)
+        refs.append(weakref.ref(a))
+        return a
+
+    def last(v: float) -> float:
+        started.set()
+        if end == "failed":
+            raise ValueError("planned failure")
+        if end == "cancelled":
+            release.wait(WAIT)
+        return v
+
+    g = hetero.Graph("drop")
+    small = g.cpu(lambda a: float(a[0]), g.cpu(big, g.input("x"), name="big"), name="small")
+    g.output(g.cpu(last, small, name="last"))
+    if end == "done":
+        assert await rt.run(g, x=3) == 3.0
+    elif end == "failed":
+        with pytest.raises(StageError, match="'last' failed"):
+            await rt.run(g, x=3)
+    else:
+        with anyio.move_on_after(WAIT) as scope:
+            async with anyio.create_task_group() as tg:
+                async def cancel_when_started() -> None:
+                    await anyio.to_thread.run_sync(started.wait, WAIT)
+                    scope.cancel()
+                    release.set()
+
+                tg.start_soon(cancel_when_started)
+                await rt.run(g, x=3)
+        assert scope.cancelled_caught
+    assert len(refs) == 1 and refs[0]() is None
+    assert rt.stats().stages[0].name == "big"  # what stats() reports is kept
+
+
+async def test_a_returned_run_keeps_no_download_on_staging_memory(shared_rt: hetero.Runtime) -> None:
+    """
+    ::
+
+        x -> first (gpu, 1 MiB) -> head (cpu: reads it as a view of mapped staging memory)
+
+    The view is the run's value only: once the run returned, its staging buffer is back in the ring.
+    """
+    def add_one(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        out = gpu.empty(t.shape)
+        groups = (t.size + 63) // 64
+        gpu.dispatch(ADD_ONE, groups, t, out)
+        return out
+
+    g = hetero.Graph("staged")
+    g.output(g.cpu(lambda a: float(a[-1]), g.gpu(add_one, g.input("x"), name="first"), name="head"))
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: CPU stages read it without a copy
+    assert await shared_rt.run(g, x=x) == float(x[-1] + 1)
+    ring = shared_rt.device().ring.stats()
+    assert ring["zero_copy_bytes"] == 0 and ring["in_use_bytes"] == 0
