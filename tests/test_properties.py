@@ -37,6 +37,7 @@ from hetero import Tensor
 pytestmark = pytest.mark.anyio
 
 WAIT = 10.0  # bound for what should happen at once (never hit when passing)
+OVERRUN = 0.2  # seconds a stage pauses to overrun its timeout (a quarter of this)
 SIZES = (0, 1, 3, 63, 64, 65, 257)
 
 AFFINE = """
@@ -114,8 +115,9 @@ class Planned(Exception):
 
 class Gate:
     """What happens when stage ``stage`` reaches ``phase`` ("start" or "end") of its function:
-    ``"wait"`` until the canceller cancelled the run, ``"fail"`` every time, or ``"fail-once"``
-    (the stage is declared with a retry). With no stage nothing happens."""
+    ``"wait"`` until the canceller cancelled the run, ``"fail"`` every time, ``"fail-once"``
+    (the stage is declared with a retry), or ``"overrun"`` its timeout (declared shorter than
+    the pause). With no stage nothing happens."""
 
     def __init__(self, stage: int | None = None, phase: str = "start", action: str = "wait") -> None:
         self.stage, self.phase, self.action = stage, phase, action
@@ -128,6 +130,8 @@ class Gate:
         if self.action == "wait":
             self.reached.set()
             self.proceed.wait(WAIT)
+        elif self.action == "overrun":
+            self.proceed.wait(OVERRUN)
         elif self.action == "fail" or self.failures == 0:
             self.failures += 1
             raise Planned(f"n{stage} at its {phase}")
@@ -171,8 +175,9 @@ def build(dag: Dag, gate: Gate) -> hetero.Graph:
         fn = cpu_stage if s.kind == "cpu" else gpu_stage
         add = g.cpu if s.kind == "cpu" else g.gpu
         retries = 1 if gate.action == "fail-once" and gate.stage == i else 0
-        refs[i] = add(fn, *(refs[p] for p in s.parents), name=f"n{i}", retries=retries, i=i, op=s.op, k=s.k, c=s.c,
-                      gate=gate)
+        timeout = OVERRUN / 4 if gate.action == "overrun" and gate.stage == i else None
+        refs[i] = add(fn, *(refs[p] for p in s.parents), name=f"n{i}", retries=retries, timeout=timeout, i=i, op=s.op,
+                      k=s.k, c=s.c, gate=gate)
     g.output(*(refs[o] for o in dag.outputs))
     return g
 
@@ -297,23 +302,32 @@ async def test_random_cancellation_of_runs_waiting_for_memory(tight_rt: hetero.R
     assert_memory_back(tight_rt)
 
 
+@st.composite
+def faults(draw: st.DrawFn) -> tuple[Dag, Gate]:
+    """A DAG and the fault of one of its stages. (Drawn up front: a draw inside an async test
+    that runs out of data raises into anyio's runner task, which logs it as never retrieved.)"""
+    dag = draw(dags(max_stages=5))
+    return dag, Gate(draw(st.integers(0, len(dag.stages) - 1)), draw(st.sampled_from(["start", "end"])),
+                     draw(st.sampled_from(["fail", "fail-once", "overrun"])))
+
+
 @settings(PROPERTY, max_examples=25)
-@given(dag=dags(max_stages=5), data=st.data())
-async def test_random_failures_and_retries(prop_rt: hetero.Runtime, dag: Dag, data: st.DataObject) -> None:
+@given(case=faults())
+async def test_random_failures_and_retries(prop_rt: hetero.Runtime, case: tuple[Dag, Gate]) -> None:
     """One stage fails at the start or the end of its function (a GPU stage after recording its
-    work into an encoder other stages share): the run raises naming it, with memory back; a stage
-    that fails once and is retried gives the right result."""
-    gate = Gate(data.draw(st.integers(0, len(dag.stages) - 1), label="stage"),
-                data.draw(st.sampled_from(["start", "end"]), label="phase"),
-                data.draw(st.sampled_from(["fail", "fail-once"]), label="action"))
+    work into an encoder other stages share), or overruns its timeout: the run raises naming it,
+    with memory back; a stage that fails once and is retried gives the right result."""
+    dag, gate = case
     g, given = build(dag, gate), inputs(dag.size)
-    if gate.action == "fail":
+    if gate.action != "fail-once":
         with pytest.raises(hetero.StageError) as e:
             await prop_rt.run(g, **given)
-        assert e.value.stage == f"n{gate.stage}" and isinstance(e.value.__cause__, Planned)
+        assert e.value.stage == f"n{gate.stage}"
+        assert isinstance(e.value.__cause__, Planned if gate.action == "fail" else TimeoutError)
     else:
         check(dag, await prop_rt.run(g, **given), given)
         assert gate.failures == 1
     assert_memory_back(prop_rt)
     gate.stage = None
+    gate.proceed.set()  # an overrunning stage of the failed run may still be pausing
     check(dag, await prop_rt.run(g, **given), given)  # the runtime (and a shared encoder) goes on
