@@ -685,6 +685,7 @@ class Scheduler:
                         result, tl.capture[i] = run_captured(ctx, st.fn, args, kwargs, dev.captures)
                     else:
                         result = st.fn(ctx, *args, **kwargs)
+                    _check_returned(result, dev.pool)
                     if st.download:
                         # What only CPU stages read is a view of staging memory for the run.
                         zero_copy = self._output_zero_copy if i in run.plan.output_stages else True
@@ -930,6 +931,24 @@ def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int]
         return map_values(v, ctx.upload, np.ndarray)
 
     return tuple(one(a) for a in st.args), {k: one(a) for k, a in st.kwargs}
+
+
+def _check_returned(result: Any, pool: Any) -> None:
+    """Refuse tensors a GPU stage returns whose memory is not live in this device's pool.
+
+    Holding such a block (kept by the stage from an earlier run, or made by another
+    Runtime) would corrupt the pool's counts, and a download from a buffer destroyed
+    since would abort the process at submission.
+    """
+    for b in _blocks_of(result):
+        if b.pool is not pool:
+            raise ValueError("the stage returned a Tensor of another Runtime's device; "
+                             "return tensors made in this stage or passed to it")
+        if b.refcount <= 0:
+            raise ValueError(f"the stage returned a Tensor whose memory ({b.nbytes} bytes) was already "
+                             "given back to the pool, e.g. one kept from an earlier run; return tensors "
+                             "made in this stage or passed to it, and make tensors that outlive a run "
+                             "with gpu.resident()")
 
 
 def _blocks_of(value: Any) -> list[Any]:

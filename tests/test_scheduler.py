@@ -658,3 +658,37 @@ async def test_a_returned_run_keeps_no_download_on_staging_memory(shared_rt: het
     before = ring.stats()["zero_copy_bytes"]  # arrays other tests may still hold
     assert await shared_rt.run(g, x=x) == float(x[-1] + 1)
     assert ring.stats()["zero_copy_bytes"] <= before
+
+
+async def test_gpu_stage_returning_a_tensor_it_kept_from_an_earlier_run(shared_rt: hetero.Runtime,
+                                                                        rt: hetero.Runtime) -> None:
+    """A tensor kept across runs (its memory went back to the pool) or made by another Runtime
+    is refused naming the stage; the recording thread survives and the pool's counts stay right."""
+    kept: dict[str, hetero.Tensor] = {}
+
+    def keep(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        if "t" not in kept:
+            kept["t"] = gpu.empty(t.shape)
+            gpu.dispatch(ADD_ONE, (t.size + 63) // 64, t, kept["t"])
+        return kept["t"]
+
+    g = hetero.Graph("keep")
+    g.output(g.gpu(keep, g.input("x"), name="keep"))
+    x = np.ones(4, np.float32)
+    with anyio.fail_after(WAIT):
+        np.testing.assert_array_equal(await shared_rt.run(g, x=x), x + 1)
+        with pytest.raises(StageError) as e:
+            await shared_rt.run(g, x=x)
+        assert str(e.value) == (
+            "gpu stage 'keep' failed: ValueError: the stage returned a Tensor whose memory (16 bytes) was "
+            "already given back to the pool, e.g. one kept from an earlier run; return tensors made in this "
+            "stage or passed to it, and make tensors that outlive a run with gpu.resident()")
+        assert shared_rt.memory_stats().in_use_bytes == 0
+        with pytest.raises(StageError, match="'keep' failed: ValueError: the stage returned a Tensor of "
+                                             "another Runtime's device"):
+            await rt.run(g, x=x)
+        assert rt.memory_stats().in_use_bytes == 0
+        kept.clear()
+        for r in (shared_rt, rt):  # both recording threads still work
+            np.testing.assert_array_equal(await r.run(g, x=x), x + 1)
+            kept.clear()
