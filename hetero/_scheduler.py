@@ -135,7 +135,10 @@ class WorkerPool:
                     cv.wait()
                 job = heapq.heappop(heap)[2]
                 self._busy += 1
-            job()  # jobs catch their own errors
+            try:
+                job()  # jobs catch their own errors
+            except BaseException:  # pragma: no cover - a defect: keep the thread serving the queue
+                log.exception("%s: a job failed", self.name)
             with cv:
                 self._busy -= 1
                 idle = not self._busy and not heap
@@ -651,8 +654,12 @@ class Scheduler:
             if run.stopped:
                 return
             run.recording += 1
+        st = run.plan.stages[i]
         try:
-            self._record_gpu(run, run.plan.stages[i])
+            self._record_gpu(run, st)
+        except BaseException as e:  # noqa: BLE001 - a defect here must fail the run, not end the thread
+            log.exception("recording GPU stage %r failed outside the stage function", st.name)
+            run.fail(st, e)
         finally:
             run.recording_done()
 

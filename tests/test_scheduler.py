@@ -692,3 +692,34 @@ async def test_gpu_stage_returning_a_tensor_it_kept_from_an_earlier_run(shared_r
         for r in (shared_rt, rt):  # both recording threads still work
             np.testing.assert_array_equal(await r.run(g, x=x), x + 1)
             kept.clear()
+
+
+async def test_a_defect_outside_the_stage_function_fails_the_run_not_the_thread(
+        rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A fault injected into the scheduler's own bookkeeping while a GPU stage is recorded fails
+    that run naming the stage, and is logged; the recording thread goes on serving later runs."""
+    from hetero._scheduler import Run
+
+    hold = Run.hold
+    faults = [RuntimeError("injected fault")]
+
+    def faulty_hold(self: Run, i: int, blocks: list) -> bool:
+        if faults:
+            raise faults.pop()
+        return hold(self, i, blocks)
+
+    monkeypatch.setattr(Run, "hold", faulty_hold)
+
+    def add_one(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
+        out = gpu.empty(t.shape)
+        gpu.dispatch(ADD_ONE, (t.size + 63) // 64, t, out)
+        return out
+
+    g = hetero.Graph("fault")
+    g.output(g.gpu(add_one, g.input("x"), name="add_one"))
+    x = np.zeros(8, np.float32)
+    with anyio.fail_after(WAIT):
+        with pytest.raises(StageError, match="^gpu stage 'add_one' failed: RuntimeError: injected fault$"):
+            await rt.run(g, x=x)
+        assert "recording GPU stage 'add_one' failed outside the stage function" in caplog.text
+        np.testing.assert_array_equal(await rt.run(g, x=x), x + 1)
