@@ -739,7 +739,11 @@ class Scheduler:
             def on_done() -> None:
                 tl.completed[i] = time.perf_counter_ns()
                 if st.fence or uploads:
-                    self._gpu_completed(run, st, result, ctx, uploads)
+                    try:
+                        self._gpu_completed(run, st, result, ctx, uploads)
+                    except BaseException as e:  # noqa: BLE001 - the run fails rather than never ending
+                        log.exception("completing GPU stage %r failed", st.name)
+                        run.fail(st, e)
 
             def on_submit(t_ns: int) -> None:
                 tl.submitted[i] = t_ns

@@ -723,3 +723,26 @@ async def test_a_defect_outside_the_stage_function_fails_the_run_not_the_thread(
             await rt.run(g, x=x)
         assert "recording GPU stage 'add_one' failed outside the stage function" in caplog.text
         np.testing.assert_array_equal(await rt.run(g, x=x), x + 1)
+
+
+async def test_a_defect_completing_a_gpu_stage_fails_the_run(rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault injected where the fence thread completes a GPU stage fails the run naming the
+    stage instead of leaving it waiting forever; later runs complete."""
+    from hetero._scheduler import Scheduler
+
+    completed = Scheduler._gpu_completed
+    faults = [RuntimeError("injected fault")]
+
+    def faulty(self: Scheduler, *args: object) -> None:
+        if faults:
+            raise faults.pop()
+        completed(self, *args)
+
+    monkeypatch.setattr(Scheduler, "_gpu_completed", faulty)
+    g = hetero.Graph("fault-done")
+    g.output(g.gpu(lambda gpu, t: hetero.ops.add(gpu, t, t), g.input("x"), name="double"))
+    x = np.ones(8, np.float32)
+    with anyio.fail_after(WAIT):
+        with pytest.raises(StageError, match="^gpu stage 'double' failed: RuntimeError: injected fault$"):
+            await rt.run(g, x=x)
+        np.testing.assert_array_equal(await rt.run(g, x=x), 2 * x)
