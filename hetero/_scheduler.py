@@ -521,53 +521,57 @@ class Scheduler:
         stages = run.plan.stages
         tl = run.tl
         value: Any = None
-        while True:
-            if run.stopped:
-                return
-            st = stages[i]
-            if st.process:
-                self.run_process(run, i)
-                return
-            attempt = 0
-            tl.started[i] = time.perf_counter_ns()
-            if not st.simple:
-                run.begin_timed(st)
+        try:
             while True:
-                attempt += 1
-                try:
-                    # Locals here outlive a failure (in the traceback of the error the caller
-                    # gets): they hold the stage's own arguments, never the run's other values.
-                    got = run.stage_args(st)
-                    if got is None:
-                        return  # stopped, and its caller is gone
-                    value = st.fn(*got[0], **got[1])
-                    break
-                except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
-                    if not _retry(run, st, e, attempt):
-                        if not st.simple:
-                            run.timed_started.pop(i, None)
-                        run.fail(st, e, attempt)
-                        return
-            got = None
-            tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
-            if self.tracer is not None:
-                self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args={"run": run.seq})
-            if not st.simple and not run.end_timed(st):
-                return
-            run.set_value(i, host=value, dev=value)
-            value = None
-            ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
-            ready_cpu = run.release(st.cpu_consumers) if st.cpu_consumers else []
-            if ready:
-                self.dispatch(run, ready)
-            run.stage_done()
-            if not ready_cpu:
-                return
-            # Consumers come sorted by priority: continue with the first on this thread.
-            i = ready_cpu[0]
-            tl.queued[i] = tl.completed[st.index]
-            if len(ready_cpu) > 1:
-                self.dispatch(run, ready_cpu[1:])
+                if run.stopped:
+                    return
+                st = stages[i]
+                if st.process:
+                    self.run_process(run, i)
+                    return
+                attempt = 0
+                tl.started[i] = time.perf_counter_ns()
+                if not st.simple:
+                    run.begin_timed(st)
+                while True:
+                    attempt += 1
+                    try:
+                        # Locals here outlive a failure (in the traceback of the error the caller
+                        # gets): they hold the stage's own arguments, never the run's other values.
+                        got = run.stage_args(st)
+                        if got is None:
+                            return  # stopped, and its caller is gone
+                        value = st.fn(*got[0], **got[1])
+                        break
+                    except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
+                        if not _retry(run, st, e, attempt):
+                            if not st.simple:
+                                run.timed_started.pop(i, None)
+                            run.fail(st, e, attempt)
+                            return
+                got = None
+                tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
+                if self.tracer is not None:
+                    self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args={"run": run.seq})
+                if not st.simple and not run.end_timed(st):
+                    return
+                run.set_value(i, host=value, dev=value)
+                value = None
+                ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
+                ready_cpu = run.release(st.cpu_consumers) if st.cpu_consumers else []
+                if ready:
+                    self.dispatch(run, ready)
+                run.stage_done()
+                if not ready_cpu:
+                    return
+                # Consumers come sorted by priority: continue with the first on this thread.
+                i = ready_cpu[0]
+                tl.queued[i] = tl.completed[st.index]
+                if len(ready_cpu) > 1:
+                    self.dispatch(run, ready_cpu[1:])
+        except BaseException as e:  # noqa: BLE001 - a defect here must fail the run, not hang it
+            log.exception("running CPU stage %r failed outside the stage function", stages[i].name)
+            run.fail(stages[i], e)
 
     # -- process stages -------------------------------------------------------------
     def procs(self) -> ProcessPool:
@@ -593,8 +597,10 @@ class Scheduler:
 
         pool = self.procs()
         try:
-            args, kwargs = run.args_for(st, run.values)
-            job = pool.job((run.seq, -st.priority), st.fn, args, kwargs, done)
+            got = run.stage_args(st)
+            if got is None:
+                return  # stopped, and its caller is gone
+            job = pool.job((run.seq, -st.priority), st.fn, got[0], got[1], done)
             # Known to the run before it can complete (or the run stop and cancel it).
             with run.lock:
                 stopped = run.stopped
@@ -638,8 +644,7 @@ class Scheduler:
         tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
         if not st.simple and not run.end_timed(st):
             return
-        run.values[i] = value
-        run.dev_values[i] = value
+        run.set_value(i, host=value, dev=value)
         ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
         if st.cpu_consumers:
             ready += run.release(st.cpu_consumers)

@@ -746,3 +746,25 @@ async def test_a_defect_completing_a_gpu_stage_fails_the_run(rt: hetero.Runtime,
         with pytest.raises(StageError, match="^gpu stage 'double' failed: RuntimeError: injected fault$"):
             await rt.run(g, x=x)
         np.testing.assert_array_equal(await rt.run(g, x=x), 2 * x)
+
+
+async def test_a_defect_after_a_cpu_stage_fails_the_run(rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault injected into the bookkeeping after a CPU stage returned fails the run naming the
+    stage instead of leaving it waiting forever; later runs complete."""
+    from hetero._scheduler import Run
+
+    set_value = Run.set_value
+    faults = [RuntimeError("injected fault")]
+
+    def faulty(self: Run, i: int, **kw: object) -> None:
+        if faults:
+            raise faults.pop()
+        set_value(self, i, **kw)
+
+    monkeypatch.setattr(Run, "set_value", faulty)
+    g = hetero.Graph("fault-cpu")
+    g.output(g.cpu(operator.neg, g.cpu(operator.add, g.input("x"), 1, name="inc"), name="neg"))
+    with anyio.fail_after(WAIT):
+        with pytest.raises(StageError, match="^cpu stage 'inc' failed: RuntimeError: injected fault$"):
+            await rt.run(g, x=1)
+        assert await rt.run(g, x=1) == -2
