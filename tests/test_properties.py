@@ -11,7 +11,8 @@ one size, empty and odd sizes included). A stage reads one to three earlier valu
 
 Values stay small integers, so float32 results are exact whatever the order of
 additions, and the graph's outputs must equal a plain sequential numpy evaluation.
-The DAGs run one at a time and several in flight (``rt.map``), with one recording
+The DAGs run one at a time and several in flight (``rt.map``), their GPU stages recorded
+or captured and replayed, with one recording
 thread (a shared encoder) and with two (an encoder per stage), under a budget tight
 enough that runs park for memory, and cancelled inside a chosen stage or after a
 random delay: whenever a run or a map returns, the pool has every block back.
@@ -21,6 +22,7 @@ lavapipe on a loaded 2-core machine runs the whole file in seconds.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -168,12 +170,16 @@ def gpu_stage(gpu: hetero.GPUContext, *parents: Tensor, i: int, op: str, k: floa
     return out
 
 
-def build(dag: Dag, gate: Gate) -> hetero.Graph:
+NO_GATE = Gate()  # shared, so that captured stages of equal signatures replay across examples
+
+
+def build(dag: Dag, gate: Gate, capture: bool = False) -> hetero.Graph:
+    """The DAG as a graph; ``capture``: its GPU stages are captured and replayed (``capture=True``)."""
     g = hetero.Graph("prop")
     refs: dict[str | int, Any] = {"x": g.input("x"), "y": g.input("y")}
     for i, s in enumerate(dag.stages):
         fn = cpu_stage if s.kind == "cpu" else gpu_stage
-        add = g.cpu if s.kind == "cpu" else g.gpu
+        add = g.cpu if s.kind == "cpu" else functools.partial(g.gpu, capture=capture)
         retries = 1 if gate.action == "fail-once" and gate.stage == i else 0
         timeout = OVERRUN / 4 if gate.action == "overrun" and gate.stage == i else None
         refs[i] = add(fn, *(refs[p] for p in s.parents), name=f"n{i}", retries=retries, timeout=timeout, i=i, op=s.op,
@@ -206,19 +212,25 @@ def prop_rt(request: pytest.FixtureRequest) -> Iterator[hetero.Runtime]:
 
 
 @PROPERTY
-@given(dag=dags())
-async def test_random_dags_match_numpy(prop_rt: hetero.Runtime, dag: Dag) -> None:
+@given(dag=dags(), capture=st.booleans())
+async def test_random_dags_match_numpy(prop_rt: hetero.Runtime, dag: Dag, capture: bool) -> None:
     given = inputs(dag.size)
-    check(dag, await prop_rt.run(build(dag, Gate()), **given), given)
+    g = build(dag, NO_GATE, capture)
+    check(dag, await prop_rt.run(g, **given), given)
     assert_memory_back(prop_rt)
+    if capture:  # the second run replays what the first captured
+        check(dag, await prop_rt.run(g, **given), given)
+        assert_memory_back(prop_rt)
+        stats = prop_rt.stats()
+        assert all(stats.stage(f"n{i}").capture == "replayed" for i, s in enumerate(dag.stages) if s.kind == "gpu")
 
 
 @settings(PROPERTY, max_examples=10)
-@given(dag=dags(max_stages=5), batch=st.integers(2, 5), in_flight=st.integers(1, 3))
+@given(dag=dags(max_stages=5), batch=st.integers(2, 5), in_flight=st.integers(1, 3), capture=st.booleans())
 async def test_random_dags_over_map_match_numpy(prop_rt: hetero.Runtime, dag: Dag, batch: int,
-                                                in_flight: int) -> None:
-    """Several runs of one DAG in flight at once (one plan, interleaved stages)."""
-    g = build(dag, Gate())
+                                                in_flight: int, capture: bool) -> None:
+    """Several runs of one DAG in flight at once (one plan, interleaved stages, captured or not)."""
+    g = build(dag, NO_GATE, capture)
     items = [{k: v + j for k, v in inputs(dag.size).items()} for j in range(batch)]
     n = 0
     async for got in prop_rt.map(g, items, max_in_flight=in_flight):
