@@ -12,10 +12,10 @@ one size, empty and odd sizes included). A stage reads one to three earlier valu
 Values stay small integers, so float32 results are exact whatever the order of
 additions, and the graph's outputs must equal a plain sequential numpy evaluation.
 The DAGs run one at a time and several in flight (``rt.map``), their GPU stages recorded
-or captured and replayed, with one recording
-thread (a shared encoder) and with two (an encoder per stage), under a budget tight
-enough that runs park for memory, and cancelled inside a chosen stage or after a
-random delay: whenever a run or a map returns, the pool has every block back.
+or captured and replayed, with one recording thread (a shared encoder) and with two (an
+encoder per stage), under a budget tight enough that runs park for memory; they fail,
+retry or overrun a timeout in a chosen stage, and are cancelled inside a chosen stage or
+after a random delay: whenever a run or a map returns, the pool has every block back.
 Examples are derandomized (the same ones every run, no example database) and few:
 lavapipe on a loaded 2-core machine runs the whole file in seconds.
 """
