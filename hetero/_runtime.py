@@ -367,6 +367,7 @@ class Runtime:
                 r.stop()
             for r in pending:
                 await r.settled()
+                r.forget_values()
 
 
 class MapResults:
