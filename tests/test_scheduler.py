@@ -486,7 +486,8 @@ def _set() -> threading.Event:
     return e
 
 
-async def test_map_failure_returns_the_memory_of_the_runs_behind_it(shared_rt: hetero.Runtime) -> None:
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_map_failure_returns_the_memory_of_the_runs_behind_it(shared_rt: hetero.Runtime, ordered: bool) -> None:
     """
     ::
 
@@ -527,7 +528,8 @@ async def test_map_failure_returns_the_memory_of_the_runs_behind_it(shared_rt: h
         async with anyio.create_task_group() as tg:
             tg.start_soon(release_later)
             with pytest.raises(StageError, match="'gate' failed: ValueError: planned failure"):
-                async for _ in shared_rt.map(g, [{"x": xs, "mode": m} for m in (1, 2, 0, 0)], max_in_flight=3):
+                async for _ in shared_rt.map(g, [{"x": xs, "mode": m} for m in (1, 2, 0, 0)], max_in_flight=3,
+                                             ordered=ordered):
                     pass
             s = shared_rt.memory_stats()
             assert (s.in_use_bytes, s.blocks_in_use) == (0, 0)
