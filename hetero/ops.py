@@ -23,10 +23,16 @@ optional additive mask), :func:`layernorm` (optionally fused with a residual add
 :func:`transpose`, :func:`embedding` (row gather), :func:`attention` (scaled dot-product
 attention with a padding mask) and :func:`attention_packed` (the same over one fused Q/K/V
 projection).
+
+CPU implementations (:mod:`hetero.kernels.cpu`): ``hetero.ops.cpu.matmul(a, b)`` and the
+same names for every op above but the INT8 ones, without ``gpu``, in numpy with the GPU
+kernels' numerics. A stage with both implementations pairs them:
+``g.stage(x, cpu=lambda x: ops.cpu.gelu(x), gpu=lambda gpu, x: ops.gelu(gpu, x), name="gelu")``.
 """
 
 from __future__ import annotations
 
+from hetero.kernels import cpu
 from hetero.kernels.matmul import matmul
 from hetero.kernels.matmul_int8 import matmul_int8, quantize_weight
 from hetero.kernels.nn import (add, add_bias, attention, attention_packed, embedding, erf, gelu, layernorm, softmax,
@@ -40,6 +46,7 @@ __all__ = [
     "argmin",
     "attention",
     "attention_packed",
+    "cpu",
     "embedding",
     "erf",
     "gelu",
