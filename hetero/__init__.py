@@ -13,6 +13,7 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _runtime    Runtime: worker pools, the device, the run/map entry points
 #     _scheduler  executes a Plan from the event loop over worker threads
 #     _plan       a Graph validated once: order, consumers, last uses, transfers
+#     _placement  where a stage with CPU and GPU implementations runs: a calibrated performance model
 #     _graph      Graph, Input, Node: declaration only
 #     _process    process stages: the worker-process pool, shared memory for large arrays
 #
@@ -69,6 +70,7 @@ from ._gpu import GPUContext
 from ._graph import Graph, Input, Node
 from ._runtime import MapResults, Runtime, RuntimeOptions, run
 from ._memory import MemoryStats
+from ._placement import PerfModel, Placement
 from ._split import DispatchInfo
 from ._stats import RunStats, StageStats
 from ._tensor import Tensor
@@ -112,6 +114,8 @@ __all__ = [
     "Node",
     "OutOfMemoryError",
     "OverloadedError",
+    "PerfModel",
+    "Placement",
     "RunStats",
     "Runtime",
     "RuntimeClosedError",

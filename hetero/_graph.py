@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Graph", "Input", "Node"]
 
-Kind = Literal["cpu", "gpu"]
+Kind = Literal["cpu", "gpu", "mixed"]  # mixed: a CPU and a GPU implementation, placed per execution
 _NAME = re.compile(r"^[^\s>]+$")  # no blanks and no '>' so that cycles print unambiguously
 
 
@@ -116,6 +116,7 @@ class Node:
     extra_deps: list[Node] = field(default_factory=list)
     kernels: tuple[tuple[str, str], ...] = ()  # (wgsl, entry point) a GPU stage declares, for warmup
     capture: bool = False  # a GPU stage replayed per signature (see hetero._capture)
+    cpu_fn: Callable[..., Any] | None = None  # a mixed stage's CPU implementation (fn is its GPU one)
 
     def after(self, *nodes: Node) -> Node:
         """Order this stage after ``nodes`` without passing their values. Returns self."""
@@ -200,6 +201,35 @@ class Graph:
                              f"got {capture!r}")
         node = self._add("gpu", fn, args, kwargs, name, retries, timeout, after, retry_on=retry_on, backoff=backoff)
         node.kernels = _kernel_specs(node.name, (*getattr(fn, "kernels", ()), *kernels))
+        node.capture = capture
+        return node
+
+    def stage(self, *args: Any, cpu: Callable[..., Any], gpu: Callable[..., Any], name: str | None = None,
+              retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
+              kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False, **kwargs: Any) -> Node:
+        """Declare a stage with two implementations; the runtime places each execution.
+
+        ``cpu(*args, **kwargs)`` runs on the thread pool and receives numpy arrays;
+        ``gpu(gpu_ctx, *args, **kwargs)`` records GPU work, as for :meth:`gpu`. Both must
+        compute the same value. ``Runtime(placement=...)`` decides where each execution
+        runs ("auto": a calibrated performance model, see ``hetero.PerfModel``). ``name``
+        defaults to the CPU function's name; other options as for :meth:`gpu` (``kernels``
+        and ``capture`` concern the GPU implementation).
+        """
+        if not isinstance(capture, bool):
+            raise GraphError(f"stage {name or getattr(cpu, '__name__', '?')!r}: capture must be True or False, "
+                             f"got {capture!r}")
+        if not callable(cpu) or not callable(gpu):
+            bad = cpu if not callable(cpu) else gpu
+            raise GraphError(f"graph {self.name!r}: stage {name or '?'!r} needs callable cpu= and gpu= "
+                             f"implementations, got {bad!r}")
+        if name is None:
+            name = getattr(cpu, "__name__", None) or type(cpu).__name__
+            if name == "<lambda>":
+                raise GraphError(f"graph {self.name!r}: a stage with lambda implementations needs name=")
+        node = self._add("mixed", gpu, args, kwargs, name, retries, timeout, after)
+        node.cpu_fn = cpu
+        node.kernels = _kernel_specs(node.name, (*getattr(gpu, "kernels", ()), *kernels))
         node.capture = capture
         return node
 

@@ -8,7 +8,7 @@ values must come back to the host, and critical-path priorities.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -47,6 +47,10 @@ class StagePlan:
     options: StageOptions  # retries, retry_on, backoff, timeout as declared
     process: bool = False  # CPU stage run in a worker process (hetero._process)
     capture: bool = False  # GPU stage replayed per signature (see hetero._capture)
+    # A stage with a CPU and a GPU implementation: kind "mixed" until placed, then one of
+    # Plan.variants (kind "cpu" or "gpu"). Placed on the GPU it is planned like a GPU stage
+    # (mixed consumers count as GPU consumers; a CPU-placed one downloads what it reads).
+    mixed: bool = False
 
 
 class Plan:
@@ -93,25 +97,35 @@ class Plan:
                         host_readers[v.index] = True
 
         stages: list[StagePlan] = []
+        on_gpu = ("gpu", "mixed")  # a mixed stage may run on the GPU: plan its edges as a GPU stage's
         for node in nodes:
             i = node.index
             cons = sorted(consumers[i], key=lambda c: -priority[c])
-            gpu_c = tuple(c for c in cons if nodes[c].kind == "gpu")
+            gpu_c = tuple(c for c in cons if nodes[c].kind in on_gpu)
             cpu_c = tuple(c for c in cons if nodes[c].kind == "cpu")
-            is_gpu = node.kind == "gpu"
+            is_gpu = node.kind in on_gpu
             stages.append(StagePlan(
                 index=i, name=node.name, kind=node.kind, fn=node.fn,
                 args=tuple(_arg(a) for a in node.args),
                 kwargs=tuple((k, _arg(v)) for k, v in node.kwargs.items()),
                 n_deps=len(deps[i]), gpu_consumers=gpu_c, cpu_consumers=cpu_c,
-                gpu_deps=tuple(sorted(d for d in deps[i] if nodes[d].kind == "gpu")) if is_gpu else (),
+                gpu_deps=tuple(sorted(d for d in deps[i] if nodes[d].kind in on_gpu)) if is_gpu else (),
                 download=is_gpu and (host_readers[i] or i in output_idx),
                 fence=is_gpu and (bool(cpu_c) or i in output_idx),
                 priority=priority[i], retries=node.options.retries, timeout=node.options.timeout,
                 simple=node.options.timeout is None, kernels=node.kernels, process=node.options.process,
                 capture=node.capture,
                 options=node.options,
+                mixed=node.kind == "mixed",
             ))
+        # The two placed forms of each mixed stage: (on the CPU, on the GPU).
+        self.variants: dict[int, tuple[StagePlan, StagePlan]] = {}
+        for node in nodes:
+            if node.kind == "mixed":
+                assert node.cpu_fn is not None
+                sp = stages[node.index]
+                self.variants[node.index] = (replace(sp, kind="cpu", fn=node.cpu_fn, capture=False),
+                                             replace(sp, kind="gpu"))
         # CPU values that several GPU stages read: with one recording thread they are
         # uploaded once per run and shared (see Scheduler._device_args).
         gpu_readers: list[set[int]] = [set() for _ in nodes]
@@ -133,7 +147,7 @@ class Plan:
         self.outputs: tuple[ArgSpec, ...] = tuple(_arg(v) for v in graph.outputs)
         self.single_output = len(graph.outputs) == 1
         self.output_stages: frozenset[int] = frozenset(output_idx)
-        self.has_gpu = any(s.kind == "gpu" for s in stages)
+        self.has_gpu = any(s.kind in on_gpu for s in stages)
         self.has_process = any(s.process for s in stages)
         self.version = graph.version
 

@@ -18,6 +18,7 @@ from ._capture import DEFAULT_CACHE_ENTRIES
 from ._device import Device
 from ._memory import MemoryStats
 from ._graph import Graph
+from ._placement import PLACEMENTS, PerfModel
 from ._scheduler import Run, Scheduler
 from ._stats import RunStats
 from ._trace import Tracer
@@ -44,6 +45,7 @@ class RuntimeOptions:
     cpu_processes: int | None = None
     capture: bool = True
     capture_cache: int = DEFAULT_CACHE_ENTRIES
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -62,6 +64,8 @@ class RuntimeOptions:
         budget = self.memory_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.placement!r}")
         if not _is_number(self.gpu_budget_ms) or not self.gpu_budget_ms > 0:
             raise ValueError(f"gpu_budget_ms must be a positive number of milliseconds, got {self.gpu_budget_ms!r}")
 
@@ -97,6 +101,11 @@ class Runtime:
     ``capture``: replay GPU stages declared with ``g.gpu(..., capture=True)`` (see
     "Captured stages" in the README); False calls every stage function every run.
     ``capture_cache`` bounds the captures kept per device (least recently used go first).
+    ``placement`` places the stages declared with both a CPU and a GPU implementation
+    (``Graph.stage``): ``"auto"`` runs each execution where a calibrated performance
+    model expects it to complete first (see ``hetero.PerfModel``; ``perf_model`` passes
+    one, seeded or shared), ``"cpu"``/``"gpu"`` force one side. ``stats()`` and the trace
+    say where each ran and why.
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
@@ -105,11 +114,14 @@ class Runtime:
                  memory_budget: int | None = None, gpu_budget_ms: float = 100.0,
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
                  adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None,
-                 capture: bool = True, capture_cache: int = DEFAULT_CACHE_ENTRIES) -> None:
+                 capture: bool = True, capture_cache: int = DEFAULT_CACHE_ENTRIES, placement: str = "auto",
+                 perf_model: PerfModel | None = None) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
                                       bool(gpu_timing), bool(zero_copy_outputs), cpu_processes, capture,
-                                      capture_cache)
+                                      capture_cache, placement)
+        if perf_model is not None and not isinstance(perf_model, PerfModel):
+            raise TypeError(f"perf_model must be a hetero.PerfModel, got {type(perf_model).__name__}")
         self._adapter = adapter
         self._device: Device | None = None
         self._device_lock = threading.Lock()
@@ -117,7 +129,8 @@ class Runtime:
         o = self.options
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
                                 tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs,
-                                cpu_processes=o.cpu_processes, capture=o.capture)
+                                cpu_processes=o.cpu_processes, capture=o.capture, placement=o.placement,
+                                perf_model=perf_model)
         self._closed = False  # no new runs or device
         self._close_done = False  # workers joined, device and trace closed
         self._last_run: Run | None = None
@@ -160,6 +173,11 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeClosedError("this Runtime is closed; create a new one")
+
+    @property
+    def perf_model(self) -> PerfModel:
+        """The performance model placing two-implementation stages (measured times per stage and size)."""
+        return self._sched.placer.model
 
     @property
     def cpu_threads(self) -> int:

@@ -65,6 +65,7 @@ from ._bridge import loop_caller
 from ._capture import run_captured
 from ._gpu import GPUContext, _Park, map_values
 from ._recorder import SharedRecorder, StageRecorder
+from ._placement import PerfModel, Placement, Placer, input_bytes
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
 from ._process import Job, ProcessPool
 from ._stats import RunStats, Timeline
@@ -165,6 +166,11 @@ class Run:
         self.inputs = inputs
         self.seq = seq
         n = len(plan.stages)
+        # The stages as this run executes them: a mixed stage becomes one of its variants
+        # when placed (Scheduler.dispatch).
+        self.stages: list[StagePlan] = list(plan.stages)
+        self.placements: list[Placement | None] = [None] * n
+        self.open_placements: dict[int, Placement] = {}  # placed and not finished: their queue-wait charge
         self.values: list[Any] = [None] * n  # host-side values (what CPU stages and the caller see)
         self.dev_values: list[Any] = [None] * n  # what GPU stages see (Tensors stay Tensors)
         self.remaining = [s.n_deps for s in plan.stages]
@@ -176,7 +182,7 @@ class Run:
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
         # Device memory: a GPU value's blocks are held while holds[i] > 0 (one per GPU
         # consumer still to be enqueued, one for its download, one while it is recorded).
-        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind == "gpu" else plan.shared_uploads.get(s.index, 0)
+        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind != "cpu" else plan.shared_uploads.get(s.index, 0)
                       for s in plan.stages]
         # CPU values uploaded once for all their GPU readers (plan.shared_uploads): the
         # device-side structure, held (holds[i], one per reader) like a GPU value.
@@ -370,13 +376,15 @@ class Run:
         for blocks in held.values():
             for b in blocks:
                 b.pool.release(b)
+        for i in list(self.open_placements):
+            self.sched.placement_done(self, i, None)
         self.sched.run_ended(self)
         self._wake()
 
     def stats(self) -> RunStats:
-        stages = self.plan.stages
+        stages = self.stages
         return self.tl.snapshot(self.plan.name, [st.name for st in stages], [_kind(st) for st in stages],
-                                ok=self.done and self.error is None)
+                                ok=self.done and self.error is None, placements=self.placements)
 
     def outputs(self) -> Any:
         outs = []
@@ -472,11 +480,15 @@ class Scheduler:
     def __init__(self, cpu_threads: int | None, gpu_threads: int, device: Callable[[], Device],
                  device_if_open: Callable[[], Device | None], submit_batch: int = 32,
                  tracer: Tracer | None = None, zero_copy_outputs: bool = True,
-                 cpu_processes: int | None = None, capture: bool = True) -> None:
+                 cpu_processes: int | None = None, capture: bool = True, placement: str = "auto",
+                 perf_model: PerfModel | None = None) -> None:
         self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
         self.cpu_processes = cpu_processes or max(1, (os.cpu_count() or 2) - 1)
         self._procs: ProcessPool | None = None  # created on the first process stage
         self._procs_lock = threading.Lock()
+        self.placer = Placer(placement, perf_model if perf_model is not None else PerfModel(), self.cpu.size)
+        self._no_gpu = False  # the device could not be opened: mixed stages run on the CPU
+        self._last_gpu_done = 0  # completion instant of the latest GPU stage (its service time's start)
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
@@ -496,14 +508,20 @@ class Scheduler:
         return Run(self, plan, inputs, next(self._seq))
 
     def dispatch(self, run: Run, ready: list[int]) -> None:
-        """Queue ready stages on the pool of their kind."""
-        stages = run.plan.stages
+        """Queue ready stages on the pool of their kind (a mixed stage: where it is placed now)."""
+        stages = run.stages
         cpu_jobs, gpu_jobs = [], []
         queued, now = run.tl.queued, time.perf_counter_ns()
         for i in ready:
             queued[i] = now
             st = stages[i]
             key = (run.seq, -st.priority)
+            if st.kind == "mixed":
+                placed = self._place(run, st)
+                if placed is None:  # the device is not open yet: a GPU worker opens it, then places
+                    gpu_jobs.append((key, _bind(self._open_then_place, run, i)))
+                    continue
+                st = placed
             if st.process:
                 cpu_jobs.append((key, _bind(self.run_process, run, i)))
             elif st.kind == "cpu":
@@ -515,10 +533,95 @@ class Scheduler:
         if gpu_jobs:
             self.gpu.submit_many(gpu_jobs)
 
+    # -- placement ------------------------------------------------------------------
+    def _place(self, run: Run, st: StagePlan) -> StagePlan | None:
+        """Decide where mixed stage ``st`` runs this time; its variant, or None until the device is open."""
+        placer = self.placer
+        gpu, adapter_type = not self._no_gpu, ""
+        if placer.mode == "auto" and gpu:
+            dev = self._device_if_open()
+            if dev is None:
+                return None
+            adapter_type = dev.summary["type"]
+        args, kwargs = run.args_for(st, run.dev_values)
+        host, on_dev = input_bytes(args, kwargs)
+        p = placer.decide(st.name, host, on_dev, gpu, adapter_type)
+        i = st.index
+        run.placements[i] = p
+        run.open_placements[i] = p
+        placed = run.plan.variants[i][0 if p.device == "cpu" else 1]
+        run.stages[i] = placed
+        if self.tracer is not None:
+            self.tracer.instant(f"place {st.name} on {p.device}", "placement", args={"run": run.seq, **p.as_dict()})
+        return placed
+
+    def _open_then_place(self, run: Run, i: int) -> None:
+        """On a GPU worker: open the device (or learn there is none), then place stage ``i``."""
+        try:
+            self._device()
+        except BaseException as e:  # noqa: BLE001 - no adapter, or it failed: the CPU implementations run
+            if not self._no_gpu:
+                log.warning("no GPU device (%s: %s): stages with a CPU implementation run on the CPU",
+                            type(e).__name__, e)
+            self._no_gpu = True
+        if not run.stopped:
+            self.dispatch(run, [i])
+
+    def placement_done(self, run: Run, i: int, seconds: float | None) -> None:
+        """A placed execution ended (``seconds``: its measured time; None: it failed or was dropped)."""
+        p = run.open_placements.pop(i, None)
+        if p is not None:
+            self.placer.finished(run.plan.stages[i].name, p, seconds)
+
+    def _host_args(self, run: Run, st: StagePlan) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A CPU-placed mixed stage's arguments, device tensors downloaded (after the work producing them).
+
+        None once the run's caller is gone.
+        """
+        with run.lock:
+            if run.forgotten:
+                return None
+            dev_values = run.dev_values
+        args, kwargs = run.args_for(st, dev_values)
+        tensors: dict[int, Tensor] = {}
+
+        def visit(t: Tensor) -> Tensor:
+            tensors[id(t)] = t
+            return t
+
+        for a in (*args, *kwargs.values()):
+            map_values(a, visit, Tensor)
+        if not tensors:
+            return args, kwargs
+        host = self._download(st.name, list(tensors.values()))
+        args = tuple(map_values(a, lambda t: host[id(t)], Tensor) for a in args)
+        return args, {k: map_values(v, lambda t: host[id(t)], Tensor) for k, v in kwargs.items()}
+
+    def _download(self, stage: str, tensors: list[Tensor]) -> dict[int, np.ndarray]:
+        """Bring ``tensors`` to the host now: submit what is recorded, copy them out, wait (on this worker)."""
+        dev = self._device()
+        t0 = time.perf_counter_ns()
+        dev.flush()  # the work producing them goes out first; the queue runs submissions in order
+        ctx = GPUContext(dev, stage)
+        try:
+            for t in tensors:
+                ctx.stage_download(t)
+            dev.wait(dev.submit([ctx.encoder.finish()]))
+            host = ctx.read_downloads()
+        finally:
+            for ticket, _ in ctx.downloads:
+                if ticket is not None:
+                    ticket.discard()  # no-op for tickets already read
+            ctx.downloads = []
+        if self.tracer is not None:
+            self.tracer.span("download", "transfer", t0, time.perf_counter_ns(),
+                             args={"bytes": sum(t.nbytes for t in tensors), "stage": stage})
+        return host
+
     # -- CPU stages -----------------------------------------------------------------
     def run_cpu(self, run: Run, i: int) -> None:
         """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready."""
-        stages = run.plan.stages
+        stages = run.stages
         tl = run.tl
         value: Any = None
         try:
@@ -533,14 +636,27 @@ class Scheduler:
                 tl.started[i] = time.perf_counter_ns()
                 if not st.simple:
                     run.begin_timed(st)
+                host_args = None
+                if st.mixed:  # placed on the CPU: device values come to the host first
+                    try:
+                        host_args = self._host_args(run, st)
+                    except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
+                        if not st.simple:
+                            run.timed_started.pop(i, None)
+                        run.fail(st, e)
+                        return
+                    if host_args is None:
+                        return  # stopped, and its caller is gone
+                t_fn = 0
                 while True:
                     attempt += 1
                     try:
                         # Locals here outlive a failure (in the traceback of the error the caller
                         # gets): they hold the stage's own arguments, never the run's other values.
-                        got = run.stage_args(st)
+                        got = host_args if host_args is not None else run.stage_args(st)
                         if got is None:
                             return  # stopped, and its caller is gone
+                        t_fn = time.perf_counter_ns()
                         value = st.fn(*got[0], **got[1])
                         break
                     except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
@@ -549,10 +665,14 @@ class Scheduler:
                                 run.timed_started.pop(i, None)
                             run.fail(st, e, attempt)
                             return
-                got = None
+                got = host_args = None
                 tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
+                if st.mixed:
+                    for d in st.gpu_deps:  # downloaded: the device values may go
+                        run.drop_hold(d)
+                    self.placement_done(run, i, (tl.completed[i] - t_fn) / 1e9)
                 if self.tracer is not None:
-                    self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args={"run": run.seq})
+                    self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args=_span_args(run, i))
                 if not st.simple and not run.end_timed(st):
                     return
                 run.set_value(i, host=value, dev=value)
@@ -659,7 +779,7 @@ class Scheduler:
             if run.stopped:
                 return
             run.recording += 1
-        st = run.plan.stages[i]
+        st = run.stages[i]
         try:
             self._record_gpu(run, st)
         except BaseException as e:  # noqa: BLE001 - a defect here must fail the run, not end the thread
@@ -683,7 +803,7 @@ class Scheduler:
         rec = self._recorder(dev)
         # One recording thread records in queue order, so an upload recorded for one
         # reader is in place for every later one; several threads could reorder them.
-        share = run.plan.shared_uploads if rec.shared else {}
+        share = run.plan.shared_uploads if rec.shared and not st.mixed else {}
         with rec.lock:
             attempt = 0
             while True:
@@ -735,14 +855,20 @@ class Scheduler:
                 return
             tl.recorded[i] = time.perf_counter_ns()
             if self.tracer is not None:
-                targs: dict[str, Any] = {"run": run.seq}
+                targs = _span_args(run, i)
                 if tl.capture[i] is not None:
                     targs["capture"] = tl.capture[i]
                 self.tracer.span(st.name, "gpu-record", tl.started[i], tl.recorded[i], args=targs)
             uploads = ctx.uploads
 
             def on_done() -> None:
-                tl.completed[i] = time.perf_counter_ns()
+                done = tl.completed[i] = time.perf_counter_ns()
+                before, self._last_gpu_done = self._last_gpu_done, done
+                if st.mixed:
+                    # Recording (uploads included) plus GPU service time: timestamps where
+                    # taken, else from the later of its submission and the previous completion.
+                    service = tl.gpu_ns[i] or done - max(tl.submitted[i] or tl.recorded[i], before)
+                    self.placement_done(run, i, (tl.recorded[i] - tl.started[i] + max(service, 0)) / 1e9)
                 if st.fence or uploads:
                     try:
                         self._gpu_completed(run, st, result, ctx, uploads)
@@ -919,6 +1045,12 @@ def _retry(run: Run, st: StagePlan, exc: BaseException, attempt: int) -> bool:
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
     return lambda: fn(run, i)
+
+
+def _span_args(run: Run, i: int) -> dict[str, Any]:
+    """A stage span's trace arguments: the run, and for a placed stage the decision and its estimates."""
+    p = run.placements[i]
+    return {"run": run.seq} if p is None else {"run": run.seq, "placement": p.as_dict()}
 
 
 def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int],

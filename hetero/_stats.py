@@ -12,7 +12,12 @@ the same instants.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._placement import Placement
 
 __all__ = ["RunStats", "StageStats", "Timeline"]
 
@@ -22,7 +27,8 @@ class StageStats:
     """One stage of the last run. Instants are seconds from the run's start; None if it never got there."""
 
     name: str
-    kind: str  # "cpu" | "process" (a CPU stage run in a worker process) | "gpu"
+    kind: str  # "cpu" | "process" (a CPU stage run in a worker process) | "gpu": where it ran ("mixed": a
+    #   two-implementation stage never placed)
     queued_s: float | None  # became ready
     started_s: float | None  # a worker began it
     recorded_s: float | None  # its function returned (for GPU stages: its commands were recorded)
@@ -32,11 +38,17 @@ class StageStats:
     # Stages declared with capture=True: "captured" (the function ran and its work was
     # captured), "replayed" (it did not run), "fallback" (it cannot be replayed); else None.
     capture: str | None = None
+    placement: Placement | None = None  # a two-implementation stage: where it ran, why, the estimates compared
 
     @property
     def replayed(self) -> bool:
         """The stage's captured work was replayed (its function did not run)."""
         return self.capture == "replayed"
+
+    @property
+    def device(self) -> str:
+        """Where the stage ran: "cpu" or "gpu"."""
+        return self.kind
 
     @property
     def wall_ms(self) -> float | None:
@@ -76,6 +88,11 @@ class RunStats:
     wall_ms: float  # the run's wall time, in milliseconds
     stages: tuple[StageStats, ...]
 
+    @property
+    def devices(self) -> dict[str, str]:
+        """Where each stage ran: ``{stage name: "cpu" | "gpu"}``."""
+        return {s.name: s.kind for s in self.stages}
+
     def stage(self, name: str) -> StageStats:
         for s in self.stages:
             if s.name == name:
@@ -99,7 +116,8 @@ class Timeline:
         self.gpu_ns: list[int | None] = [None] * n
         self.capture: list[str | None] = [None] * n
 
-    def snapshot(self, graph: str, names: list[str], kinds: list[str], ok: bool) -> RunStats:
+    def snapshot(self, graph: str, names: list[str], kinds: list[str], ok: bool,
+                 placements: Sequence[Placement | None] | None = None) -> RunStats:
         t0 = self.t0
 
         def rel(ns: int) -> float | None:
@@ -109,7 +127,7 @@ class Timeline:
             StageStats(names[i], kinds[i], rel(self.queued[i]), rel(self.started[i]), rel(self.recorded[i]),
                        rel(self.submitted[i]), rel(self.completed[i]),
                        None if self.gpu_ns[i] is None else self.gpu_ns[i] / 1e6,  # type: ignore[operator]
-                       self.capture[i])
+                       self.capture[i], placements[i] if placements is not None else None)
             for i in range(len(names))
         )
         end = self.end or time.perf_counter_ns()
