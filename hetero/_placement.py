@@ -37,7 +37,10 @@ Rules, in order (``Runtime(placement="auto")``)
        heavy work (array inputs of ``HEAVY_BYTES`` or more): the CPU, not even to
        calibrate; such an adapter runs on the same cores, slower than numpy.
     3. Cold start: an implementation uncalibrated in the stage's size bucket runs, so
-       that it calibrates (the GPU one first when both are).
+       that it calibrates (the GPU one first when both are); except one that was at
+       least ``DOMINATED_RATIO`` times slower than the other in every bucket where both
+       are calibrated: the other one runs ("dominated"), and the slow one is not tried
+       at every new size (a CPU encoder layer on a machine with a real GPU).
     4. The smaller expected completion. Ties go to the implementation that moves fewer
        bytes, then to the CPU (keeping the GPU for stages that have no CPU implementation).
 
@@ -64,7 +67,10 @@ PLACEMENTS = ("auto", "cpu", "gpu")
 Side = Literal["cpu", "gpu"]
 # Array inputs from this many bytes on make a stage "heavy": never placed on a CPU-emulated adapter.
 HEAVY_BYTES = 1 << 16
-CALIBRATION_SAMPLES = 3
+CALIBRATION_SAMPLES = 2
+# An implementation this many times slower than the other wherever both were measured is
+# not calibrated at new sizes.
+DOMINATED_RATIO = 32.0
 
 
 def input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -95,8 +101,8 @@ class Placement:
 
     ``device`` is "cpu" or "gpu". ``reason``: "forced" (``Runtime(placement=...)``),
     "no gpu", "cpu adapter" (heavy work and a CPU-emulated adapter), "calibrating" (an
-    implementation had no estimate for this size) or "model" (the smaller expected
-    completion). ``cpu_s``/``gpu_s``: the expected completions compared, in seconds
+    implementation had no estimate for this size), "dominated" (the uncalibrated one was
+    far slower wherever both were measured) or "model" (the smaller expected completion). ``cpu_s``/``gpu_s``: the expected completions compared, in seconds
     (None where uncalibrated); ``estimates`` their parts per side (``exec``,
     ``transfer``, ``wait``); ``bucket`` the size bucket; ``bytes`` the array inputs.
     """
@@ -173,6 +179,18 @@ class PerfModel:
             n, total = self._sums.get((stage, device, bucket), (0, 0.0))
         return total / n if n >= self.calibration_samples else None
 
+    def slowest_ratio(self, stage: str, slow: Side, fast: Side) -> float | None:
+        """The smallest ratio of ``slow``'s estimate to ``fast``'s over buckets where both are calibrated."""
+        need = self.calibration_samples
+        with self._lock:
+            means: dict[tuple[str, int], float] = {}
+            for (st, side, bucket), (n, total) in self._sums.items():
+                if st == stage and n >= need:
+                    means[(side, bucket)] = total / n
+        ratios = [t / means[(fast, b)] if means[(fast, b)] > 0 else math.inf
+                  for (side, b), t in means.items() if side == slow and (fast, b) in means]
+        return min(ratios) if ratios else None
+
     def samples(self, stage: str, device: Side, bucket: int) -> int:
         with self._lock:
             return self._sums.get((stage, device, bucket), (0, 0.0))[0]
@@ -230,6 +248,11 @@ class Placer:
         if c is None or g is None:
             side: Side = "gpu" if g is None else "cpu"
             reason = "calibrating"
+            if (c is None) != (g is None):
+                other: Side = "cpu" if side == "gpu" else "gpu"
+                ratio = m.slowest_ratio(stage, side, other)
+                if ratio is not None and ratio >= DOMINATED_RATIO:
+                    side, reason = other, "dominated"
         else:
             reason = "model"
             if c != g:

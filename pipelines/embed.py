@@ -2,8 +2,16 @@
 
 ::
 
-    texts -> tokenize (cpu) -+-> embeddings (gpu) -> layer0 (gpu) -> ... -> layerN-1 (gpu) -> pool (gpu) -> [B, H]
-                             \\-> mask (cpu) ------------^----------------------^-------------------^
+    texts -> tokenize (cpu) -+-> embeddings (*) -> layer0 (*) -> ... -> layerN-1 (*) -> pool (*) -> [B, H]
+                             \\-> mask (cpu) ----------^-----------------------^---------------^
+
+    (*) a stage with a CPU and a GPU implementation, placed per batch by the runtime
+
+Every stage after ``tokenize`` has a GPU implementation (below) and a numpy one
+(``hetero.ops.cpu``, float32 BLAS products, the same numerics): ``Runtime(placement="auto")``
+runs each batch's stages where its performance model expects them to finish first, so a
+machine whose only adapter is CPU-emulated (lavapipe) encodes on the CPU implementations
+and one with a real GPU on the GPU. The int8 graph is GPU-only.
 
 ``tokenize`` runs the model's ``tokenizers`` tokenizer (truncating at the model's
 ``max_seq_length``, 256 for all-MiniLM-L6-v2) and pads to the batch's longest
@@ -48,6 +56,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -63,8 +72,8 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
-           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "embed", "embed_batches",
-           "embedding_graph", "get_model", "linear_weight", "pad_tokens", "quantized_weights",
+           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "cpu_weights", "embed", "embed_batches",
+           "embedding_graph", "get_model", "linear_weight", "mean_pool_l2_cpu", "pad_tokens", "quantized_weights",
            "resident_int8_weights", "resident_weights", "service_graph", "split_by_length", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
@@ -323,18 +332,89 @@ def embedding_graph(model: Model, int8: bool = False) -> hetero.Graph:
         return g
 
 
+# -- CPU implementations ------------------------------------------------------------------------------------
+# Each GPU stage above but tokenize's has a numpy twin computing the same value (hetero.ops.cpu, float32
+# BLAS products); the runtime places every execution on one or the other (Runtime(placement=...)).
+_cpu_weights: weakref.WeakKeyDictionary[Model, dict[str, np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def cpu_weights(model: Model) -> dict[str, np.ndarray]:
+    """The host weights as the CPU stages read them: the checkpoint's, plus Q/K/V stacked per layer."""
+    with model.lock:
+        w = _cpu_weights.get(model)
+        if w is None:
+            w = dict(model.weights)
+            for n in range(model.config.num_hidden_layers):
+                weight, bias = linear_weight(model, n, QKV)
+                w[f"encoder.layer.{n}.{QKV}.weight"] = weight
+                w[f"encoder.layer.{n}.{QKV}.bias"] = bias
+            _cpu_weights[model] = w
+        return w
+
+
+def _embeddings_cpu(tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], model: Model) -> np.ndarray:
+    ids, types, pos, _ = tokens
+    w = cpu_weights(model)
+    e = ops.cpu.add(ops.cpu.embedding(w["embeddings.word_embeddings.weight"], ids),
+                    ops.cpu.embedding(w["embeddings.position_embeddings.weight"], pos))
+    return ops.cpu.layernorm(e, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"],
+                             eps=model.config.layer_norm_eps,
+                             residual=ops.cpu.embedding(w["embeddings.token_type_embeddings.weight"], types))
+
+
+def _layer_cpu(x: np.ndarray, mask: np.ndarray, model: Model, n: int) -> np.ndarray:
+    c = model.config
+    w = cpu_weights(model)
+    p = f"encoder.layer.{n}."
+    b, s, h = x.shape
+    x2 = x.reshape(b * s, h)
+
+    def linear(t: np.ndarray, name: str, bias: bool = True) -> np.ndarray:
+        return ops.cpu.matmul(t, w[p + name + ".weight"], transpose_b=True,
+                              bias=w[p + name + ".bias"] if bias else None)
+
+    qkv = linear(x2, QKV)
+    a = ops.cpu.attention_packed(qkv.reshape(b, s, 3 * h), c.num_attention_heads, mask=mask)
+    o = linear(a.reshape(b * s, h), "attention.output.dense")
+    x1 = ops.cpu.layernorm(o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
+                           eps=c.layer_norm_eps, residual=x2)
+    inter = ops.cpu.gelu(linear(x1, "intermediate.dense", bias=False), bias=w[p + "intermediate.dense.bias"])
+    out = linear(inter, "output.dense")
+    y = ops.cpu.layernorm(out, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
+                          eps=c.layer_norm_eps, residual=x1)
+    return y.reshape(b, s, h)
+
+
+def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """:func:`mean_pool_l2` in numpy: masked mean over the sequence, L2-normalised (norm floored at 1e-12)."""
+    b, s, h = x.shape
+    if tuple(mask.shape) != (b, s):
+        raise ValueError(f"mean_pool_l2: mask must be of shape {(b, s)}, got {mask.shape}")
+    m = (mask != 0).astype(np.float32)
+    out = np.einsum("bsh,bs->bh", x, m) / np.maximum(m.sum(1), 1.0)[:, None].astype(np.float32)
+    out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
+    return out.astype(np.float32, copy=False)
+
+
 def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> None:
-    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (the output)."""
+    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (the output).
+
+    Float32: every stage has a CPU and a GPU implementation, placed per batch by the runtime.
+    INT8: GPU stages only (the int8 products exist on the GPU only).
+    """
     mask = g.cpu(_mask, tokens, name="mask")
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) and replayed afterwards (see hetero._capture).
-    x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
-    for n in range(model.config.num_hidden_layers):
-        if int8:
+    if int8:
+        x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
+        for n in range(model.config.num_hidden_layers):
             x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
-        else:
-            x = g.gpu(_layer, x, mask, model, n, name=f"layer{n}", capture=True)
-    g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
+        g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
+        return
+    x = g.stage(tokens, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
+    for n in range(model.config.num_hidden_layers):
+        x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True)
+    g.output(g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True))
 
 
 # -- batching -----------------------------------------------------------------------------------------------
