@@ -66,7 +66,7 @@ __all__ = ["HEAVY_BYTES", "PLACEMENTS", "PerfModel", "Placement", "Placer", "inp
 PLACEMENTS = ("auto", "cpu", "gpu")
 Side = Literal["cpu", "gpu"]
 # Array inputs from this many bytes on make a stage "heavy": never placed on a CPU-emulated adapter.
-HEAVY_BYTES = 1 << 16
+HEAVY_BYTES = 1 << 12
 CALIBRATION_SAMPLES = 2
 # An implementation this many times slower than the other wherever both were measured is
 # not calibrated at new sizes.
