@@ -26,6 +26,8 @@ BENCHES = {
     "dask": "embed on a DaskRuntime (one and two worker processes) beside local embed(), chunk overhead",
     "hybrid": "pure-Python CPU stage beside a GPU stage: threads vs process stages, call cost, shared memory",
     "serve": "hetero serve under open-loop Poisson load (1, 16, 256 clients) beside in-process embed()",
+    "placement": "a mixed workload (many small products, a few large) placed auto against all-CPU and all-GPU",
+    "embed_cpu": "hetero embed with placement on a CPU machine beside sentence-transformers on torch CPU",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200).
 ALL_ARGS = {
@@ -43,6 +45,8 @@ ALL_ARGS = {
     "dask": ["--n", "100000", "--batch", "128"],
     "hybrid": [],
     "serve": ["--concurrency", "1,16,256", "--duration", "10"],
+    "placement": [],
+    "embed_cpu": ["--n", "1024"],
 }
 
 
