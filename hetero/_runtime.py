@@ -46,6 +46,7 @@ class RuntimeOptions:
     capture: bool = True
     capture_cache: int = DEFAULT_CACHE_ENTRIES
     placement: str = "auto"
+    blas_threads: int | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -64,6 +65,9 @@ class RuntimeOptions:
         budget = self.memory_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        b = self.blas_threads
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise ValueError(f"blas_threads must be an integer >= 0 or None, got {b!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.placement!r}")
         if not _is_number(self.gpu_budget_ms) or not self.gpu_budget_ms > 0:
@@ -105,7 +109,9 @@ class Runtime:
     (``Graph.stage``): ``"auto"`` runs each execution where a calibrated performance
     model expects it to complete first (see ``hetero.PerfModel``; ``perf_model`` passes
     one, seeded or shared), ``"cpu"``/``"gpu"`` force one side. ``stats()`` and the trace
-    say where each ran and why.
+    say where each ran and why. ``blas_threads``: threads of each numpy BLAS call in CPU
+    stages, set process-wide when the CPU workers start (default ``os.cpu_count() //
+    cpu_threads``: concurrent stages do not oversubscribe the cores; 0 leaves BLAS alone).
     The GPU device is created on first use, so graphs without GPU stages never need an
     adapter.
     """
@@ -115,11 +121,11 @@ class Runtime:
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
                  adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None,
                  capture: bool = True, capture_cache: int = DEFAULT_CACHE_ENTRIES, placement: str = "auto",
-                 perf_model: PerfModel | None = None) -> None:
+                 perf_model: PerfModel | None = None, blas_threads: int | None = None) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
                                       bool(gpu_timing), bool(zero_copy_outputs), cpu_processes, capture,
-                                      capture_cache, placement)
+                                      capture_cache, placement, blas_threads)
         if perf_model is not None and not isinstance(perf_model, PerfModel):
             raise TypeError(f"perf_model must be a hetero.PerfModel, got {type(perf_model).__name__}")
         self._adapter = adapter
@@ -130,7 +136,7 @@ class Runtime:
         self._sched = Scheduler(o.cpu_threads, o.gpu_threads, self.device, lambda: self._device, o.submit_batch,
                                 tracer=self._tracer, zero_copy_outputs=o.zero_copy_outputs,
                                 cpu_processes=o.cpu_processes, capture=o.capture, placement=o.placement,
-                                perf_model=perf_model)
+                                perf_model=perf_model, blas_threads=o.blas_threads)
         self._closed = False  # no new runs or device
         self._close_done = False  # workers joined, device and trace closed
         self._last_run: Run | None = None

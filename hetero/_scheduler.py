@@ -92,12 +92,14 @@ _CLEANUP_WAIT = 5.0
 class WorkerPool:
     """A fixed set of daemon threads serving a priority queue of jobs."""
 
-    def __init__(self, name: str, threads: int, on_idle: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, threads: int, on_idle: Callable[[], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"{name} needs at least 1 thread, got {threads!r}")
         self.name = name
         self.size = threads
         self._on_idle = on_idle  # called when the last busy worker finds the queue empty
+        self._on_start = on_start  # called once, before the threads start
         self._busy = 0
         self._heap: list[tuple[Any, int, Callable[[], None]]] = []
         self._cv = threading.Condition(threading.Lock())
@@ -106,6 +108,8 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
 
     def _start(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         for n in range(self.size):
             t = threading.Thread(target=self._work, name=f"{self.name}-{n}", daemon=True)
             t.start()
@@ -481,8 +485,9 @@ class Scheduler:
                  device_if_open: Callable[[], Device | None], submit_batch: int = 32,
                  tracer: Tracer | None = None, zero_copy_outputs: bool = True,
                  cpu_processes: int | None = None, capture: bool = True, placement: str = "auto",
-                 perf_model: PerfModel | None = None) -> None:
-        self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1)
+                 perf_model: PerfModel | None = None, blas_threads: int | None = None) -> None:
+        self._blas_threads = blas_threads
+        self.cpu = WorkerPool("hetero-cpu", cpu_threads or os.cpu_count() or 1, on_start=self._limit_blas)
         self.cpu_processes = cpu_processes or max(1, (os.cpu_count() or 2) - 1)
         self._procs: ProcessPool | None = None  # created on the first process stage
         self._procs_lock = threading.Lock()
@@ -532,6 +537,26 @@ class Scheduler:
             self.cpu.submit_many(cpu_jobs)
         if gpu_jobs:
             self.gpu.submit_many(gpu_jobs)
+
+    def _limit_blas(self) -> None:
+        """Before the CPU workers start: numpy's BLAS gets ``cpu_count // workers`` threads per call.
+
+        CPU stages run concurrently, one per worker; a BLAS call taking every core in each
+        of them oversubscribes the machine (OpenBLAS then spins: three times slower
+        encoder layers on two cores). Process-wide (BLAS has one setting);
+        ``Runtime(blas_threads=...)`` chooses the count, 0 leaves BLAS alone.
+        """
+        n = self._blas_threads
+        if n is None:
+            n = max(1, (os.cpu_count() or 1) // self.cpu.size)
+        if n <= 0:
+            return
+        try:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(limits=n, user_api="blas")
+        except Exception as e:  # noqa: BLE001 - no threadpoolctl, or a BLAS it cannot drive: leave BLAS as it is
+            log.debug("BLAS threads left as they are: %s", e)
 
     # -- placement ------------------------------------------------------------------
     def _place(self, run: Run, st: StagePlan) -> StagePlan | None:
