@@ -458,4 +458,5 @@ def test_progress_bar_on_request_and_quiet_by_default(shared_rt: hetero.Runtime,
     shown = embed(texts, model=tiny, batch_size=4, runtime=shared_rt, progress=True)
     err = capsys.readouterr().err
     assert "embed" in err and "10/10" in err
-    np.testing.assert_array_equal(quiet, shown)
+    # The two calls may place a batch differently (the model calibrates): equal within rounding.
+    np.testing.assert_allclose(quiet, shown, rtol=0, atol=1e-6)
