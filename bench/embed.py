@@ -2,6 +2,7 @@
 
     python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--corpus FILE]
                           [--max-words 40] [--latency N] [--compare-capture] [--profile]
+                          [--placement auto|cpu|gpu]
 
 Text: ``--corpus FILE`` (one sentence per line), by default sentences from the standard
 library's docstrings (``bench._corpus``: at most ``--max-words`` words, mean about 13);
@@ -28,7 +29,9 @@ sentence-transformers files (modules.json,
 sentence_bert_config.json, 1_Pooling/config.json) that make
 ``SentenceTransformer(dir)`` build Transformer (BertModel) + Pooling(mean) + Normalize.
 
-Prints one JSON line per implementation and a last one with the ratio
+hetero runs with ``Runtime(placement=--placement)``: "auto" (the default) lets the
+performance model place each stage (its line says where the last batch's stages ran and
+why), "gpu" forces every stage onto the GPU. Prints one JSON line per implementation and a last one with the ratio
 (hetero sentences/s / sentence-transformers sentences/s) and the smallest cosine
 between the two implementations' embeddings. Needs torch and sentence-transformers
 in the same environment as hetero (without them, only hetero is measured).
@@ -133,7 +136,7 @@ def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace, captu
     times: list[float] = []
 
     async def main() -> None:
-        async with hetero.Runtime(capture=capture) as rt:
+        async with hetero.Runtime(capture=capture, placement=args.placement) as rt:
             for timed in (False, True):
                 for s in texts:
                     t0 = time.perf_counter()
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
+    p.add_argument("--placement", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="hetero's Runtime(placement=...) (default: %(default)s; gpu: every stage on the GPU)")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="hetero's batches in flight (default: the pipeline's)")
     p.add_argument("--profile", action="store_true",
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[bool, float] = {}
     lat: dict[str, list[float]] = {}
     for capture in (True, False) if args.compare_capture else (True,):
-        rt = hetero.Runtime(capture=capture)
+        rt = hetero.Runtime(capture=capture, placement=args.placement)
         try:
             # warm-up: every batch shape compiled and captured
             embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
@@ -245,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
 
             t = best_of(run_hetero, args.repeats)
             device = rt.device().summary.get("summary", "?")
+            stats = rt.stats()  # the last batch: where each stage ran, and why
+            stages = {s.name: f"{s.device} ({s.placement.reason})" if s.placement else s.device
+                      for s in stats.stages}
         finally:
             rt.close()
         rates[capture] = args.n / t
         print(json.dumps({"impl": "hetero", "capture": capture, **common, "seconds": round(t, 4),
-                          "sentences_per_s": round(args.n / t, 2), "device": str(device)}), flush=True)
+                          "sentences_per_s": round(args.n / t, 2), "device": str(device),
+                          "placement": args.placement, "stages": stages}), flush=True)
         if lat_texts:
             lat[f"hetero capture={capture}"] = ms = hetero_latency(lat_texts, model, args, capture)
             print(json.dumps({"latency": "hetero", "capture": capture, "calls": len(ms), **percentiles(ms),

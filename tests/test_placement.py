@@ -96,6 +96,18 @@ def test_stage_declares_two_implementations() -> None:
     assert plan.stages[s.index].kind == "mixed" and plan.has_gpu
 
 
+async def test_a_graph_with_two_implementation_stages_pickles() -> None:
+    import pickle
+
+    g = hetero.Graph("pickled")
+    g.output(g.stage(g.input("x"), cpu=_gelu_cpu, gpu=_gelu_gpu, name="gelu"))
+    copy = pickle.loads(pickle.dumps(g))
+    x = rand((3, 5))
+    with runtime(placement="cpu") as rt:
+        np.testing.assert_array_equal(await rt.run(copy, x=x), await rt.run(g, x=x))
+        assert rt.stats().devices == {"gelu": "cpu"}
+
+
 def test_runtime_rejects_bad_placement_options() -> None:
     with pytest.raises(ValueError, match="placement must be one of 'auto', 'cpu', 'gpu', got 'fast'"):
         hetero.Runtime(placement="fast")
@@ -103,6 +115,8 @@ def test_runtime_rejects_bad_placement_options() -> None:
         hetero.Runtime(perf_model={})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="calibration_samples"):
         PerfModel(calibration_samples=0)
+    with pytest.raises(ValueError, match="blas_threads must be an integer >= 0 or None, got -1"):
+        hetero.Runtime(blas_threads=-1)
 
 
 # -- results --------------------------------------------------------------------------------------------------
