@@ -19,8 +19,9 @@ Execution estimates
     for a free worker is added as its queue wait, and downloading device inputs as its
     transfer. A GPU implementation's time is its recording (host-side uploads included)
     plus its GPU service time: the GPU time measured by timestamps where the runtime
-    takes them, else completion minus the later of its submission and the completion
-    of the work queued before it.
+    takes them, else an equal share of its submission's time (from the later of the
+    submission and the completion of the work queued before it, to its completion)
+    among the stages submitted together.
 
 Transfers
     Inputs already on the implementation's side cost nothing; host arrays going to the

@@ -493,7 +493,11 @@ class Scheduler:
         self._procs_lock = threading.Lock()
         self.placer = Placer(placement, perf_model if perf_model is not None else PerfModel(), self.cpu.size)
         self._no_gpu = False  # the device could not be opened: mixed stages run on the CPU
-        self._last_gpu_done = 0  # completion instant of the latest GPU stage (its service time's start)
+        # GPU service times (placement): stages submitted together share their submission's
+        # time equally; it runs from the later of its submission and the previous one's end.
+        self._last_gpu_done = 0  # completion instant of the latest GPU stage
+        self._sub_stages: dict[int, int] = {}  # submission instant -> stages it holds
+        self._sub_start = (0, 0)  # (submission instant, when its GPU work began) of the latest completing
         self.gpu = WorkerPool("hetero-gpu", gpu_threads, on_idle=self._gpu_idle)
         self._device = device
         self._device_if_open = device_if_open
@@ -888,11 +892,16 @@ class Scheduler:
 
             def on_done() -> None:
                 done = tl.completed[i] = time.perf_counter_ns()
-                before, self._last_gpu_done = self._last_gpu_done, done
+                sub = tl.submitted[i]
+                if self._sub_start[0] != sub:  # the first stage of its submission to complete
+                    self._sub_stages.pop(self._sub_start[0], None)
+                    self._sub_start = (sub, max(sub or tl.recorded[i], self._last_gpu_done))
+                self._last_gpu_done = done
                 if st.mixed:
                     # Recording (uploads included) plus GPU service time: timestamps where
-                    # taken, else from the later of its submission and the previous completion.
-                    service = tl.gpu_ns[i] or done - max(tl.submitted[i] or tl.recorded[i], before)
+                    # taken, else an equal share of its submission's time.
+                    share = (done - self._sub_start[1]) / max(self._sub_stages.get(sub, 1), 1)
+                    service = tl.gpu_ns[i] or share
                     self.placement_done(run, i, (tl.recorded[i] - tl.started[i] + max(service, 0)) / 1e9)
                 if st.fence or uploads:
                     try:
@@ -903,6 +912,7 @@ class Scheduler:
 
             def on_submit(t_ns: int) -> None:
                 tl.submitted[i] = t_ns
+                self._sub_stages[t_ns] = self._sub_stages.get(t_ns, 0) + 1
 
             try:
                 # A large stage goes out at once only while the GPU has nothing to do; while
