@@ -38,7 +38,8 @@ Rules, in order (``Runtime(placement="auto")``)
        heavy work (array inputs of ``HEAVY_BYTES`` or more): the CPU, not even to
        calibrate; such an adapter runs on the same cores, slower than numpy.
     3. Cold start: an implementation uncalibrated in the stage's size bucket runs, so
-       that it calibrates (the GPU one first when both are); except one that was at
+       that it calibrates (when both are, the GPU one first; on a CPU-emulated adapter the
+       CPU one); except one that was at
        least ``DOMINATED_RATIO`` times slower than the other in every bucket where both
        are calibrated: the other one runs ("dominated"), and the slow one is not tried
        at every new size (a CPU encoder layer on a machine with a real GPU).
@@ -231,7 +232,8 @@ class Placer:
             return self._placed(Placement("cpu" if self.mode == "cpu" else "gpu", "forced", bucket, total), stage)
         if not gpu:
             return self._placed(Placement("cpu", "no gpu", bucket, total), stage)
-        if adapter_type.strip().lower() == "cpu" and total >= HEAVY_BYTES:
+        emulated = adapter_type.strip().lower() == "cpu"
+        if emulated and total >= HEAVY_BYTES:
             return self._placed(Placement("cpu", "cpu adapter", bucket, total), stage)
         m = self.model
         ex = {"cpu": m.estimate(stage, "cpu", bucket), "gpu": m.estimate(stage, "gpu", bucket)}
@@ -247,7 +249,7 @@ class Placer:
                       for side in ("cpu", "gpu"))
         c, g = done["cpu"], done["gpu"]
         if c is None or g is None:
-            side: Side = "gpu" if g is None else "cpu"
+            side: Side = "gpu" if g is None and not (emulated and c is None) else "cpu"
             reason = "calibrating"
             if (c is None) != (g is None):
                 other: Side = "cpu" if side == "gpu" else "gpu"

@@ -76,6 +76,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (quantized per output channel; "
                    "embeddings, layernorms, attention and pooling stay float32)")
+    p.add_argument("--placement", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where the encoder's stages run: auto (a performance model places each batch's stages: "
+                   "on the CPU when the only adapter is CPU-emulated), cpu or gpu (default: %(default)s)")
     p.add_argument("--trace", metavar="T.json", default=None,
                    help="write a Chrome/Perfetto trace of the run to this file (open it in ui.perfetto.dev)")
     cluster = p.add_mutually_exclusive_group()
@@ -210,11 +213,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if scheduler or workers:
         emb, adapter = _embed_on_cluster(texts, model, args.batch_size, int8, scheduler, workers)
     else:
-        rt = hetero.Runtime(trace=args.trace)
+        rt = hetero.Runtime(trace=args.trace, placement=getattr(args, "placement", "auto"))
         try:
             emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
                         progress=getattr(args, "progress", None))
             adapter = rt.device().summary["summary"]
+            if texts:
+                stages = [st for st in rt.stats().stages if st.placement is not None]
+                sides = sorted({st.device for st in stages})
+                if sides:
+                    adapter += f" (encoder stages on the {' and '.join(sides)})"
         finally:
             with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
                 rt.close()
