@@ -18,8 +18,12 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def shared_rt():
-    """One runtime (and so one GPU device) for the GPU tests; device creation is slow on lavapipe."""
-    rt = hetero.Runtime(cpu_threads=2)
+    """One runtime (and so one GPU device) for the GPU tests; device creation is slow on lavapipe.
+
+    Stages with a CPU and a GPU implementation run on the GPU here (placement="gpu"): these
+    tests exercise the GPU paths, and compare results bit for bit across runs.
+    """
+    rt = hetero.Runtime(cpu_threads=2, placement="gpu")
     yield rt
     rt.close()
 
