@@ -5,8 +5,8 @@
 For a machine without a real GPU (its only adapter CPU-emulated, e.g. lavapipe):
 ``hetero.pipelines.embed.embed`` with ``Runtime(placement=--placement)`` against
 ``SentenceTransformer.encode`` on torch's CPU build, same weights, same sentences,
-same batch size, in one process. The sentences are real text: sentences of the
-docstrings of Python's standard library, up to ``--n`` of them. Each side embeds the
+same batch size, in one process. The sentences are real text: ``--n`` sentences of the
+docstrings of Python's standard library (``bench._corpus``). Each side embeds the
 first batch once to warm up (hetero: also the placement model's first decisions), then
 ``--repeats`` timed passes; the best counts. Prints one JSON line per side (hetero's
 says where each stage of its last batch ran and why), then the ratio (hetero
@@ -18,11 +18,8 @@ is a ratio >= 0.5. Needs the ``[bench]`` extra (torch, sentence-transformers).
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
-import pkgutil
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,43 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import best_of, emitter
+from bench._corpus import stdlib_sentences
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
 emit = emitter("embed_cpu")
-_MODULES = ("collections", "json", "inspect", "argparse", "pathlib", "functools", "itertools", "threading",
-            "subprocess", "logging", "email", "http", "urllib", "asyncio", "unittest", "typing", "string", "re")
-
-
-def stdlib_sentences(n: int) -> list[str]:
-    """Up to ``n`` distinct sentences (4 words or more) from the docstrings of standard library modules."""
-    seen: dict[str, None] = {}
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        mods = [mod]
-        if hasattr(mod, "__path__"):
-            for info in pkgutil.iter_modules(mod.__path__):
-                try:
-                    mods.append(importlib.import_module(f"{name}.{info.name}"))
-                except Exception:  # noqa: BLE001 - some submodules need optional parts
-                    continue
-        for m in mods:
-            objs = [m, *vars(m).values()]
-            for obj in objs:
-                doc = getattr(obj, "__doc__", None)
-                if not isinstance(doc, str):
-                    continue
-                for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
-                    if len(s.split()) >= 4:
-                        seen.setdefault(s, None)
-                        if len(seen) >= n:
-                            return list(seen)
-    return list(seen)
 
 
 def main(argv: list[str] | None = None) -> int:
