@@ -11,10 +11,13 @@ What a picture shows:
   process) and GPU stages (boxes, green), each labelled with its name and kind
   (``gpu, captured`` for ``capture=True`` stages) and, given a run's
   :class:`~hetero.RunStats`, its wall time (``wall 1.2 ms``) and GPU time where measured
-  (``gpu 0.8 ms``);
+  (``gpu 0.8 ms``); stages with a CPU and a GPU implementation (``g.stage``: dashed
+  boxes, ``cpu | gpu``), given a run's stats, say where that run placed them (``ran on cpu``);
 * value edges; those that cross between host and device carry the transfer the plan
   inserts: ``upload`` (an input or a CPU value read by a GPU stage) and ``download``
-  (a GPU value read by a CPU stage or returned as an output);
+  (a GPU value read by a CPU stage or returned as an output); around a two-implementation
+  stage they depend on its placement: ``upload if on gpu``, ``download if on gpu`` (its
+  value read on the host) and ``download if on cpu`` (a GPU value it reads);
 * ``after=`` edges, dashed, labelled ``after``, where no value edge already joins the
   two stages.
 
@@ -56,19 +59,23 @@ _STYLE = {
     "cpu": 'shape=box, style="rounded,filled", fillcolor="#dbe8f7"',
     "process": 'shape=box, style="rounded,filled", fillcolor="#e6dcf5"',
     "gpu": 'shape=box, style="filled,bold", fillcolor="#d5f0d0"',
+    "mixed": 'shape=box, style="filled,dashed", fillcolor="#e3f0ea"',
     "output": 'shape=oval, peripheries=2, style=filled, fillcolor="#f2f2f2"',
 }
 _EDGE_STYLE = {
     "upload": 'label="upload", color="#2e7d32", fontcolor="#2e7d32"',
     "download": 'label="download", color="#1565c0", fontcolor="#1565c0"',
     "after": 'label="after", style=dashed, color="#757575", fontcolor="#757575"',
+    "upload if on gpu": 'label="upload if on gpu", style=dashed, color="#2e7d32", fontcolor="#2e7d32"',
+    "download if on gpu": 'label="download if on gpu", style=dashed, color="#1565c0", fontcolor="#1565c0"',
+    "download if on cpu": 'label="download if on cpu", style=dashed, color="#1565c0", fontcolor="#1565c0"',
 }
 
 
 @dataclass(frozen=True)
 class PictureNode:
     id: str
-    kind: str  # "input" | "cpu" | "process" | "gpu" | "output"
+    kind: str  # "input" | "cpu" | "process" | "gpu" | "mixed" | "output"
     name: str  # the stage or input name; for outputs, what they return
     captured: bool = False  # a GPU stage declared with capture=True (replayed per signature)
 
@@ -77,7 +84,7 @@ class PictureNode:
 class PictureEdge:
     tail: str
     head: str
-    kind: str  # "value" | "upload" | "download" | "after"
+    kind: str  # "value" | "upload" | "download" | "after" | "upload if on gpu" | "download if on gpu" | ...
 
 
 def quote(text: str) -> str:
@@ -125,16 +132,23 @@ def picture(graph: Graph) -> tuple[list[PictureNode], list[PictureEdge]]:
             continue
         oid = "output" if len(graph.outputs or ()) == 1 else f"output {k}"
         nodes.append(PictureNode(oid, "output", v.name))
-        edges.append(PictureEdge(r[0], oid, "download" if r[1] == "gpu" else "value"))
+        edges.append(PictureEdge(r[0], oid, {"gpu": "download", "mixed": "download if on gpu"}.get(r[1], "value")))
     return nodes, edges
 
 
 def _transfer(src: str, dst: str) -> str:
-    if dst == "gpu" and src in ("input", "cpu", "process"):
+    host = ("input", "cpu", "process")
+    if dst == "gpu" and src in host:
         return "upload"
     if dst in ("cpu", "process") and src == "gpu":
         return "download"
-    return "value"
+    if dst == "mixed" and src in host:
+        return "upload if on gpu"
+    if dst == "mixed" and src == "gpu":
+        return "download if on cpu"
+    if src == "mixed" and dst in ("cpu", "process"):
+        return "download if on gpu"
+    return "value"  # between two-implementation stages: whatever their placements need
 
 
 def _stage_times(graph: Graph, stats: RunStats | None) -> dict[str, str]:
@@ -152,6 +166,8 @@ def _stage_times(graph: Graph, stats: RunStats | None) -> dict[str, str]:
             parts.append(f"wall {s.wall_ms:.3g} ms")
         if s.gpu_ms is not None:
             parts.append(f"gpu {s.gpu_ms:.3g} ms")
+        if getattr(s, "placement", None) is not None:
+            parts.append(f"ran on {s.kind}")
         if parts:
             out[s.name] = ", ".join(parts)
     return out
@@ -170,8 +186,9 @@ def to_dot(graph: Graph, rankdir: str = "LR", stats: RunStats | None = None) -> 
         "  edge [fontname=Helvetica, fontsize=9];",
     ]
     for p in nodes:
-        if p.kind in ("cpu", "process", "gpu"):
-            what = f"{p.kind}, captured" if p.captured else p.kind
+        if p.kind in ("cpu", "process", "gpu", "mixed"):
+            shown = "cpu | gpu" if p.kind == "mixed" else p.kind
+            what = f"{shown}, captured" if p.captured else shown
             label = quote(p.name)[:-1] + f"\\n{what}" + (f"\\n{times[p.name]}" if p.name in times else "") + '"'
         elif p.kind == "output":
             label = quote(p.id)
@@ -188,8 +205,9 @@ def to_dot(graph: Graph, rankdir: str = "LR", stats: RunStats | None = None) -> 
 def to_networkx(graph: Graph) -> nx.DiGraph:
     """``graph`` as a networkx DiGraph keyed by the picture ids (stage names, ``input X``, ``output N``).
 
-    Node attributes: ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``output``) and ``name``;
-    edge attributes: ``kind`` (``value``, ``upload``, ``download``, ``after``).
+    Node attributes: ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``mixed``, ``output``) and ``name``;
+    edge attributes: ``kind`` (``value``, ``upload``, ``download``, ``after``, and around
+    two-implementation stages ``upload if on gpu``, ``download if on gpu``, ``download if on cpu``).
     """
     import networkx as nx
 

@@ -294,6 +294,20 @@ async def test_the_trace_says_where_each_stage_ran_and_why(tmp_path: Path) -> No
     assert span and span[0]["args"]["placement"]["device"] == "cpu"
 
 
+async def test_a_picture_marks_two_implementation_stages_and_where_they_ran() -> None:
+    g = mixed_graph()
+    kinds = {n: d["kind"] for n, d in g.to_networkx().nodes(data=True)}
+    assert kinds["gelu"] == "mixed" and kinds["double"] == "gpu" and kinds["total"] == "cpu"
+    edges = {(a, b): d["kind"] for a, b, d in g.to_networkx().edges(data=True)}
+    assert edges[("double", "gelu")] == "download if on cpu"
+    assert edges[("gelu", "norm")] == "value"
+    assert edges[("softmax", "total")] == "download if on gpu"
+    with runtime(placement="cpu") as rt:
+        await rt.run(g, x=rand((2, 16)))
+        text = g.to_dot(stats=rt.stats())
+    assert "cpu | gpu" in text and "ran on cpu" in text
+
+
 # -- the embedding pipeline -----------------------------------------------------------------------------------
 async def test_embeddings_agree_across_placements_and_stay_off_a_cpu_emulated_adapter(tmp_path: Path) -> None:
     from hetero.pipelines.embed import aembed
