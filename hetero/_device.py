@@ -86,10 +86,36 @@ def adapter_summary(adapter: Any) -> dict[str, str]:
     }
 
 
+# Adapters are looked up once per process, under _adapters_lock, and live as long as the
+# process. wgpu-native's OpenGL adapters share one EGL context: enumerating adapters,
+# requesting one (which drops those it does not pick) and releasing an OpenGL adapter each
+# make that context current, and when two threads do so at once wgpu-hal panics
+# (EGL_BAD_ACCESS) inside a C call, which aborts the process. Python releases an adapter
+# when the last reference goes, or when the garbage collector finds it on whichever thread
+# it runs on, so a fresh enumeration per call would race with the release of an earlier one.
+_adapters_lock = threading.Lock()
+_adapters: list[Any] | None = None
+_preferred: Any = None
+
+
 def list_adapters() -> list[Any]:
-    """Every adapter wgpu can see, on every backend."""
-    _quiet_loader()
-    return list(wgpu.gpu.enumerate_adapters_sync())
+    """Every adapter wgpu can see, on every backend (enumerated once per process)."""
+    global _adapters
+    with _adapters_lock:
+        if _adapters is None:
+            _quiet_loader()
+            _adapters = list(wgpu.gpu.enumerate_adapters_sync())
+        return list(_adapters)
+
+
+def _preferred_adapter() -> Any:
+    """wgpu's high-performance adapter (requested once per process; None: there is none)."""
+    global _preferred
+    with _adapters_lock:
+        if _preferred is None:
+            _quiet_loader()
+            _preferred = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+        return _preferred
 
 
 def adapter_labels(adapters: list[Any]) -> list[str]:
@@ -155,7 +181,7 @@ def select_adapter(pattern: str | int | None = None) -> Any:
     index = adapter_index(adapters, pattern)
     if index is not None:
         return adapters[index]
-    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    adapter = _preferred_adapter()
     if adapter is None:
         raise NoAdapterError(f"no WebGPU adapter found; {INSTALL_HINT}")
     return adapter

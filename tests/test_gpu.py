@@ -244,6 +244,43 @@ def test_adapter_selection_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
         rt.close()
 
 
+# Threads that look adapters up (and collect garbage) at once. Each lookup used to
+# enumerate afresh and drop the previous adapters; an OpenGL adapter's release racing
+# with another thread's enumeration aborted the process inside wgpu-native.
+ADAPTER_LOOKUPS = """
+import threading
+from hetero import _device
+
+def look():
+    for _ in range(25):
+        adapters = _device.list_adapters()
+        _device.select_adapter(_device.adapter_labels(adapters)[-1])
+        _device.select_adapter()
+        del adapters
+
+threads = [threading.Thread(target=look) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("looked up", len(_device.list_adapters()))
+"""
+
+
+def test_adapter_lookups_from_many_threads_never_abort() -> None:
+    import subprocess
+    import sys
+
+    from hetero._device import list_adapters, select_adapter
+
+    done = subprocess.run([sys.executable, "-c", ADAPTER_LOOKUPS], capture_output=True, text=True, timeout=300)
+    why = [line for line in done.stderr.splitlines() if "panicked at" in line or "Fatal Python error" in line]
+    assert (done.returncode, done.stdout) == (0, f"looked up {len(list_adapters())}\n"), why or done.stderr[-2000:]
+    # One enumeration per process: every lookup hands out the same adapter objects.
+    assert [a is b for a, b in zip(list_adapters(), list_adapters())] == [True] * len(list_adapters())
+    assert select_adapter() is select_adapter()
+
+
 async def test_zero_size_results_arrive_as_empty_arrays(shared_rt: hetero.Runtime) -> None:
     def empty(gpu: hetero.GPUContext) -> Tensor:
         return gpu.empty((0, 3), np.float32)

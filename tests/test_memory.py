@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import wgpu
 
+from hetero._device import select_adapter
 from hetero._memory import (
     Block,
     BufferPool,
@@ -32,8 +33,7 @@ READBACK = int(wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
 
 @pytest.fixture(scope="module")
 def device() -> Any:
-    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-    return adapter.request_device_sync()
+    return select_adapter().request_device_sync()
 
 
 @pytest.fixture
