@@ -188,14 +188,17 @@ def _wait_for(proc: subprocess.Popen[bytes], ready: Any) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches the process through /proc")
 def test_ctrl_c_during_embed_always_ends_with_interrupted(tmp_path: Path) -> None:
     """SIGINT while the weights load, while the device starts, and while batches run and submit:
-    every time the one line ``hetero: interrupted`` and exit status 130, never an abort."""
+    every time it ends with the line ``hetero: interrupted`` and exit status 130, never an abort or
+    a traceback. (A warning may come before it: on a loaded machine a stage can still be compiling
+    kernels when the run gives up waiting for it.)"""
     from hetero.pipelines.testing import write_random_model
 
     model = write_random_model(tmp_path / "m", seed=3, vocab_size=300, hidden_size=32, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                                max_seq_length=48)
     src = tmp_path / "in.txt"
-    src.write_text("\n".join(_docstring_sentences(2000)) + "\n", encoding="utf-8")
+    # Far more text than the job gets through before the last interrupt, however fast the machine.
+    src.write_text("\n".join(_docstring_sentences(2000) * 20) + "\n", encoding="utf-8")
     out = tmp_path / "out.npy"
 
     def loading_weights(pid: int) -> bool:  # main() runs: safetensors is imported only to load a model
@@ -220,8 +223,10 @@ def test_ctrl_c_during_embed_always_ends_with_interrupted(tmp_path: Path) -> Non
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-        assert (ready.__name__, delay, proc.returncode, stderr.decode(), stdout.decode()) == \
-            (ready.__name__, delay, 130, "hetero: interrupted\n", "")
+        err = stderr.decode()
+        assert (ready.__name__, delay, proc.returncode, err.splitlines()[-1:], stdout.decode()) == \
+            (ready.__name__, delay, 130, ["hetero: interrupted"], ""), err
+        assert "Traceback" not in err and "panicked" not in err, err
         assert not out.exists()
 
 
