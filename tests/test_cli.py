@@ -212,7 +212,7 @@ def test_ctrl_c_during_embed_always_ends_with_interrupted(tmp_path: Path) -> Non
                          (device_starting, 1.5)):
         proc = subprocess.Popen([sys.executable, "-m", "hetero", "embed", "--model", str(model), "--input", str(src),
                                  "--output", str(out), "--batch-size", "4"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
         try:
             _wait_for(proc, lambda: ready(proc.pid))
             time.sleep(delay)
@@ -230,17 +230,28 @@ def test_ctrl_c_during_embed_always_ends_with_interrupted(tmp_path: Path) -> Non
         assert not out.exists()
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C acts as in a foreground program, even where the test
+    run itself was started with SIGINT ignored (a background job of a non-interactive shell)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupts_held_until_the_teardown_ends() -> None:
     from hetero.pipelines import cli as embed_cli
 
     steps: list[str] = []
-    with pytest.raises(KeyboardInterrupt):
-        with embed_cli.interrupts_held():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the handler runs here: held, not raised
-            steps.append("teardown finished")
-    assert steps == ["teardown finished"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a program started in the foreground
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with embed_cli.interrupts_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs here: held, not raised
+                steps.append("teardown finished")
+        assert steps == ["teardown finished"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
     with embed_cli.interrupts_held():  # nothing arrived: nothing raised
         steps.append("again")
     assert steps == ["teardown finished", "again"]

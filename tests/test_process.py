@@ -465,7 +465,8 @@ def test_ctrl_c_leaves_no_segment_and_no_worker(tmp_path: Path, backend: str) ->
     started = tmp_path / "started"
     script = tmp_path / "main.py"
     script.write_text(SCRIPT.format(n=BIG, started=str(started), backend=backend))
-    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even if ignored here
     try:
         deadline = time.monotonic() + WAIT
         while not started.exists() or not started.read_text():
