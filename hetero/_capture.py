@@ -40,6 +40,7 @@ signature. Each holds its constant buffers alive.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -50,7 +51,7 @@ import numpy as np
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
 
 from ._split import grid_uniform
-from ._tensor import Tensor
+from ._tensor import Tensor, tensor_of
 
 if TYPE_CHECKING:
     from ._device import Kernel
@@ -70,6 +71,8 @@ _NULL = _ffi.NULL
 # Where a binding's buffer comes from.
 ARG, TEMP, CONST = 0, 1, 2
 Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
+# Bind groups an op keeps for the buffers of recent replays (see Capture._op_groups).
+_OP_GROUPS = 32
 
 
 class _Unreplayable:
@@ -112,18 +115,24 @@ class Capture:
     """A stage's captured work for one signature."""
 
     __slots__ = ("ops", "temps", "result", "workgroups", "consts", "_memo_key", "_memo_groups", "_memo_gen",
-                 "_lock")
+                 "_op_groups", "_op_gen", "_lock")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
                  result: Any, consts: list[Any]) -> None:
         self.ops = ops
-        self.temps = temps
+        # (shape, dtype, data or None, nbytes, elements): checked when captured, not again per replay
+        self.temps = [(shape, dt, data, math.prod(shape) * dt.itemsize, math.prod(shape))
+                      for shape, dt, data in temps]
         self.result = result
         self.workgroups = sum(op.total for op in ops)
         self.consts = consts  # buffers bound as constants: kept alive with the capture
         self._memo_key: tuple[Any, ...] | None = None
         self._memo_groups: list[Any] = []
         self._memo_gen = -1
+        # Per op, bind groups by the (buffer id, offset) of its entries, for replays over other
+        # buffers than the last one's; valid while the bind cache's generation is _op_gen.
+        self._op_groups: list[dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = [{} for _ in ops]
+        self._op_gen = -1
         self._lock = threading.Lock()
 
 
@@ -314,18 +323,27 @@ def _map(value: Any, fn: Callable[[Any], Any], kind: type = Tensor) -> Any:
 def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
     temps: list[Tensor] = []
-    for shape, dtype, data in cap.temps:
-        temps.append(ctx.empty(shape, dtype) if data is None else ctx.upload(data))
+    take = ctx._take
+    for shape, dtype, data, nbytes, size in cap.temps:
+        temps.append(take(shape, dtype, nbytes, size) if data is None else ctx.upload(data))
     dev = ctx._dev
     binds = dev.binds
     # Bind groups: those of the previous replay when every buffer is the same (and the pool
-    # destroyed none since); else through the bind cache.
+    # destroyed none since); else each op's own, by the buffers it binds now; else through
+    # the bind cache.
     key = tuple((t.buffer, t.offset) for t in flat) + tuple((t.buffer, t.offset) for t in temps)
     with cap._lock:
         memo = cap._memo_groups if cap._memo_key == key and cap._memo_gen == binds.generation else None
     if memo is None:
+        gen = binds.generation
+        stable = all(binds.is_stable(t.buffer) for t in flat)
+        with cap._lock:
+            if cap._op_gen != gen:
+                cap._op_groups = [{} for _ in cap.ops]
+                cap._op_gen = gen
+            caches = cap._op_groups
         groups: list[Any] = []
-        for op in cap.ops:
+        for op, cache in zip(cap.ops, caches):
             if op.group is not None:
                 groups.append(op.group)
                 continue
@@ -339,9 +357,20 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
                     resources.append((t.buffer, t.offset + off, size))
                 else:
                     resources.append((ref, off, size))
-            groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
-        gen = binds.generation
-        if all(binds.is_stable(t.buffer) for t in flat):
+            if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
+                groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
+                continue
+            rkey = tuple((id(b), o) for b, o, _ in resources)
+            hit = cache.get(rkey)
+            if hit is None:
+                group = binds.bind_group((op.kernel.key, 0), op.layout, resources)
+                if len(cache) >= _OP_GROUPS:
+                    cache.clear()
+                cache[rkey] = (group, tuple(b for b, _, _ in resources))  # the buffers: their ids stay theirs
+                groups.append(group)
+            else:
+                groups.append(hit[0])
+        if stable:
             with cap._lock:
                 cap._memo_key, cap._memo_groups, cap._memo_gen = key, groups, gen
         memo = groups
@@ -349,12 +378,13 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     ctx.workgroups += cap.workgroups
 
     def resolve(r: _Ref) -> Tensor:
+        n = math.prod(r.shape)
         if r.kind == TEMP:
             t = temps[r.ref]
-            return Tensor(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block)
+            return tensor_of(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block, n, n * r.dtype.itemsize)
         if r.kind == ARG:
             t = flat[r.ref]
-            return Tensor(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block)
+            return tensor_of(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block, n, n * r.dtype.itemsize)
         return Tensor(r.ref, r.shape, r.dtype, r.offset)
 
     return _map(cap.result, resolve, _Ref)

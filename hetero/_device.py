@@ -65,6 +65,8 @@ WANTED_FEATURES = ("timestamp-query", "timestamp-query-inside-encoders", "timest
                    "subgroup", "shader-f16")
 # How long close() waits for the fence thread to see the last submission complete.
 CLOSE_WAIT_S = 10.0
+# Deferred fence callbacks (Device.defer) pending at most: past this they run at once.
+MAX_DEFERRED = 64
 
 
 def _quiet_loader() -> None:
@@ -231,6 +233,7 @@ class Device:
         self.fence_spin_s = _fence_spin_s()
         # A SimpleQueue (C-implemented) wakes the fence thread faster than a Condition.
         self._fences: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._deferred: list[Callable[[], None]] = []  # housekeeping for when no fence waits (fence thread only)
         self._closed = False  # set under _submit_lock and _queue_lock: nothing is submitted after it
         self._queue_lock = threading.Lock()  # held around every queue submission (after _submit_lock)
         # Command buffers recorded but not yet submitted, in dependency order.
@@ -520,6 +523,30 @@ class Device:
         """Run ``callback()`` on the fence thread once submission ``index`` completed."""
         self._fences.put((index, callback))
 
+    def defer(self, callback: Callable[[], None]) -> None:
+        """From a fence callback: run ``callback()`` later on the fence thread, once no
+        completed fence waits (or :data:`MAX_DEFERRED` are pending, or at close).
+
+        For housekeeping nobody waits for (recycling upload staging, reading sampled
+        timestamps), so that the callbacks that deliver results and wake waiters of the
+        same submission run first.
+        """
+        if threading.current_thread() is not self._fence_thread:
+            callback()  # e.g. a shared encoder that failed settles its stages on the recording thread
+            return
+        self._deferred.append(callback)
+        if len(self._deferred) >= MAX_DEFERRED:
+            self._run_deferred()
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            pending, self._deferred = self._deferred, []
+            for cb in pending:
+                try:
+                    cb()
+                except BaseException:  # pragma: no cover - callbacks handle their own errors
+                    log.exception("deferred fence callback failed")
+
     def _next_fence(self) -> tuple[int, Callable[[], None]] | None:
         """The next fence to wait for: spin briefly (releasing the GIL) before blocking.
 
@@ -533,6 +560,12 @@ class Device:
             return fences.get_nowait()
         except queue.Empty:
             pass
+        if self._deferred:
+            self._run_deferred()
+            try:
+                return fences.get_nowait()
+            except queue.Empty:
+                pass
         if self.fence_spin_s > 0:
             deadline = time.perf_counter() + self.fence_spin_s
             while time.perf_counter() < deadline:
@@ -547,6 +580,7 @@ class Device:
         while True:
             item = self._next_fence()
             if item is None:
+                self._run_deferred()
                 return  # closed, and everything before the sentinel was completed
             index, callback = item
             try:

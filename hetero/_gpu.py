@@ -19,7 +19,7 @@ from ._device import Device, Kernel
 from ._memory import Block, MemoryWait
 from ._recorder import StageRecorder
 from ._split import DispatchInfo, grid_uniform
-from ._tensor import Tensor
+from ._tensor import Tensor, tensor_of
 from ._wgsl import dtype_mismatch
 
 __all__ = ["GPUContext", "map_values"]
@@ -91,6 +91,15 @@ class GPUContext:
         if self._capture is not None:
             self._capture.on_empty(t)
         return t
+
+    def _take(self, shape: tuple[int, ...], dt: np.dtype[Any], nbytes: int, size: int) -> Tensor:
+        """``empty`` for a replay: ``shape``, ``dt`` and ``nbytes`` were checked when it was captured."""
+        try:
+            block = self._dev.pool.acquire(nbytes, _STORAGE, stage=self.stage, overcommit=self._overcommit)
+        except MemoryWait as w:
+            raise _Park(w) from None
+        self.blocks.append(block)
+        return tensor_of(block.buffer, shape, dt, block.offset, block, size, nbytes)
 
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""

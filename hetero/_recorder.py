@@ -11,7 +11,8 @@ encoder. Two recorders:
   copy needs the pass closed (a dispatch in an open pass costs ~5 µs, a pass of its
   own ~18 µs). The encoder is finished and enqueued
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
-  ``max_stages`` stages, when a large stage was recorded while the GPU is idle,
+  ``max_stages`` stages, when a large stage (or, for a lone run, enough dispatches)
+  was recorded while the GPU is idle,
   when the GPU goes idle with committed stages waiting (from the fence thread),
   when the recording thread goes idle, and before the buffer pool destroys memory.
   Consumers of a stage may be recorded right after it: the one thread records them
@@ -94,6 +95,9 @@ class _Budget:
         if ticket is None:
             return None
         dev = self._dev
+        # Only cost-model samples (no stage spans, no trace): read once the results of the
+        # submission are delivered.
+        late = not dev.stage_timing and dev.tracer is None
 
         def read() -> None:
             timer, tracer = dev.timer, dev.tracer
@@ -116,15 +120,19 @@ class _Budget:
                             args["replayed"] = True
                         tracer.gpu_span(span.label, span.start_ns, span.end_ns, args, queue="GPU dispatches")
 
+        if late:
+            return lambda: dev.defer(read)
         return read
 
     def _reset_budget(self) -> None:
         self.est_ns = 0.0
+        self.dispatches = 0  # recorded into the open encoder (or this stage's) since it was last submitted
         self._work: dict[Any, int] = {}
 
     def note(self, key: Any, workgroups: int, est_ns: float) -> None:
         """A dispatch of ``workgroups`` of kernel ``key`` was recorded."""
         self.est_ns += est_ns
+        self.dispatches += 1
         self._work[key] = self._work.get(key, 0) + workgroups
 
     def reserve(self, est_ns: float) -> int:

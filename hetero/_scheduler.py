@@ -18,9 +18,10 @@ Policy
 * GPU stages are recorded on GPU worker threads (into one shared command encoder
   with one thread, else an encoder per stage), submitted with a submission index,
   and completed by the device's fence thread, which downloads values a CPU stage
-  or the caller needs. A large stage is submitted at once only while the GPU is
-  idle; while it is busy the shared encoder keeps growing (a command buffer costs
-  ~0.3 ms of host time on the H200).
+  or the caller needs. A large stage (or, while a single run is active, a stage
+  that brings the shared encoder to ``EARLY_SUBMIT_DISPATCHES`` dispatches) is
+  submitted at once only while the GPU is idle; while it is busy the shared encoder
+  keeps growing (a command buffer costs ~0.3 ms of host time on the H200).
 * A CPU value that several GPU stages read is uploaded by the first of them and
   held (like a GPU value, one hold per reader) for the others, when one thread
   records (so the upload is queued before every reader).
@@ -84,6 +85,12 @@ log = logging.getLogger("hetero")
 LARGE_STAGE_WORKGROUPS = 1 << 14
 _KEEP: Any = object()  # Run.set_value: leave the device-side value as it is
 
+# The only active run's stage whose commit finds the GPU idle is submitted at once, with
+# the stages before it in the shared encoder, when that encoder holds at least this many
+# dispatches: the GPU runs them while the run's next stages are recorded, instead of idling
+# until its fence. With several runs in flight the recording thread is the bottleneck and
+# every submission costs it ~0.3 ms on the H200, so their stages are not submitted early.
+EARLY_SUBMIT_DISPATCHES = 8
 # How long a stopped (failed or cancelled) run waits for its GPU stages being recorded
 # before returning anyway (a stage function that never returns must not hang the caller).
 _CLEANUP_WAIT = 5.0
@@ -915,11 +922,13 @@ class Scheduler:
                 self._sub_stages[t_ns] = self._sub_stages.get(t_ns, 0) + 1
 
             try:
-                # A large stage goes out at once only while the GPU has nothing to do; while
-                # it is busy the encoder keeps growing (a command buffer costs ~0.3 ms of host
-                # time on the H200) and goes out with the next large stage that finds it idle.
-                rec.commit(on_done, lambda err: run.fail(st, err),
-                           flush=st.fence or (ctx.workgroups > LARGE_STAGE_WORKGROUPS and dev.idle),
+                # A large stage (or enough of a lone run, see EARLY_SUBMIT_DISPATCHES) goes out at
+                # once only while the GPU has nothing to do; while it is busy the encoder keeps
+                # growing (a command buffer costs ~0.3 ms of host time on the H200) and goes out
+                # with the next such stage that finds it idle.
+                early = ctx.workgroups > LARGE_STAGE_WORKGROUPS or (rec.dispatches >= EARLY_SUBMIT_DISPATCHES
+                                                                    and len(self._active) == 1)
+                rec.commit(on_done, lambda err: run.fail(st, err), flush=st.fence or (early and dev.idle),
                            on_submit=on_submit)
             except BaseException as e:  # noqa: BLE001 - the stage's own encoder failed, or the device was lost
                 run.fail(st, e, attempt)
@@ -965,9 +974,13 @@ class Scheduler:
         rec.abandon(lambda: ctx.settle(ran=rec.shared))
 
     def _gpu_completed(self, run: Run, st: StagePlan, result: Any, ctx: GPUContext, uploads: list[Any]) -> None:
-        """On the fence thread: the stage's GPU work finished; recycle staging, bring values to the host."""
-        for ticket in uploads:
-            ticket.complete()
+        """On the fence thread: the stage's GPU work finished; bring values to the host, recycle staging."""
+        if uploads:
+            def recycle() -> None:
+                for ticket in uploads:
+                    ticket.complete()
+
+            ctx._dev.defer(recycle)  # the staging goes back once this fence's results are delivered
         ctx.uploads = []
         if not st.fence:
             return

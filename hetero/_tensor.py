@@ -10,7 +10,7 @@ import numpy as np
 if TYPE_CHECKING:
     import wgpu
 
-__all__ = ["Tensor", "buffer_size"]
+__all__ = ["Tensor", "buffer_size", "tensor_of"]
 
 
 def buffer_size(nbytes: int) -> int:
@@ -49,3 +49,12 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"<Tensor shape={self.shape} dtype={self.dtype.name}>"
+
+
+def tensor_of(buffer: Any, shape: tuple[int, ...], dtype: np.dtype[Any], offset: int, block: Any, size: int,
+              nbytes: int) -> Tensor:
+    """A Tensor from fields already checked and computed (``shape`` a tuple of ints, ``dtype`` a
+    numpy dtype, ``size`` and ``nbytes`` its own): for replays, which rebuild known tensors."""
+    t = Tensor.__new__(Tensor)
+    t.buffer, t.shape, t.dtype, t.offset, t.block, t.size, t.nbytes = buffer, shape, dtype, offset, block, size, nbytes
+    return t

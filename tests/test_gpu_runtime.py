@@ -662,3 +662,52 @@ async def test_large_outputs_reuse_staging_memory(zero_copy_outputs: bool) -> No
         assert ring["zero_copy_bytes"] == (16 * MiB if zero_copy_outputs else 0)
     np.testing.assert_array_equal(y4, want + 1)  # still valid after the runtime closed
     del y4
+
+
+async def test_a_lone_run_submits_enough_recorded_work_while_the_gpu_is_idle() -> None:
+    """A stage that brings the shared encoder to EARLY_SUBMIT_DISPATCHES goes out when it
+    finds the GPU idle and no other run active, before the next stage is recorded."""
+    from hetero._scheduler import EARLY_SUBMIT_DISPATCHES
+
+    def many(gpu: hetero.GPUContext, x: Tensor) -> Tensor:
+        for _ in range(EARLY_SUBMIT_DISPATCHES):
+            x = scale(gpu, x, 1.0)
+        return x
+
+    g = hetero.Graph("early")
+    a = g.gpu(many, g.input("x"), name="a")
+    g.output(g.gpu(scale, a, 3.0, name="b"))
+    x = np.arange(1000, dtype=np.float32)
+    async with hetero.Runtime(cpu_threads=2, gpu_budget_ms=60_000) as rt:  # no submission ends for the budget
+        np.testing.assert_allclose(await rt.run(g, x=x), 3.0 * x)  # compiles; the GPU is idle again after it
+        before = rt.device().submissions
+        np.testing.assert_allclose(await rt.run(g, x=x), 3.0 * x)
+        st = rt.stats()
+        submissions = rt.device().submissions - before
+    sa, sb = st.stage("a"), st.stage("b")
+    assert sa.submitted is not None and sb.started is not None and sb.submitted is not None
+    assert sa.submitted <= sb.started < sb.submitted  # a went out on its own, before b was recorded
+    assert submissions == 2
+
+
+def test_deferred_fence_callbacks_run_after_the_waiting_ones(shared_rt: hetero.Runtime) -> None:
+    """Device.defer from a fence callback runs once no completed fence waits; elsewhere at once."""
+    dev = shared_rt.device()
+    order: list[str] = []
+    ran = threading.Event()
+    gate = threading.Event()
+    dev.defer(lambda: order.append("off the fence thread"))
+    assert order == ["off the fence thread"]
+    order.clear()
+    dev.enqueue(dev.device.create_command_encoder().finish(), lambda: gate.wait(10), flush=True)
+    index = dev.fence().index  # the fence thread is held by the gate meanwhile
+
+    def first() -> None:
+        order.append("first")
+        dev.defer(lambda: (order.append("deferred"), ran.set()))
+
+    dev.on_done(index, first)
+    dev.on_done(index, lambda: order.append("second"))
+    gate.set()
+    assert ran.wait(10)
+    assert order == ["first", "second", "deferred"]
