@@ -24,7 +24,8 @@ Figures, all measured in this run:
   process stage minus a run of the same stage on a thread; target <= 200 µs), beside
   ``concurrent.futures.ProcessPoolExecutor``'s submit+result round trip.
 * ``shm``: GB/s moving ``--shm-size`` float32 arrays into a process stage and back
-  (through shared memory), beside the executor (pickled through its pipe).
+  (through shared memory), beside the executor (pickled through its pipe) and a plain
+  numpy copy into fresh memory (new pages each time) and into one reused array.
 
 On lavapipe use small sizes, e.g. ``--n 40 --size 128 --matmuls 4 --calls 200 --shm-size 16M``.
 """
@@ -208,10 +209,26 @@ async def main_async(a: argparse.Namespace) -> None:
         into = await per_run_us(rt, one_stage(first, True), x, n) - small
         both = await per_run_us(rt, one_stage(same, True), x, n) - small
         ref_into, ref_both = executor_bandwidth(x, n)
+        fresh, reused = numpy_copy(x, n)
         gb = x.nbytes / 1e9
         emit(what="shm", size=human(x.nbytes), into_gbs=round(gb / (into / 1e6), 2),
              round_trip_gbs=round(2 * gb / (both / 1e6), 2), executor_into_gbs=round(gb / ref_into, 2),
-             executor_round_trip_gbs=round(2 * gb / ref_both, 2), target_gbs=5)
+             executor_round_trip_gbs=round(2 * gb / ref_both, 2), numpy_copy_fresh_gbs=round(gb / fresh, 2),
+             numpy_copy_reused_gbs=round(gb / reused, 2), target_gbs=5)
+
+
+def numpy_copy(x: np.ndarray, n: int) -> tuple[float, float]:
+    """Seconds per copy of ``x`` into fresh memory (new pages each time) and into one reused array."""
+    dst = np.empty_like(x)
+    np.copyto(dst, x)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        np.copyto(dst, x)
+    reused = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        np.copyto(np.empty_like(x), x)
+    return (time.perf_counter() - t0) / n, reused
 
 
 def executor_call_us(n: int) -> float:

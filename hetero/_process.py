@@ -54,6 +54,8 @@ missing (Windows) everything travels in the pickle.
 from __future__ import annotations
 
 import atexit
+import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -63,6 +65,7 @@ import selectors
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,6 +73,8 @@ import traceback
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
+
+import numpy as np
 
 try:
     import _posixshmem
@@ -83,12 +88,12 @@ log = logging.getLogger("hetero")
 # Buffers (numpy arrays) of at least this many bytes travel through shared memory.
 SHM_THRESHOLD = 1 << 16
 _ALIGN = 64
+_CACHE_MIN = 64 << 20  # a cache of free segments keeps at least this many bytes (see _cache_limit)
 _PREFIX = "hetero"  # then the parent pid, "_", and more (short: macOS allows 31 characters)
 _SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for sweeping)
-_PWRITE = sys.platform.startswith("linux")  # shared memory is a tmpfs file there: pwrite fills it
-
-# (pickle bytes, segment name or None, ((offset, length), ...))
-Message = tuple[bytes, str | None, tuple[tuple[int, int], ...]]
+_MEMFD = hasattr(os, "memfd_create")  # Linux: shared-memory files without a name
+# Segments travel as file descriptors over the worker's socket.
+_SHM = (_MEMFD or _posixshmem is not None) and hasattr(socket, "send_fds")
 
 
 # -- shared-memory segments ----------------------------------------------------------
@@ -98,41 +103,69 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _write(name: str, size: int, parts: list[tuple[pickle.PickleBuffer, int]]) -> None:
-    """Create segment ``name`` of ``size`` bytes holding each buffer at its offset.
-
-    On Linux it is written with pwrite rather than through a mapping: the kernel copies
-    into fresh pages in one pass, where a mapping would first zero every page and then
-    copy. Elsewhere (macOS shared memory cannot be written to) through a mapping.
-    """
-    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+def _new_fd(size: int, tag: str) -> int:
+    """A new shared-memory file of ``size`` bytes that has no name (nothing to leave behind)."""
+    if _MEMFD:
+        fd = os.memfd_create(f"{_PREFIX}{os.getpid()}_{tag}", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - macOS: named for an instant, swept if we die in it
+        name = f"/{_PREFIX}{os.getpid()}_{tag}"
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        _unlink(name)
     try:
         os.ftruncate(fd, size)
-        if _PWRITE:
-            for buf, off in parts:
-                with buf.raw() as raw:
-                    view = raw.cast("B")
-                    done = 0
-                    while done < len(view):
-                        done += os.pwrite(fd, view[done:], off + done)
-        else:
-            with _map(fd, size) as mm, memoryview(mm) as dst:
-                for buf, off in parts:
-                    with buf.raw() as raw:
-                        dst[off:off + raw.nbytes] = raw.cast("B")
     except BaseException:
-        _unlink(name)
+        os.close(fd)
         raise
-    finally:
-        os.close(fd)
+    return fd
 
 
-def _attach(name: str, size: int) -> mmap.mmap:
-    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
-    try:
-        return _map(fd, size)
-    finally:
-        os.close(fd)
+def _size_class(n: int) -> int:
+    """Segment size for ``n`` bytes: 8 classes per doubling (at most 12.5% unused)."""
+    n = max(n, SHM_THRESHOLD)
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return (n + step - 1) // step * step
+
+
+class _Lease(np.ndarray):
+    """One message's view of a segment: arrays unpickled from the message are views of it,
+    so it dies with the last of them, and its finalizer frees the segment for reuse."""
+
+
+class Segment:
+    """A shared-memory file mapped in this process, reused from message to message."""
+
+    __slots__ = ("id", "size", "fd", "arr", "__weakref__")
+
+    def __init__(self, id: int, size: int, fd: int, keep_fd: bool = True) -> None:
+        """Map ``fd`` (the mapping holds a descriptor of its own); keep ``fd`` to send it on."""
+        self.id = id
+        self.size = size
+        self.fd = fd if keep_fd else -1
+        try:
+            self.arr: np.ndarray | None = np.frombuffer(_map(fd, size), np.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+
+    @classmethod
+    def new(cls, id: int, size: int, tag: str) -> Segment:
+        return cls(id, size, _new_fd(size, tag))
+
+    def lease(self, on_free: Callable[[], None] | None) -> np.ndarray:
+        assert self.arr is not None
+        view = self.arr.view(_Lease)
+        if on_free is not None:
+            weakref.finalize(view, on_free).atexit = False
+        return view
+
+    def close(self) -> None:
+        """Drop this process's handle; the mapping goes with the last array on it."""
+        if self.arr is not None:
+            self.arr = None
+            if self.fd >= 0:
+                os.close(self.fd)
 
 
 def _unlink(name: str) -> None:
@@ -143,7 +176,7 @@ def _unlink(name: str) -> None:
 
 
 def shm_segments(pid: int | None = None) -> list[str]:
-    """Names of this process's (or ``pid``'s) segments in /dev/shm; [] where it cannot be listed."""
+    """Names of this process's (or ``pid``'s) segments listed in /dev/shm; [] where it cannot be listed."""
     prefix = f"{_PREFIX}{os.getpid() if pid is None else pid}_"
     try:
         return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
@@ -151,8 +184,25 @@ def shm_segments(pid: int | None = None) -> list[str]:
         return []
 
 
+def open_segments(pid: int | None = None) -> int:
+    """How many shared-memory files process ``pid`` (default this one) holds open; 0 where unknown."""
+    d = f"/proc/{os.getpid() if pid is None else pid}/fd"
+    n = 0
+    try:
+        fds = os.listdir(d)
+    except OSError:
+        return 0
+    for f in fds:
+        try:
+            if os.readlink(f"{d}/{f}").startswith(f"/memfd:{_PREFIX}"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
 def _sweep(prefix: str) -> None:
-    """Unlink every segment whose name starts with ``prefix`` (e.g. a dead worker's)."""
+    """Unlink every segment whose name starts with ``prefix``."""
     try:
         names = os.listdir(_SHM_DIR)
     except OSError:
@@ -163,7 +213,7 @@ def _sweep(prefix: str) -> None:
 
 
 def _sweep_dead_parents() -> None:
-    """Unlink segments left by processes that no longer exist (killed with SIGKILL, say)."""
+    """Unlink named segments left by processes that no longer exist (killed with SIGKILL, say)."""
     try:
         names = os.listdir(_SHM_DIR)
     except OSError:
@@ -188,8 +238,16 @@ def _sweep_dead_parents() -> None:
             _unlink("/" + n)
 
 
-def encode(obj: Any, new_name: Callable[[], str], threshold: int) -> Message:
-    """Pickle ``obj``; buffers of ``threshold`` bytes or more go into one new shared-memory segment."""
+def _copy_in(dst: np.ndarray, src: pickle.PickleBuffer) -> None:
+    # numpy copies without the GIL (a memoryview assignment would hold it).
+    with src.raw() as raw:
+        np.copyto(dst, np.frombuffer(raw, np.uint8))
+
+
+def encode(obj: Any, threshold: int, acquire: Callable[[int], Segment] | None
+           ) -> tuple[bytes, Segment | None, tuple[tuple[int, int], ...]]:
+    """Pickle ``obj``; buffers of ``threshold`` bytes or more are copied into one segment from
+    ``acquire(size)`` (no segment without ``acquire``: everything in the pickle)."""
     big: list[pickle.PickleBuffer] = []
 
     def out_of_band(buf: pickle.PickleBuffer) -> bool:
@@ -202,8 +260,8 @@ def encode(obj: Any, new_name: Callable[[], str], threshold: int) -> Message:
         big.append(buf)
         return False
 
-    data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band if _posixshmem is not None else None)
-    if not big:
+    data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band if acquire is not None else None)
+    if not big or acquire is None:
         return data, None, ()
     layout = []
     off = 0
@@ -211,21 +269,20 @@ def encode(obj: Any, new_name: Callable[[], str], threshold: int) -> Message:
         n = b.raw().nbytes
         layout.append((off, n))
         off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    name = new_name()
-    _write(name, off, [(b, o) for b, (o, _) in zip(big, layout)])
-    return data, name, tuple(layout)
+    seg = acquire(off)
+    assert seg.arr is not None
+    for b, (o, n) in zip(big, layout):
+        _copy_in(seg.arr[o:o + n], b)
+    return data, seg, tuple(layout)
 
 
-def decode(msg: Message) -> Any:
-    """Unpickle ``msg``; its large buffers become views of the (mapped) segment."""
-    data, name, layout = msg
-    if name is None:
+def decode(data: bytes, seg: Segment | None, layout: tuple[tuple[int, int], ...],
+           on_free: Callable[[], None] | None = None) -> Any:
+    """Unpickle; large buffers become views of ``seg``. ``on_free`` runs once none is left."""
+    if seg is None:
         return pickle.loads(data)
-    size = max(o + n for o, n in layout)
-    mm = _attach(name, size)
-    view = memoryview(mm)
-    # Each array keeps its slice, the slice keeps the mapping: unmapped when the last array dies.
-    return pickle.loads(data, buffers=[view[o:o + n] for o, n in layout])
+    lease = seg.lease(on_free)
+    return pickle.loads(data, buffers=[lease[o:o + n] for o, n in layout])
 
 
 def check_unpicklable(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], skip: tuple[type, ...]) -> str | None:
@@ -274,14 +331,44 @@ def _portable(exc: BaseException) -> BaseException:
                             f"{type(e).__name__}: {e})")
 
 
-def _worker_main(conn: Any, parent: int, threshold: int) -> None:
-    """Receive (job id, message), run it, send (job id, ok, payload, t0, t1) back; stop at EOF or None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    me = os.getpid()
-    seq = itertools.count()
+def _cache_limit(largest: int) -> int:
+    """Bytes of free segments a cache keeps: twice the largest message so far, at least _CACHE_MIN."""
+    return max(_CACHE_MIN, 2 * largest)
 
-    def new_name() -> str:
-        return f"/{_PREFIX}{parent}_{me}_{next(seq)}"
+
+def _take(free: list[Segment], size: int) -> Segment | None:
+    """The most recently freed segment of exactly ``size`` bytes, removed from ``free``."""
+    for k in range(len(free) - 1, -1, -1):
+        if free[k].size == size:
+            return free.pop(k)
+    return None
+
+
+def _clear_tracebacks(exc: BaseException | None) -> None:
+    """Let go of the frames (and so the arguments) an exception's chain refers to; its text is kept."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+def _worker_main(conn: Any, parent: int, threshold: int) -> None:
+    """Receive ``(job id, pickle, argument segment, layout, released, forget)``, run it, send
+    ``(job id, ok, payload, t0, t1, argument kept, dropped)`` back; stop at EOF or None.
+
+    A segment new to the other side follows its message as a file descriptor. ``released``:
+    result segments the parent no longer reads; ``forget``: argument segments it dropped;
+    ``dropped``: result segments this worker let go; ``argument kept``: the call kept a view of
+    its argument segment (the function stored it), so the parent must not reuse that segment.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    args: dict[int, Segment] = {}  # the parent's argument segments, mapped here
+    results: dict[int, Segment] = {}  # result segments made here (lent to the parent or free)
+    free: list[Segment] = []
+    largest = 0
+    ids = itertools.count()
 
     while True:
         try:
@@ -290,40 +377,101 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
             return
         if job is None:
             return
-        keep: list[Any] = []
-        reply = _run_job(job[0], job[1], new_name, threshold, keep)
+        job_id, data, arg, layout, released, forget = job
         del job
+        for i in forget:
+            seg = args.pop(i, None)
+            if seg is not None:
+                seg.close()
+        for i in released:
+            if i in results:
+                free.append(results[i])
+        dropped = []
+        while free and sum(s.size for s in free) > _cache_limit(largest):
+            seg = free.pop(0)
+            del results[seg.id]
+            seg.close()
+            dropped.append(seg.id)
+        seg = None
+        if arg is not None:
+            sid, size, new = arg
+            try:
+                if new:
+                    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                    args[sid] = Segment(sid, size, fds[0], keep_fd=False)
+                seg = args[sid]
+            except (OSError, IndexError, KeyError):
+                return  # the parent is gone or out of step: nothing sensible is left to do
+        made: list[Segment] = []
+        taken: list[Segment] = []
+
+        def acquire(n: int) -> Segment:
+            nonlocal largest
+            size = _size_class(n)
+            largest = max(largest, size)
+            s = _take(free, size)
+            if s is None:
+                k = next(ids)
+                s = Segment.new(k, size, f"r{k}")
+                results[s.id] = s
+                made.append(s)
+            taken.append(s)
+            return s
+
+        freed: list[bool] = []
+        hold: list[Any] = []
+        reply = _run_job(job_id, data, seg, layout, lambda: freed.append(True), acquire, threshold, hold)
+        del data
+        if seg is not None and not freed:
+            hold.clear()  # the value may be (a view of) an argument
+        kept = seg is not None and not freed
+        if kept:
+            assert seg is not None
+            args.pop(seg.id).close()
+        del seg
+        send_fd = None
+        if reply[1] and reply[2][1] is not None:
+            rid, rsize = reply[2][1]
+            new = any(s.id == rid for s in made)
+            if new:
+                send_fd = results[rid].fd
+            reply = (reply[0], True, (reply[2][0], (rid, rsize, new), reply[2][2]), reply[3], reply[4])
+            free.extend(s for s in taken if s.id != rid)  # acquired but not sent (cannot happen twice)
+        else:
+            free.extend(taken)
         try:
-            conn.send(reply)
+            conn.send((*reply, kept, tuple(dropped)))
+            if send_fd is not None:
+                socket.send_fds(sock, [b"F"], [send_fd])
         except (OSError, ValueError):  # the parent is gone
-            if reply[1] and reply[2][1] is not None:
-                _unlink(reply[2][1])
             return
-        # Only now let go of the call's arguments and value: unmapping the argument
-        # segment frees its pages, which takes a while for a large one.
-        del keep, reply
+        # Only now let go of the value: freeing a large one takes a while.
+        del hold, reply
 
 
-def _run_job(job_id: int, msg: Message, new_name: Callable[[], str], threshold: int,
-             keep: list[Any]) -> tuple[Any, ...]:
-    """Run one call; its arguments (views of their segment) and its value go into ``keep``."""
+def _run_job(job_id: int, data: bytes, seg: Segment | None, layout: tuple[tuple[int, int], ...],
+             on_free: Callable[[], None], acquire: Callable[[int], Segment], threshold: int,
+             hold: list[Any]) -> tuple[Any, ...]:
+    """Run one call; its value goes into ``hold``. ``on_free`` runs once no argument view is left."""
     t0 = time.perf_counter_ns()
     try:
-        call = decode(msg)
-        if msg[1] is not None:
-            _unlink(msg[1])  # mapped: the name is no longer needed (the parent unlinks it too, if we die first)
-        keep.append(call)
-        fn, args, kwargs = call
+        fn, args, kwargs = decode(data, seg, layout, on_free)
         value = fn(*args, **kwargs)
-        keep.append(value)
+        del args, kwargs
+        hold.append(value)
         t1 = time.perf_counter_ns()
         try:
-            return (job_id, True, encode(value, new_name, threshold), t0, t1)
+            body, res, res_layout = encode(value, threshold, acquire if _SHM else None)
         except Exception as e:
             raise TypeError(f"the stage's result cannot be pickled ({type(e).__name__}: {e})") from e
+        del value
+        out = None if res is None else (res.id, res.size)
+        return (job_id, True, (body, out, res_layout), t0, t1)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         t1 = time.perf_counter_ns()
-        return (job_id, False, (_portable(e), traceback.format_exc()), t0, t1)
+        tb = traceback.format_exc()
+        _clear_tracebacks(e)
+        return (job_id, False, (_portable(e), tb), t0, t1)
 
 
 # -- the parent side -----------------------------------------------------------------
@@ -334,11 +482,14 @@ Done = Callable[[bool, Any, int, int, int], None]
 class Job:
     """One call of a process stage: queued, then running on one worker, then done."""
 
-    __slots__ = ("key", "msg", "on_done", "state", "worker", "arrival")
+    __slots__ = ("key", "data", "seg", "layout", "on_done", "state", "worker", "arrival")
 
-    def __init__(self, key: Any, msg: Message, on_done: Done, arrival: int) -> None:
+    def __init__(self, key: Any, data: bytes, seg: Segment | None, layout: tuple[tuple[int, int], ...],
+                 on_done: Done, arrival: int) -> None:
         self.key = key
-        self.msg = msg
+        self.data = data
+        self.seg = seg  # the arguments' segment, the pool's again once the job ends
+        self.layout = layout
         self.on_done = on_done
         self.state = "queued"  # queued | running | done | cancelled
         self.worker: _Worker | None = None
@@ -349,13 +500,37 @@ class Job:
 
 
 class _Worker:
-    __slots__ = ("index", "proc", "conn", "job")
+    __slots__ = ("index", "proc", "conn", "sock", "job", "known", "forget", "results", "released")
 
     def __init__(self, index: int, proc: Any, conn: Any) -> None:
         self.index = index
         self.proc = proc
         self.conn = conn
+        # The same socket, for file descriptors (a segment new to the other side).
+        self.sock = socket.socket(fileno=os.dup(conn.fileno())) if _SHM else None
         self.job: Job | None = None
+        self.known: set[int] = set()  # argument segments it has mapped
+        self.forget: collections.deque[int] = collections.deque()  # ... that it should drop
+        self.results: dict[int, Segment] = {}  # its result segments, mapped here
+        # Result segments whose arrays all died here (appended by finalizers, on any thread).
+        self.released: collections.deque[int] = collections.deque()
+
+    def drop(self) -> None:
+        """The worker is gone: let go of its sockets and result segments (arrays keep their memory)."""
+        for seg in self.results.values():
+            seg.close()
+        self.results.clear()
+        for c in (self.conn, self.sock):
+            try:
+                if c is not None:
+                    c.close()
+            except OSError:  # pragma: no cover
+                pass
+
+
+def _releaser(w: _Worker, rid: int) -> Callable[[], None]:
+    """Run when the last array on result segment ``rid`` died: the worker may write it again."""
+    return functools.partial(w.released.append, rid)
 
 
 _live_pools: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
@@ -398,7 +573,10 @@ class ProcessPool:
         self._idle: list[_Worker] = []
         self._queue: list[Job] = []
         self._arrival = itertools.count()
-        self._names = itertools.count()
+        self._seg_ids = itertools.count()
+        self._free: list[Segment] = []  # argument segments not in use (any worker may have mapped them)
+        self._largest = 0
+        self.segments_made = 0
         self._started = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -416,17 +594,26 @@ class ProcessPool:
             return [w.proc.pid for w in self._workers if w is not None]
 
     # -- submitting ---------------------------------------------------------------------
-    def _new_name(self) -> str:
-        return f"/{_PREFIX}{os.getpid()}_a{next(self._names)}"
+    def _acquire(self, n: int) -> Segment:
+        """A free argument segment for ``n`` bytes, or a new one."""
+        size = _size_class(n)
+        with self._lock:
+            self._largest = max(self._largest, size)
+            seg = _take(self._free, size)
+            if seg is not None:
+                return seg
+            self.segments_made += 1
+            k = next(self._seg_ids)
+        return Segment.new(k, size, f"a{k}")
 
     def job(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             on_done: Done) -> Job:
         """Pickle ``fn(*args, **kwargs)`` into a job for :meth:`submit`. Raises if it cannot be pickled."""
         try:
-            msg = encode((fn, args, kwargs), self._new_name, self.threshold)
+            data, seg, layout = encode((fn, args, kwargs), self.threshold, self._acquire if _SHM else None)
         except Exception as e:
             raise TypeError(f"the stage's arguments cannot be pickled ({type(e).__name__}: {e})") from e
-        return Job(key, msg, on_done, next(self._arrival))
+        return Job(key, data, seg, layout, on_done, next(self._arrival))
 
     def submit(self, job: Job) -> None:
         """Run ``job`` on an idle worker now, or queue it; ``job.on_done`` gets its result."""
@@ -445,7 +632,7 @@ class ProcessPool:
                 w = self._idle.pop()
                 self._give(w, job)
         except BaseException:
-            self._drop_segment(job)
+            self._release(job)
             raise
         self._send(w, job)
 
@@ -458,8 +645,18 @@ class ProcessPool:
 
     @staticmethod
     def _send(w: _Worker, job: Job) -> None:
+        seg = job.seg
+        arg = None
+        if seg is not None:
+            arg = (seg.id, seg.size, seg.id not in w.known)
+            w.known.add(seg.id)
+        released = [w.released.popleft() for _ in range(len(w.released))]
+        forget = [w.forget.popleft() for _ in range(len(w.forget))]
         try:
-            w.conn.send((job.arrival, job.msg))
+            w.conn.send((job.arrival, job.data, arg, job.layout, released, forget))
+            if arg is not None and arg[2]:
+                assert seg is not None and w.sock is not None
+                socket.send_fds(w.sock, [b"F"], [seg.fd])
         except (OSError, ValueError):  # the worker died (or was killed): the dispatcher sees its sentinel
             pass
 
@@ -480,17 +677,32 @@ class ProcessPool:
                         w.proc.kill()
                     except Exception:  # noqa: BLE001 - already gone
                         pass
-                return  # its segment goes once the dispatcher saw the worker end
+                return  # its segment is free once the dispatcher saw the worker end
             else:
                 return
-        self._drop_segment(job)
+        self._release(job)
 
-    @staticmethod
-    def _drop_segment(job: Job) -> None:
-        name = job.msg[1]
-        if name is not None:
-            _unlink(name)
-            job.msg = (b"", None, ())
+    def _release(self, job: Job, kept: bool = False) -> None:
+        """The job ended: its argument segment is free again, or dropped when ``kept`` (a worker
+        still has views of it) or beyond the cache's limit."""
+        seg, job.seg = job.seg, None
+        if seg is None:
+            return
+        drop = [seg] if kept or self._closed else []
+        with self._lock:
+            if not drop:
+                self._free.append(seg)
+                limit = _cache_limit(self._largest)
+                while sum(s.size for s in self._free) > limit:
+                    drop.append(self._free.pop(0))
+            for s in drop:
+                for w in self._workers:
+                    if w is not None and s.id in w.known:
+                        w.known.discard(s.id)
+                        if not (kept and s is seg and w is job.worker):
+                            w.forget.append(s.id)
+        for s in drop:
+            s.close()
 
     # -- workers --------------------------------------------------------------------------
     def start(self) -> None:
@@ -539,17 +751,35 @@ class ProcessPool:
                     if what == "conn":
                         try:
                             reply = w.conn.recv()
-                        except (EOFError, OSError):
+                            seg = self._result_segment(w, reply)
+                        except (EOFError, OSError, IndexError, KeyError):
                             self._worker_died(w)
                             continue
-                        self._finished(w, reply)
+                        self._finished(w, reply, seg)
                     else:
                         self._worker_died(w)
                 except Exception:  # pragma: no cover - the dispatcher must keep serving the others
                     log.exception("hetero: the process pool failed to handle worker %d", w.index)
 
-    def _finished(self, w: _Worker, reply: tuple[Any, ...]) -> None:
-        job_id, ok, payload, t0, t1 = reply
+    @staticmethod
+    def _result_segment(w: _Worker, reply: tuple[Any, ...]) -> Segment | None:
+        """The segment holding the reply's large buffers (its descriptor follows if it is new);
+        drops those the worker let go."""
+        for i in reply[6]:
+            seg = w.results.pop(i, None)
+            if seg is not None:
+                seg.close()
+        if not reply[1] or reply[2][1] is None:
+            return None
+        rid, size, new = reply[2][1]
+        if new:
+            assert w.sock is not None
+            _, fds, _, _ = socket.recv_fds(w.sock, 1, 1)
+            w.results[rid] = Segment(rid, size, fds[0], keep_fd=False)
+        return w.results[rid]
+
+    def _finished(self, w: _Worker, reply: tuple[Any, ...], seg: Segment | None) -> None:
+        job_id, ok, payload, t0, t1, kept, _ = reply
         with self._lock:
             job = w.job
             w.job = None
@@ -565,19 +795,16 @@ class ProcessPool:
         if job is None or job.arrival != job_id:  # pragma: no cover - replies come in order
             log.error("hetero: process worker %d answered job %s it was not given", w.index, job_id)
             return
-        self._drop_segment(job)
-        if job.state == "cancelled":  # nobody wants the result: only free its segment
-            if ok and payload[1] is not None:
-                _unlink(payload[1])
+        self._release(job, kept)
+        if job.state == "cancelled":  # nobody wants the result: its segment is free again
+            if seg is not None:
+                w.released.append(seg.id)
             return
         if ok:
             try:
-                value = decode(payload)
+                value = decode(payload[0], seg, payload[2], None if seg is None else _releaser(w, seg.id))
             except BaseException as e:  # noqa: BLE001
                 ok, value = False, e
-            finally:
-                if payload[1] is not None:
-                    _unlink(payload[1])  # mapped (or failed): the name is no longer needed
         else:
             exc, tb = payload
             exc.__cause__ = _RemoteTraceback(tb)
@@ -590,16 +817,12 @@ class ProcessPool:
     def _worker_died(self, w: _Worker) -> None:
         w.proc.join(timeout=5)
         code = w.proc.exitcode
-        _sweep(f"{_PREFIX}{os.getpid()}_{w.proc.pid}_")
         for handle in (w.conn, w.proc.sentinel):
             try:
                 self._sel.unregister(handle)
             except (KeyError, ValueError):  # pragma: no cover
                 pass
-        try:
-            w.conn.close()
-        except OSError:  # pragma: no cover
-            pass
+        w.drop()
         nxt = nw = None
         with self._lock:
             job = w.job
@@ -617,7 +840,7 @@ class ProcessPool:
             self._send(nw, nxt)
         if job is None:
             return
-        self._drop_segment(job)
+        self._release(job)
         if job.state == "cancelled":
             return
         self.crashes += 1
@@ -645,7 +868,7 @@ class ProcessPool:
             queued, self._queue = self._queue, []
             self._idle = []
         for job in queued:
-            self._drop_segment(job)
+            self._release(job)
         for w in workers:
             try:
                 if w.job is None:
@@ -672,11 +895,12 @@ class ProcessPool:
             self._wake_w.close()
         for w in workers:
             if w.job is not None:
-                self._drop_segment(w.job)
-            try:
-                w.conn.close()
-            except OSError:  # pragma: no cover
-                pass
+                self._release(w.job)
+            w.drop()
+        with self._lock:
+            free, self._free = self._free, []
+        for seg in free:
+            seg.close()
         _sweep(f"{_PREFIX}{os.getpid()}_")
         for job in queued + [w.job for w in workers if w.job is not None]:
             if job.state in ("queued", "running"):

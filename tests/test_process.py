@@ -8,6 +8,7 @@ that the pool replaced them.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import mmap
 import os
@@ -28,7 +29,7 @@ import pytest
 
 import hetero
 from hetero import GraphError, StageError
-from hetero._process import SHM_THRESHOLD, shm_segments
+from hetero._process import SHM_THRESHOLD, open_segments, shm_segments
 
 pytestmark = pytest.mark.anyio
 
@@ -87,6 +88,19 @@ def segfault(x: int) -> int:
     return x
 
 
+STASHED: list[np.ndarray] = []  # in a worker: arguments a stage kept beyond its call
+
+
+def stash(x: np.ndarray) -> float:
+    """Keep the argument (a view of shared memory) and add up the first element of all kept."""
+    STASHED.append(x)
+    return float(sum(a[0] for a in STASHED))
+
+
+def same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
 def flaky(path: str) -> str:
     """Fails on its first call (per path), succeeds on the second."""
     p = Path(path)
@@ -121,6 +135,8 @@ def prt() -> Iterator[hetero.Runtime]:
     yield rt
     rt.close()
     assert shm_segments() == []
+    gc.collect()  # arrays of failed tests' tracebacks
+    assert open_segments() == 0, "the closed pool still holds shared memory"
 
 
 @pytest.fixture(autouse=True)
@@ -233,28 +249,76 @@ def _owner(a: np.ndarray) -> Any:
     return b
 
 
-@pytest.mark.parametrize("pwrite", [True, False])
-def test_encode_decode_round_trip(monkeypatch: pytest.MonkeyPatch, pwrite: bool) -> None:
-    """Large contiguous buffers go to one segment (written with pwrite, or through a mapping
-    as where segments are not files); small and strided ones stay in the pickle."""
+def test_encode_decode_round_trip() -> None:
+    """Large contiguous buffers go to one segment; small and strided ones stay in the pickle.
+    The segment is free again (on_free) only once every array unpickled from it died."""
     from hetero import _process
 
-    monkeypatch.setattr(_process, "_PWRITE", pwrite)
     rng = np.random.default_rng(0)
     value = {"f32": rng.standard_normal(BIG).astype(np.float32), "i8": np.arange(SHM_THRESHOLD + 3, dtype=np.int8),
              "strided": np.arange(BIG * 2, dtype=np.float32)[::2], "small": np.ones(3), "bytes": b"x" * BIG}
-    names = iter(f"/hetero{os.getpid()}_t{k}" for k in range(10))
-    msg = _process.encode(value, lambda: next(names), SHM_THRESHOLD)
-    data, name, layout = msg
-    assert name == f"/hetero{os.getpid()}_t0" and len(layout) == 2  # f32 and i8; bytes pickle in-band
-    assert all(o % 64 == 0 for o, _ in layout)
+    segs: list[_process.Segment] = []
+    before = open_segments()
+
+    def acquire(n: int) -> _process.Segment:
+        segs.append(_process.Segment.new(len(segs), _process._size_class(n), "t"))
+        return segs[-1]
+
+    data, seg, layout = _process.encode(value, SHM_THRESHOLD, acquire)
+    assert seg is segs[0] and len(segs) == 1 and len(layout) == 2  # f32 and i8; bytes pickle in-band
+    assert all(o % 64 == 0 for o, _ in layout) and seg.size >= layout[-1][0] + layout[-1][1]
     assert len(data) > BIG * 4  # the strided array and the bytes were copied into the pickle
-    got = _process.decode(msg)
-    _process._unlink(name)
+    freed: list[int] = []
+    got = _process.decode(data, seg, layout, lambda: freed.append(1))
     assert got.keys() == value.keys()
     for k, v in value.items():
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v))
     assert isinstance(_owner(got["f32"]).obj, mmap.mmap)
+    view = got["f32"][10:20]
+    del got
+    assert freed == []  # a view of one of its arrays is alive
+    del view
+    assert freed == [1]
+    seg.close()
+    assert open_segments() == before
+
+
+async def test_segments_are_reused_and_results_kept_stay_intact() -> None:
+    """A stream of large arguments and results reuses one argument segment and the result
+    segments the caller dropped; results the caller keeps are never written again."""
+    base = open_segments()  # those of the module's runtime
+    async with hetero.Runtime(cpu_processes=1) as rt:
+        g = one_stage(same)
+        x = np.arange(BIG, dtype=np.float32)
+        kept = [await rt.run(g, x=x + k) for k in range(3)]
+        for k in range(3, 10):
+            np.testing.assert_array_equal(await rt.run(g, x=x + k), x + k)  # dropped at once
+        for k, y in enumerate(kept):
+            np.testing.assert_array_equal(y, x + k)
+        pool = rt._sched.procs()
+        assert pool.segments_made == 1
+        (w,) = pool._workers
+        # Three kept, two taking turns for the other seven (the runtime's last run holds its
+        # values, stats() among them, until the next run ends).
+        assert w is not None and len(w.results) == 5
+        assert open_segments() > base
+    del rt, pool, w  # the runtime's last run holds a result too
+    gc.collect()
+    assert open_segments() == base + 3  # the closed pool let go of its segments; each kept array holds its own
+    for k, y in enumerate(kept):
+        np.testing.assert_array_equal(y, x + k)  # valid after the runtime closed
+    del kept, y
+    assert open_segments() == base
+
+
+async def test_an_argument_the_stage_keeps_is_not_overwritten() -> None:
+    """A stage that stores its (shared-memory) argument keeps it intact: the parent does not
+    reuse that segment for later calls."""
+    async with hetero.Runtime(cpu_processes=1) as rt:
+        g = one_stage(stash)
+        got = [await rt.run(g, x=np.full(BIG, k, np.float32)) for k in (1, 10, 100)]
+        assert got == [1.0, 11.0, 111.0]
+        assert rt._sched.procs().segments_made == 3
 
 
 # -- pickling ----------------------------------------------------------------------------
@@ -357,8 +421,7 @@ async def test_cancelled_run_kills_its_workers(prt: hetero.Runtime, tmp_path: Pa
             while sum(p.exists() and bool(p.read_text()) for p in started) < 2:
                 await anyio.sleep(0.02)
         workers = {int(p.read_text()) for p in started if p.exists()}
-        # A running stage's worker unlinked its segment once mapped; the waiting one's is there.
-        assert len(shm_segments()) == 1
+        assert open_segments() >= 3  # the three stages' arguments are in shared memory
         tg.cancel_scope.cancel()
     with anyio.fail_after(WAIT):
         while workers & set(prt._sched.procs().pids) or len(prt._sched.procs().pids) < 2:
@@ -474,7 +537,7 @@ def test_ctrl_c_leaves_no_segment_and_no_worker(tmp_path: Path, backend: str) ->
             assert time.monotonic() < deadline
             time.sleep(0.05)
         worker = int(started.read_text())
-        assert len(shm_segments(proc.pid)) == 1  # the waiting stage's argument is in shared memory
+        assert open_segments(proc.pid) >= 2  # both stages' arguments are in shared memory
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=WAIT)
     finally:
