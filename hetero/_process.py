@@ -29,26 +29,34 @@ crashed worker (``os._exit``, a segfault) fails only the stage it was running.
 Shared memory
 -------------
 Arguments and results are pickled with protocol 5. Each contiguous buffer of at
-least ``threshold`` bytes (numpy arrays among them) goes out of band into one POSIX
-shared-memory segment per message instead of into the pickle; the other side maps
-the segment and unpickles arrays that are views of it (one copy in, none out).
+least ``threshold`` bytes (numpy arrays among them) goes out of band into a
+shared-memory segment instead of into the pickle; the other side unpickles arrays
+that are views of the segment (one copy in, none out).
 
-* Argument segments are created by the parent and unlinked by the worker once it
-  mapped them (and by the parent when the stage ends, in case the worker died first);
-  the worker unmaps them after sending its answer, so freeing their pages is not on
-  the way back.
-* Result segments are created by the worker; the parent maps and unlinks each as
-  soon as it arrives, so the arrays it receives own the mapping: its memory lives
-  exactly as long as they (and their views) do, like any other stage value.
-* Segment names carry the parent's pid (``/hetero<pid>_...``) and, for results, the
-  worker's. When a worker dies its leftovers are swept; closing the pool (or exit,
-  or Ctrl-C through ``Runtime.close``) sweeps every segment of the process; a new
-  pool sweeps those of dead parents.
+Segments are reused: writing into fresh pages costs a page fault (and zeroing) per
+page, several times the copy itself, so a segment stays mapped in both processes
+and carries message after message.
 
-The segments are made with the POSIX calls :mod:`multiprocessing.shared_memory` is
-built on (``_posixshmem``), without its resource tracker: the tracker would warn
-about, and try to unlink, segments the other process owns. Where ``_posixshmem`` is
-missing (Windows) everything travels in the pickle.
+* A segment is a shared-memory file without a name (``memfd_create``; elsewhere a
+  POSIX segment unlinked as soon as it is open). It travels once per process, as a
+  file descriptor after the message that first uses it; then only its id does.
+  Nothing is ever listed in /dev/shm, so nothing can be left there: its memory goes
+  with the last process that maps it, crashed, killed or closed.
+* Sizes come in classes (8 per doubling); a cache keeps free segments up to twice
+  the largest message so far (at least 64 MiB) and drops the oldest beyond that.
+* Argument segments belong to the pool. The submitting thread copies into a free
+  one (numpy copies without the GIL); the job returns it when it ends. A worker that
+  still holds views of its arguments once the call returned (the function stored
+  them) says so, and the parent drops that segment instead of reusing it.
+* Result segments belong to their worker. The parent decodes each message as views
+  of a per-message lease (an ndarray subclass, so views keep it alive); when the
+  last view dies its finalizer (any thread) queues the segment's id, which goes to
+  the worker with its next job, and only then may the worker write it again. A
+  result the caller keeps is never overwritten.
+* Segments named in /dev/shm (platforms without ``memfd_create``) carry the parent's
+  pid (``/hetero<pid>_...``); closing the pool sweeps this process's, a new pool
+  those of dead parents. Where neither is available (Windows) everything travels in
+  the pickle.
 """
 
 from __future__ import annotations
