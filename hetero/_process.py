@@ -369,6 +369,9 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
     result segments the parent no longer reads; ``forget``: argument segments it dropped;
     ``dropped``: result segments this worker let go; ``argument kept``: the call kept a view of
     its argument segment (the function stored it), so the parent must not reuse that segment.
+
+    Messages are plain protocol-5 pickles through ``send_bytes``: ``Connection.send`` builds a
+    ForkingPickler per message (copying the copyreg table), ~10 µs more of GIL time each.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=os.dup(conn.fileno()))
@@ -380,7 +383,7 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
 
     while True:
         try:
-            job = conn.recv()
+            job = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         if job is None:
@@ -448,7 +451,7 @@ def _worker_main(conn: Any, parent: int, threshold: int) -> None:
         else:
             free.extend(taken)
         try:
-            conn.send((*reply, kept, tuple(dropped)))
+            conn.send_bytes(pickle.dumps((*reply, kept, tuple(dropped)), protocol=5))
             if send_fd is not None:
                 socket.send_fds(sock, [b"F"], [send_fd])
         except (OSError, ValueError):  # the parent is gone
@@ -661,7 +664,7 @@ class ProcessPool:
         released = [w.released.popleft() for _ in range(len(w.released))]
         forget = [w.forget.popleft() for _ in range(len(w.forget))]
         try:
-            w.conn.send((job.arrival, job.data, arg, job.layout, released, forget))
+            w.conn.send_bytes(pickle.dumps((job.arrival, job.data, arg, job.layout, released, forget), protocol=5))
             if arg is not None and arg[2]:
                 assert seg is not None and w.sock is not None
                 socket.send_fds(w.sock, [b"F"], [seg.fd])
@@ -758,7 +761,7 @@ class ProcessPool:
                 try:
                     if what == "conn":
                         try:
-                            reply = w.conn.recv()
+                            reply = pickle.loads(w.conn.recv_bytes())
                             seg = self._result_segment(w, reply)
                         except (EOFError, OSError, IndexError, KeyError):
                             self._worker_died(w)
@@ -880,7 +883,7 @@ class ProcessPool:
         for w in workers:
             try:
                 if w.job is None:
-                    w.conn.send(None)
+                    w.conn.send_bytes(pickle.dumps(None))
                 else:
                     w.proc.kill()
             except Exception:  # noqa: BLE001 - already gone
