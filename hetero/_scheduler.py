@@ -425,8 +425,9 @@ class Run:
             clean = self.recording == 0
         self._cancel_processes()
         if clean:
-            self.cleanup()
-        self._wake()
+            self.cleanup()  # wakes the waiter
+        else:
+            self._wake()
 
     def _finish(self) -> None:
         with self.lock:
@@ -437,8 +438,9 @@ class Run:
             clean = self.recording == 0
         self.tl.end = time.perf_counter_ns()
         if clean:
-            self.cleanup()
-        self._wake()
+            self.cleanup()  # wakes the waiter
+        else:
+            self._wake()
 
     def args_for(self, st: StagePlan, values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         inputs = self.inputs
