@@ -17,6 +17,12 @@ Figures, all measured in this run:
   what no overlap at all would give, 1/(1/CPU thread + 1/GPU).
 * ``record``: median host ms to record the GPU stage in each configuration; beside
   the GPU-alone figure it shows whether the recording thread still loses the GIL.
+* ``in_flight_x2``: both with ``process=True`` at twice ``--max-in-flight`` (its
+  overlap against the same bound): whether the runs in flight, rather than the GIL,
+  limit the overlap (the CPU stage's latency now precedes the GPU's).
+* ``parent_cpu``: µs of this process's CPU time per item (all threads, the GPU
+  driver's included) for the CPU stage with the pool, the GPU stage alone and both;
+  ``process_stage_extra`` is what a process stage adds beside the GPU stage.
   ``--switch-intervals`` repeats the process run with ``sys.setswitchinterval`` at
   each of those values, each followed by a run at the default (0.005 s) as its control
   (a candidate remedy; hetero adopts none unless it measures better).
@@ -109,15 +115,21 @@ def one_stage(fn: Any, process: bool) -> hetero.Graph:
     return g
 
 
+PARENT_CPU_US: list[float] = []  # this process's CPU time per item (all its threads) in the last rate()
+
+
 async def rate(rt: hetero.Runtime, g: hetero.Graph, items: list[dict[str, Any]], max_in_flight: int) -> float:
     """Items per second of ``rt.map`` over ``items`` (after a short warm-up)."""
     async for _ in rt.map(g, items[: max(2, len(items) // 10)], max_in_flight=max_in_flight):
         pass
     RECORD_MS.clear()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     async for _ in rt.map(g, items, max_in_flight=max_in_flight):
         pass
-    return len(items) / (time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
+    PARENT_CPU_US[:] = [(time.process_time() - c0) / len(items) * 1e6]
+    return len(items) / dt
 
 
 async def per_run_us(rt: hetero.Runtime, g: hetero.Graph, x: Any, n: int) -> float:
@@ -164,14 +176,22 @@ async def main_async(a: argparse.Namespace) -> None:
         await rt.warmup(gpu_graph(w, a.matmuls))
         r: dict[str, float] = {}
         rec: dict[str, float | None] = {}
+        cpu_us: dict[str, float] = {}
         r["cpu_thread"] = await rate(rt, cpu_graph(False, iters, a.size), seeds, a.max_in_flight)
         r["cpu_process"] = await rate(rt, cpu_graph(True, iters, a.size), seeds, a.max_in_flight)
+        cpu_us["cpu_process"] = PARENT_CPU_US[0]
         r["gpu"] = await rate(rt, gpu_graph(w, a.matmuls), biases, a.max_in_flight)
         rec["gpu"] = record_ms()
+        cpu_us["gpu"] = PARENT_CPU_US[0]
         r["both_threads"] = await rate(rt, both_graph(False, iters, a.size, w, a.matmuls), seeds, a.max_in_flight)
         rec["both_threads"] = record_ms()
         r["both_process"] = await rate(rt, both_graph(True, iters, a.size, w, a.matmuls), seeds, a.max_in_flight)
         rec["both_process"] = record_ms()
+        cpu_us["both_process"] = PARENT_CPU_US[0]
+        # The same with twice the runs in flight: the CPU stage's latency now sits in front of
+        # the GPU's, so fewer runs wait at the GPU than when it runs alone.
+        deeper = await rate(rt, both_graph(True, iters, a.size, w, a.matmuls), seeds, 2 * a.max_in_flight)
+        deeper_rec = record_ms()
         serial = 1 / (1 / r["cpu_thread"] + 1 / r["gpu"])
         bound = min(r["cpu_process"], r["gpu"])
         emit(what="rate", **{k: round(v, 1) for k, v in r.items()}, serial=round(serial, 1),
@@ -180,6 +200,11 @@ async def main_async(a: argparse.Namespace) -> None:
         emit(what="record", unit="ms per GPU stage (median)", **rec,
              process_vs_gpu_alone=round(rec["both_process"] / rec["gpu"], 2)
              if rec["both_process"] and rec["gpu"] else None)
+        emit(what="in_flight_x2", max_in_flight=2 * a.max_in_flight, both_process=round(deeper, 1),
+             overlap=round(deeper / bound, 3), record_ms=deeper_rec)
+        emit(what="parent_cpu", unit="µs of this process's CPU per item (all threads)",
+             **{k: round(v, 1) for k, v in cpu_us.items()},
+             process_stage_extra=round(cpu_us["both_process"] - cpu_us["gpu"], 1))
         # Each candidate switch interval, then the default again right after it (a paired control).
         default = sys.getswitchinterval()
         both = both_graph(True, iters, a.size, w, a.matmuls)
