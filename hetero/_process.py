@@ -279,8 +279,12 @@ def encode(obj: Any, threshold: int, acquire: Callable[[int], Segment] | None
         off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
     seg = acquire(off)
     assert seg.arr is not None
-    for b, (o, n) in zip(big, layout):
-        _copy_in(seg.arr[o:o + n], b)
+    try:
+        for b, (o, n) in zip(big, layout):
+            _copy_in(seg.arr[o:o + n], b)
+    except BaseException:
+        seg.close()
+        raise
     return data, seg, tuple(layout)
 
 
@@ -587,6 +591,8 @@ class ProcessPool:
         self._seg_ids = itertools.count()
         self._free: list[Segment] = []  # argument segments not in use (any worker may have mapped them)
         self._largest = 0
+        self._in_use = 0  # bytes of argument segments held by jobs
+        self._peak = 0  # ... at most, so far: the free ones kept cover a burst that large
         self.segments_made = 0
         self._started = False
         self._closed = False
@@ -610,6 +616,8 @@ class ProcessPool:
         size = _size_class(n)
         with self._lock:
             self._largest = max(self._largest, size)
+            self._in_use += size
+            self._peak = max(self._peak, self._in_use)
             seg = _take(self._free, size)
             if seg is not None:
                 return seg
@@ -701,19 +709,35 @@ class ProcessPool:
             return
         drop = [seg] if kept or self._closed else []
         with self._lock:
+            self._in_use -= seg.size
             if not drop:
                 self._free.append(seg)
-                limit = _cache_limit(self._largest)
+                limit = max(_cache_limit(self._largest), self._peak)
                 while sum(s.size for s in self._free) > limit:
                     drop.append(self._free.pop(0))
-            for s in drop:
-                for w in self._workers:
-                    if w is not None and s.id in w.known:
-                        w.known.discard(s.id)
-                        if not (kept and s is seg and w is job.worker):
-                            w.forget.append(s.id)
+            self._forget(drop, job.worker if kept else None)
         for s in drop:
             s.close()
+
+    def _forget(self, drop: list[Segment], holder: _Worker | None) -> None:
+        """Tell the workers that mapped ``drop`` to let go of it (with the lock held); ``holder``
+        dropped it already."""
+        for s in drop:
+            for w in self._workers:
+                if w is not None and s.id in w.known:
+                    w.known.discard(s.id)
+                    if w is not holder:
+                        w.forget.append(s.id)
+
+    def trim(self) -> int:
+        """Drop the free argument segments (workers let go of them with their next job); returns bytes."""
+        with self._lock:
+            drop, self._free = self._free, []
+            self._peak = self._in_use
+            self._forget(drop, None)
+        for s in drop:
+            s.close()
+        return sum(s.size for s in drop)
 
     # -- workers --------------------------------------------------------------------------
     def start(self) -> None:

@@ -218,11 +218,14 @@ class Runtime:
         return dev.pool.stats()
 
     def trim(self) -> int:
-        """Destroy pooled device buffers (and staging buffers) not in use; returns bytes freed."""
+        """Destroy pooled device buffers (and staging buffers) not in use, and the process pool's
+        free shared memory; returns bytes freed."""
+        procs = self._sched._procs
+        freed = procs.trim() if procs is not None else 0
         dev = self._device
         if dev is None:
-            return 0
-        return dev.pool.trim() + dev.ring.trim()
+            return freed
+        return freed + dev.pool.trim() + dev.ring.trim()
 
     async def warmup(self, graph: Graph) -> int:
         """Create the device and compile every kernel ``graph``'s GPU stages declare, off the loop.
