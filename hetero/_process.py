@@ -43,7 +43,9 @@ and carries message after message.
   Nothing is ever listed in /dev/shm, so nothing can be left there: its memory goes
   with the last process that maps it, crashed, killed or closed.
 * Sizes come in classes (8 per doubling); a cache keeps free segments up to twice
-  the largest message so far (at least 64 MiB) and drops the oldest beyond that.
+  the largest message so far (at least 64 MiB; the pool's argument cache also as
+  much as was ever in use at once) and drops the oldest beyond that.
+  ``rt.trim()`` drops the pool's free argument segments.
 * Argument segments belong to the pool. The submitting thread copies into a free
   one (numpy copies without the GIL); the job returns it when it ends. A worker that
   still holds views of its arguments once the call returned (the function stored
