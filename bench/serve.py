@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     span = float((sched[ok] + lat[ok]).max() - sched[counted].min())
                 else:
                     span = float("nan")
-                thr = ok.sum() / span if span and span > 0 else 0.0
+                thr = float(ok.sum() / span) if span and span > 0 else 0.0
                 lat_ms = lat[ok] * 1e3
                 p50 = percentile(lat_ms, 50)
                 line = {"concurrency": clients, "offered_rps": round(rate, 1), "throughput_rps": round(thr, 1),
@@ -313,13 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     top = summary.get(256)
     if top is not None:
         targets["c256_throughput_over_bulk"] = top["throughput_over_bulk"]
-        targets["c256_throughput_target_0.8"] = top["throughput_over_bulk"] >= 0.8
+        targets["c256_throughput_target_0.8"] = bool(top["throughput_over_bulk"] >= 0.8)
         targets["c256_p99_ms"] = top["p99_ms"]
-        targets["c256_p99_target_100ms"] = top["p99_ms"] is not None and top["p99_ms"] <= 100.0
+        targets["c256_p99_target_100ms"] = bool(top["p99_ms"] is not None and top["p99_ms"] <= 100.0)
     one = summary.get(1)
     if one is not None:
         targets["c1_p50_over_embed_one"] = one["p50_over_embed_one"]
-        targets["c1_p50_target_1.2x"] = one["p50_over_embed_one"] is not None and one["p50_over_embed_one"] <= 1.2
+        targets["c1_p50_target_1.2x"] = bool(one["p50_over_embed_one"] is not None and one["p50_over_embed_one"] <= 1.2)
     emit(targets=targets, bulk_sentences_per_s=round(bulk_rate, 1), embed_one_ms=round(single_s * 1e3, 3),
          **common)
     return 0

@@ -53,6 +53,7 @@ cost is padded tokens.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -71,10 +72,11 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
+__all__ = ["INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
            "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "cpu_weights", "embed", "embed_batches",
-           "embedding_graph", "get_model", "linear_weight", "mean_pool_l2_cpu", "pad_tokens", "quantized_weights",
-           "resident_int8_weights", "resident_weights", "service_graph", "split_by_length", "tokenize"]
+           "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight", "mean_pool_l2_cpu",
+           "pad_bucketed", "pad_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
+           "service_graph", "service_shapes", "size_bucket", "split_by_length", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
 # "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):
@@ -327,7 +329,7 @@ def embedding_graph(model: Model, int8: bool = False) -> hetero.Graph:
         if g is not None:
             return g
         g = hetero.Graph(key)
-        _encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8)
+        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8))
         model.graphs[key] = g
         return g
 
@@ -396,8 +398,8 @@ def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
-def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> None:
-    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (the output).
+def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> hetero.Node:
+    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned).
 
     Float32: every stage has a CPU and a GPU implementation, placed per batch by the runtime.
     INT8: GPU stages only (the int8 products exist on the GPU only).
@@ -409,12 +411,11 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> 
         x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
             x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
-        g.output(g.gpu(_pool, x, mask, name="pool", capture=True))
-        return
+        return g.gpu(_pool, x, mask, name="pool", capture=True)
     x = g.stage(tokens, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
         x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True)
-    g.output(g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True))
+    return g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True)
 
 
 # -- batching -----------------------------------------------------------------------------------------------
@@ -535,31 +536,115 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 RUN_OVERHEAD_TOKENS = 8192
 # Requests with more texts than this are tokenized on a worker thread, not on the event loop.
 LOOP_TOKENIZE_MAX = 16
+# Padded lengths of the service path: multiples of 16 up to 64, then two per octave (96, 128,
+# 192, 256, 384, ...), capped at the model's max_seq_length. Batch sizes: powers of two up to 8,
+# then two per octave (12, 16, 24, 32, 48, ...), capped at what the token budget allows at that
+# length. Every GPU stage is captured per batch shape, so served batches (any size, any
+# longest sentence) map to a few hundred shapes at most, all captured at warm-up.
+LENGTH_STEP = 16
 
 
-def pad_tokens(ids: Sequence[np.ndarray], model: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`tokenize`'s four int32 ``[B, S]`` arrays from already tokenized sentences (one id array each)."""
+def _two_per_octave(n: int, start: int) -> int:
+    """The least of ``start * 2**k`` and ``start * 3 * 2**(k-1)`` (k >= 0) that is >= ``n``."""
+    b = start
+    while b < n:
+        half = b + b // 2
+        if half >= n:
+            return half
+        b *= 2
+    return b
+
+
+def length_bucket(longest: int, max_len: int) -> int:
+    """The padded length of a batch whose longest sentence has ``longest`` tokens (see :data:`LENGTH_STEP`)."""
+    if longest <= 4 * LENGTH_STEP:
+        b = -(-max(longest, 1) // LENGTH_STEP) * LENGTH_STEP
+    else:
+        b = _two_per_octave(longest, 4 * LENGTH_STEP)
+    return min(b, max_len)
+
+
+def size_bucket(n: int, length: int, max_batch_tokens: int) -> int:
+    """The padded row count of ``n`` sentences padded to ``length``: at least ``n``, within the token budget."""
+    b = n if n <= 1 else (1 << (n - 1).bit_length() if n <= 8 else _two_per_octave(n, 8))
+    return max(n, min(b, max_batch_tokens // max(length, 1)))
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """Every padded length :func:`length_bucket` gives for a model of ``max_seq_length`` ``max_len``."""
+    return sorted({length_bucket(n, max_len) for n in range(1, max_len + 1)})
+
+
+def service_shapes(max_len: int, max_batch_tokens: int, max_batch_size: int | None = None) -> list[tuple[int, int]]:
+    """Every ``(rows, length)`` the service path pads a batch to (what the warm-up captures)."""
+    shapes: set[tuple[int, int]] = set()
+    for length in length_buckets(max_len):
+        most = max(1, max_batch_tokens // length)
+        if max_batch_size is not None:
+            most = min(most, max_batch_size)
+        shapes.update((size_bucket(n, length, max_batch_tokens), length) for n in range(1, most + 1))
+    return sorted(shapes)
+
+
+def pad_tokens(ids: Sequence[np.ndarray], model: Model, rows: int | None = None,
+               length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`tokenize`'s four int32 ``[B, S]`` arrays from already tokenized sentences (one id array each).
+
+    ``S`` is the longest sentence, or ``length``; ``B`` is ``len(ids)``, or ``rows``: the
+    rows past ``len(ids)`` hold an empty sentence (``[CLS] [SEP]``), whose embedding is
+    dropped. Padding changes no row's embedding (masked attention, per-row everything else).
+    """
     b = len(ids)
     lens = np.fromiter((len(x) for x in ids), np.int64, b)
     s = int(lens.max()) if b else 0
+    if length is not None:
+        if length < s:
+            raise ValueError(f"pad_tokens: length {length} is shorter than the longest sentence ({s} tokens)")
+        s = length
+    rows = b if rows is None else rows
+    if rows < b:
+        raise ValueError(f"pad_tokens: rows {rows} is fewer than the {b} sentences")
+    if rows > b:
+        empty = np.asarray(model.tokenizer.encode("").ids, np.int32)  # [CLS] [SEP] for BERT
+        ids = [*ids, *([empty] * (rows - b))]
+        lens = np.concatenate([lens, np.full(rows - b, len(empty), np.int64)])
     real = np.arange(s) < lens[:, None]
-    out = np.full((b, s), model.config.pad_token_id, np.int32)
-    if b:
+    out = np.full((rows, s), model.config.pad_token_id, np.int32)
+    if rows:
         out[real] = np.concatenate([np.asarray(x, np.int32) for x in ids])
-    types = np.zeros((b, s), np.int32)  # single sentences: every token is segment 0
-    pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
+    types = np.zeros((rows, s), np.int32)  # single sentences: every token is segment 0
+    pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (rows, s)))
     return out, types, pos, real.astype(np.int32)
 
 
-def service_graph(model: Model, int8: bool = False) -> hetero.Graph:
-    """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path."""
-    key = "serve-int8" if int8 else "serve"
+def pad_bucketed(ids: Sequence[np.ndarray], model: Model,
+                 max_batch_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The service path's ``pad`` stage: :func:`pad_tokens` to the batch's bucketed shape."""
+    longest = max((len(x) for x in ids), default=1)
+    length = length_bucket(longest, model.config.max_seq_length)
+    return pad_tokens(ids, model, size_bucket(len(ids), length, max_batch_tokens), length)
+
+
+def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
+    """The service path's output: the rows of the real sentences (a copy: ``emb`` is staging memory)."""
+    return np.array(emb[: len(ids)])
+
+
+def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384) -> hetero.Graph:
+    """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path.
+
+    Batches are padded to bucketed shapes (:func:`length_bucket`, :func:`size_bucket`
+    within ``max_batch_tokens``), so that the captured GPU stages replay.
+    """
+    key = f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}"
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
-        _encoder(g, g.cpu(pad_tokens, g.input("ids"), model, name="pad"), model, int8)
+        ids = g.input("ids")
+        emb = _encoder(g, g.cpu(pad_bucketed, ids, model, max_batch_tokens, name="pad"), model, int8)
+        g.output(g.cpu(_real_rows, emb, ids, name="rows"))
         model.graphs[key] = g
         return g
 
@@ -591,10 +676,14 @@ def split_by_length(lengths: Sequence[int], overhead: int = RUN_OVERHEAD_TOKENS)
 class EmbeddingService:
     """Embeddings for many concurrent callers: each sentence is one item of a :class:`hetero.Batcher`.
 
-    The batcher's cost is tokens, padded as text-embeddings-inference counts them: a batch
-    of ``n`` sentences whose longest has ``L`` tokens (``[CLS]`` and ``[SEP]`` included)
-    costs ``L * n``, at most ``max_batch_tokens``. A formed batch is split by length
-    (:func:`split_by_length`) where padding would waste much. Padding never changes a
+    The batcher's cost is tokens, padded as text-embeddings-inference counts them, with
+    the padded length bucketed: a batch of ``n`` sentences whose longest has ``L``
+    tokens (``[CLS]`` and ``[SEP]`` included) costs ``length_bucket(L) * n``, at most
+    ``max_batch_tokens``. A formed batch is split by length (:func:`split_by_length`)
+    where padding would waste much. Each run pads to a bucketed shape
+    (:func:`length_bucket` by :func:`size_bucket`, rows of empty sentences dropped from
+    the output), so its captured GPU stages replay; :meth:`warmup` captures every such
+    shape (:func:`service_shapes`) unless ``precapture=False``. Padding never changes a
     sentence's embedding (masked attention, per-row everything else). ``max_in_flight``
     batches run at once, so the next one is padded while the GPU encodes this one.
     """
@@ -610,12 +699,18 @@ class EmbeddingService:
             raise ValueError(f"max_batch_tokens must be an integer >= the model's max_seq_length ({longest}), "
                              f"got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size or max(1, max_batch_tokens // 2)
         self.runtime = runtime
-        self.graph = service_graph(self.model, self.int8)
+        self.graph = service_graph(self.model, self.int8, max_batch_tokens)
         self.batcher = runtime.batcher(
-            self.graph, max_batch_size=max_batch_size or max(1, max_batch_tokens // 2), max_wait=max_wait,
-            cost=_token_count, max_cost=max_batch_tokens, max_queued=max_queued, max_in_flight=max_in_flight,
-            split=split_by_length, on_batch=on_batch)
+            self.graph, max_batch_size=self.max_batch_size, max_wait=max_wait,
+            cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,
+            max_in_flight=max_in_flight, split=split_by_length, on_batch=on_batch)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The ``(rows, length)`` shapes batches are padded to (:func:`service_shapes`)."""
+        return service_shapes(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size)
 
     def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text (truncated at the model's ``max_seq_length``), int32."""
@@ -634,9 +729,8 @@ class EmbeddingService:
     async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings ``[len(ids), hidden]`` of tokenized sentences, each one item of the batcher."""
         if len(ids) == 1:
-            rows = [await self.batcher(ids=ids[0])]
-        else:
-            rows = await self.batcher.gather([{"ids": x} for x in ids])
+            return (await self.batcher(ids=ids[0]))[None, :]
+        rows = await self.batcher.gather([{"ids": x} for x in ids])
         if not rows:
             return np.zeros((0, self.model.dim), np.float32)
         return np.stack(rows)
@@ -645,15 +739,26 @@ class EmbeddingService:
         """Embeddings of ``texts`` ``[len(texts), hidden]``, in order, through the batcher."""
         return await self.embed_ids(await self.atokenize(texts))
 
-    async def warmup(self) -> None:
-        """Compile the graph's kernels and run one sentence (weights uploaded, shapes compiled)."""
+    async def warmup(self, precapture: bool = True) -> int:
+        """Compile the graph's kernels, upload the weights and capture every padded shape.
+
+        With ``precapture`` (the default) one batch of each of :attr:`shapes` runs (the
+        padding sentence in every row), so that served batches replay captured stages from
+        the first request on; else one sentence. Returns the shapes run.
+        """
         await self.runtime.warmup(self.graph)
-        await self.aembed(["warm up"])
+        shapes = self.shapes if precapture else [(1, length_bucket(1, self.model.config.max_seq_length))]
+        filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)
+        for rows, length in shapes:
+            # rows sentences whose longest is `length` tokens: a batch padded to exactly (rows, length)
+            long = np.resize(filler, length) if length > len(filler) else filler
+            await self.runtime.run(self.graph, ids=[long] + [filler] * (rows - 1))
+        return len(shapes)
 
     async def aclose(self) -> None:
         """Let queued and running batches finish; take no more."""
         await self.batcher.aclose()
 
 
-def _token_count(inputs: Mapping[str, Any]) -> int:
-    return len(inputs["ids"])
+def _bucketed_tokens(max_len: int, inputs: Mapping[str, Any]) -> int:
+    return length_bucket(len(inputs["ids"]), max_len)
