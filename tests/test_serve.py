@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import pytest
 
 import hetero
 from hetero._cli import main as cli_main
-from hetero.pipelines.embed import EmbeddingService, aembed, service_graph, split_by_length
+from hetero.pipelines.embed import (EmbeddingService, aembed, length_bucket, length_buckets, pad_tokens,
+                                     service_graph, service_shapes, size_bucket, split_by_length)
 from hetero.pipelines.minilm import Model, load_model
 from hetero.pipelines.testing import write_random_model
 
@@ -22,7 +24,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("hypercorn")
 pytest.importorskip("prometheus_client")
 
-from hetero.pipelines.serve import EmbeddingServer, serve_async  # noqa: E402
+from hetero.pipelines.serve import EmbeddingServer, encode_embeddings, serve_async  # noqa: E402
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=40, max_seq_length=24)
@@ -60,6 +62,64 @@ async def test_padding_does_not_change_an_embedding(tiny: Model, shared_rt: hete
     # the bulk path pads within its batches too
     bulk = await aembed([TEXTS[3], TEXTS[4]], model=tiny, runtime=shared_rt, batch_size=2)
     np.testing.assert_allclose(bulk[0], alone[0], atol=1e-5)
+    # three sentences run as four rows (the fourth an empty sentence), and only three come back
+    three = await shared_rt.run(g, ids=[short, long, short])
+    assert three.shape == (3, tiny.dim)
+    np.testing.assert_allclose(three[[0, 2]], np.stack([alone[0], alone[0]]), atol=1e-5)
+    np.testing.assert_allclose(three[1], padded[0], atol=1e-5)
+
+
+def test_padded_shapes() -> None:
+    for max_len in (24, 256, 512):
+        buckets = length_buckets(max_len)
+        assert buckets[-1] == max_len and buckets == sorted(set(buckets))
+        for n in range(1, max_len + 1):
+            b = length_bucket(n, max_len)
+            assert n <= b <= max_len and b in buckets
+    assert length_buckets(256) == [16, 32, 48, 64, 96, 128, 192, 256]
+    assert [size_bucket(n, 16, 16384) for n in (1, 2, 3, 5, 9, 13, 17, 100)] == [1, 2, 4, 8, 12, 16, 24, 128]
+    assert size_bucket(70, 192, 16384) == 85  # not 96: the token budget caps the rows (85 * 192 <= 16384)
+    shapes = set(service_shapes(256, 16384, 8192))
+    for length in (3, 17, 40, 64, 65, 100, 200, 256):
+        lb = length_bucket(length, 256)
+        for n in range(1, 16384 // lb + 1):
+            rows = size_bucket(n, lb, 16384)
+            assert (rows, lb) in shapes and rows * lb <= 16384
+    tok = (np.array([2, 7, 3], np.int32), np.array([2, 3], np.int32))
+
+    class M:  # what pad_tokens reads of a model
+        class config:
+            pad_token_id = 0
+
+        class tokenizer:
+            @staticmethod
+            def encode(text: str) -> Any:
+                assert text == ""
+                return type("E", (), {"ids": [2, 3]})
+
+    ids, types, pos, mask = pad_tokens(tok, M, rows=4, length=5)  # type: ignore[arg-type]
+    assert ids.tolist() == [[2, 7, 3, 0, 0], [2, 3, 0, 0, 0], [2, 3, 0, 0, 0], [2, 3, 0, 0, 0]]
+    assert mask.sum(axis=1).tolist() == [3, 2, 2, 2] and pos[3].tolist() == [0, 1, 2, 3, 4]
+    assert not types.any()
+    with pytest.raises(ValueError, match="shorter"):
+        pad_tokens(tok, M, length=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fewer"):
+        pad_tokens(tok, M, rows=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_warmup_captures_every_padded_shape(tiny: Model) -> None:
+    async with hetero.Runtime() as rt:
+        svc = EmbeddingService(rt, tiny, max_batch_tokens=48)
+        assert svc.shapes == [(1, 16), (1, 24), (2, 16), (2, 24), (3, 16)]
+        assert await svc.warmup() == 5
+        stages = tiny.config.num_hidden_layers + 2
+        assert rt.device().captures.stats()["captures"] == 5 * stages
+        out = await svc.aembed(TEXTS[:3])  # a batch of whatever shape replays its stages
+        assert rt.device().captures.stats()["captures"] == 5 * stages
+        assert {rt.stats().stage(name).capture for name in ("embeddings", "layer0", "pool")} == {"replayed"}
+        np.testing.assert_allclose(out, await aembed(TEXTS[:3], model=tiny, runtime=rt), atol=1e-5)
+        await svc.aclose()
 
 
 def test_split_by_length() -> None:
@@ -107,7 +167,7 @@ def client(server: EmbeddingServer) -> Any:
 
 @pytest.mark.anyio
 async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
-    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=8)
+    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=8, precapture=False)
     async with client(server) as c:
         r = await c.get("/health")
         assert r.status_code == 503  # not started, not warmed up
@@ -128,6 +188,10 @@ async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> No
             r = await c.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"})
             b64 = np.array([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]])
             np.testing.assert_array_equal(b64, vecs)
+            for fast in (True, False):  # orjson where installed, and the standard library
+                plain = json.loads(encode_embeddings(b64, "float", "tiny", tokens, fast=fast))
+                assert plain["usage"] == body["usage"] and plain["model"] == "tiny"
+                np.testing.assert_array_equal(np.array([d["embedding"] for d in plain["data"]], np.float32), b64)
 
             one = (await c.post("/v1/embeddings", json={"input": TEXTS[0]})).json()
             assert len(one["data"]) == 1 and len(one["data"][0]["embedding"]) == tiny.dim
@@ -175,7 +239,7 @@ async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
     blocker.output(blocker.cpu(hold, blocker.input("x")))
     rt = hetero.Runtime(cpu_threads=1)  # one CPU worker: the blocker holds it, so batches wait
     try:
-        server = EmbeddingServer(tiny, runtime=rt, max_queued=1, max_in_flight=1)
+        server = EmbeddingServer(tiny, runtime=rt, max_queued=1, max_in_flight=1, precapture=False)
         status: dict[str, int] = {}
         async with client(server) as c:
 
@@ -212,7 +276,7 @@ async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
 
 @pytest.mark.anyio
 async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime) -> None:
-    server = EmbeddingServer(tiny, runtime=shared_rt)
+    server = EmbeddingServer(tiny, runtime=shared_rt, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
     urls: list[str] = []
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
@@ -258,7 +322,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
-                             "--workers", "2", "--max-batch-tokens", "256"],
+                             "--workers", "2", "--max-batch-tokens", "256", "--no-precapture"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
