@@ -744,7 +744,8 @@ class EmbeddingService:
 
         With ``precapture`` (the default) one batch of each of :attr:`shapes` runs (the
         padding sentence in every row), so that served batches replay captured stages from
-        the first request on; else one sentence. Returns the shapes run.
+        the first request on; else one sentence. Stages the runtime places on the CPU
+        (``Runtime(placement=...)``) have nothing to capture. Returns the shapes run.
         """
         await self.runtime.warmup(self.graph)
         shapes = self.shapes if precapture else [(1, length_bucket(1, self.model.config.max_seq_length))]

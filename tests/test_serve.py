@@ -109,7 +109,7 @@ def test_padded_shapes() -> None:
 
 @pytest.mark.anyio
 async def test_warmup_captures_every_padded_shape(tiny: Model) -> None:
-    async with hetero.Runtime() as rt:
+    async with hetero.Runtime(placement="gpu") as rt:  # captures are of GPU executions
         svc = EmbeddingService(rt, tiny, max_batch_tokens=48)
         assert svc.shapes == [(1, 16), (1, 24), (2, 16), (2, 24), (3, 16)]
         assert await svc.warmup() == 5
