@@ -37,13 +37,17 @@ Rules, in order (``Runtime(placement="auto")``)
     2. A CPU-emulated adapter (adapter type "cpu": lavapipe, llvmpipe, WARP) never gets
        heavy work (array inputs of ``HEAVY_BYTES`` or more): the CPU, not even to
        calibrate; such an adapter runs on the same cores, slower than numpy.
-    3. Cold start: an implementation uncalibrated in the stage's size bucket runs, so
+    3. Locality: on a real GPU, a stage whose array inputs mostly (by bytes) live on the device runs
+       there while its CPU implementation is uncalibrated in the size bucket: the CPU one
+       is not run just to calibrate ("locality"), since its download ends the chain of GPU
+       work (submission, fence, wake-ups) at a cost the transfer estimate does not see.
+    4. Cold start: an implementation uncalibrated in the stage's size bucket runs, so
        that it calibrates (when both are, the GPU one first; on a CPU-emulated adapter the
        CPU one); except one that was at
        least ``DOMINATED_RATIO`` times slower than the other in every bucket where both
        are calibrated: the other one runs ("dominated"), and the slow one is not tried
        at every new size (a CPU encoder layer on a machine with a real GPU).
-    4. The smaller expected completion. Ties go to the implementation that moves fewer
+    5. The smaller expected completion. Ties go to the implementation that moves fewer
        bytes, then to the CPU (keeping the GPU for stages that have no CPU implementation).
 
 ``placement="cpu"`` / ``"gpu"`` force every such stage onto one side (rule 0, "forced").
@@ -102,7 +106,8 @@ class Placement:
     """Where one execution of a two-implementation stage ran, and why.
 
     ``device`` is "cpu" or "gpu". ``reason``: "forced" (``Runtime(placement=...)``),
-    "no gpu", "cpu adapter" (heavy work and a CPU-emulated adapter), "calibrating" (an
+    "no gpu", "cpu adapter" (heavy work and a CPU-emulated adapter), "locality" (inputs
+    mostly on a real GPU, the CPU side uncalibrated), "calibrating" (an
     implementation had no estimate for this size), "dominated" (the uncalibrated one was
     far slower wherever both were measured) or "model" (the smaller expected completion). ``cpu_s``/``gpu_s``: the expected completions compared, in seconds
     (None where uncalibrated); ``estimates`` their parts per side (``exec``,
@@ -248,6 +253,10 @@ class Placer:
         parts = tuple((side, (("exec", ex[side]), ("transfer", transfer[side]), ("wait", wait[side])))
                       for side in ("cpu", "gpu"))
         c, g = done["cpu"], done["gpu"]
+        if c is None and dev_bytes > host_bytes and not emulated:
+            # Data mostly on a real GPU stays there until the model knows better: the CPU
+            # implementation is not run just to calibrate (a download ends the GPU's chain).
+            return self._placed(Placement("gpu", "locality", bucket, total, c, g, parts), stage)
         if c is None or g is None:
             side: Side = "gpu" if g is None and not (emulated and c is None) else "cpu"
             reason = "calibrating"

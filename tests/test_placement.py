@@ -332,3 +332,19 @@ async def test_embeddings_agree_across_placements_and_stay_off_a_cpu_emulated_ad
                 assert p is not None and (p.device, p.reason) == ("cpu", "cpu adapter")
     np.testing.assert_allclose(outs["cpu"], outs["gpu"], atol=2e-5)
     np.testing.assert_allclose(outs["auto"], outs["gpu"], atol=2e-5)
+
+
+def test_data_on_a_real_gpu_stays_there_until_the_cpu_side_is_calibrated() -> None:
+    m = PerfModel(learn=False)
+    m.seed("layer", "gpu", size_bucket(1 << 20), 0.5)
+    placer = Placer("auto", m, cpu_workers=4)
+    # Inputs mostly on the device, CPU side never measured: no CPU run just to calibrate.
+    p = placer.decide("layer", 4096, 1 << 20, True, "DiscreteGPU")
+    assert (p.device, p.reason) == ("gpu", "locality")
+    # Host inputs are explored as before, and a CPU-emulated adapter keeps its own rule.
+    assert placer.decide("layer", 1 << 20, 4096, True, "DiscreteGPU").reason == "calibrating"
+    assert placer.decide("layer", 4096, 1 << 20, True, "CPU").reason == "cpu adapter"
+    # Once the CPU side is calibrated, the model decides.
+    m.seed("layer", "cpu", size_bucket((1 << 20) + 4096), 0.001)
+    p = placer.decide("layer", 4096, 1 << 20, True, "DiscreteGPU")
+    assert (p.device, p.reason) == ("cpu", "model")
