@@ -380,5 +380,6 @@ async def test_accuracy_of_2_24_floats_within_4x_numpy_pairwise(shared_rt: heter
 def test_ops_namespace() -> None:
     public = {n for n in dir(hetero.ops) if not n.startswith("_") and callable(getattr(hetero.ops, n))}
     assert sorted(hetero.ops.__all__) == hetero.ops.__all__
-    assert set(hetero.ops.__all__) == public
+    assert set(hetero.ops.__all__) == public | {"cpu"}  # and the module of CPU implementations
+    assert hetero.ops.cpu.sum is not hetero.ops.sum
     assert hetero.ops.sum is R.sum and hetero.ops.argmax is R.argmax
