@@ -30,7 +30,7 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero._fence import LOOP_POLL_US
+from hetero._gpu.fence import LOOP_POLL_US
 from bench._common import emitter
 
 TINY = """

@@ -36,7 +36,7 @@ import numpy as np
 
 import hetero
 import hetero.kernels.matmul as mm
-from hetero._device import Device
+from hetero._gpu.device import Device
 from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, replay_timed, run_once
 
 TARGETS = {1024: 0.3, 4096: 0.5}

@@ -14,7 +14,7 @@ releases the GIL and may wait up to the switch interval to get it back).
 Prints one JSON line per op with the device's bind-cache counters (uniforms, bind groups,
 hits, misses) after it.
 
-Then the same stages declared with ``capture=True`` (see ``hetero._capture``): the first
+Then the same stages declared with ``capture=True`` (see ``hetero._gpu.capture``): the first
 run captures, the next ones replay without calling the stage function. A replay is timed
 from the stage's start to the end of its recording (``rt.stats()``: ``recorded - started``,
 which also holds the stage's fixed cost, spread over ``R`` ops), median of nine; printed per

@@ -64,16 +64,16 @@ def _map_source_checkout() -> None:
 
 
 from ._batcher import Batcher
-from ._device import Kernel
-from ._fence import Fence
-from ._gpu import GPUContext
+from ._gpu.device import Kernel
+from ._gpu.fence import Fence
+from ._gpu.context import GPUContext
 from ._graph import Graph, Input, Node
 from ._runtime import MapResults, Runtime, RuntimeOptions, run
-from ._memory import MemoryStats
+from ._gpu.pool import MemoryStats
 from ._placement import PerfModel, Placement
-from ._split import DispatchInfo
+from ._gpu.grid import DispatchInfo
 from ._stats import RunStats, StageStats
-from ._tensor import Tensor
+from ._gpu.tensor import Tensor
 from .errors import (
     DeviceLostError,
     GPUError,

@@ -142,7 +142,7 @@ def _wgpu_version() -> str:
 
 # -- info ---------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from . import _device
+    from ._gpu import device as _device
     from .errors import NoAdapterError
 
     out = sys.stdout
@@ -184,7 +184,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _print_adapters(out: TextIO, adapters: list[Any], chosen: str | None, index: int | None = None) -> None:
     """One row per adapter: the HETERO_ADAPTER value that selects it (``vulkan#1``), name, backend, type."""
-    from ._device import adapter_labels, adapter_summary
+    from ._gpu.device import adapter_labels, adapter_summary
 
     rows = [adapter_summary(a) for a in adapters]
     labels = adapter_labels(adapters)
@@ -212,7 +212,7 @@ def _check(out: TextIO) -> int:
     HETERO_ADAPTER is ignored on purpose: the question is whether installing a driver
     is needed, not which adapter a run would pick.
     """
-    from ._device import INSTALL_HINT, adapter_summary, list_adapters
+    from ._gpu.device import INSTALL_HINT, adapter_summary, list_adapters
 
     adapters = list_adapters()
     failures = []

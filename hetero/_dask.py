@@ -449,7 +449,7 @@ class LocalWGPUCluster(LocalCluster):
     @staticmethod
     def default_pattern() -> str:
         """``$HETERO_ADAPTER`` when set, else the backend of the adapter hetero picks (``"vulkan"``, ``"metal"``)."""
-        from ._device import select_adapter
+        from ._gpu.device import select_adapter
 
         env = os.environ.get("HETERO_ADAPTER")
         return env if env else str(select_adapter().info.get("backend_type", "")).lower()
@@ -462,7 +462,7 @@ class LocalWGPUCluster(LocalCluster):
         GPU matches too. Raises :class:`~hetero.NoAdapterError` (listing the adapters)
         when none matches.
         """
-        from ._device import adapter_index, list_adapters
+        from ._gpu.device import adapter_index, list_adapters
 
         adapters = list_adapters()
         if "#" in adapter:  # one adapter named exactly: every worker shares it

@@ -115,7 +115,7 @@ class Node:
     index: int
     extra_deps: list[Node] = field(default_factory=list)
     kernels: tuple[tuple[str, str], ...] = ()  # (wgsl, entry point) a GPU stage declares, for warmup
-    capture: bool = False  # a GPU stage replayed per signature (see hetero._capture)
+    capture: bool = False  # a GPU stage replayed per signature (see hetero._gpu.capture)
     cpu_fn: Callable[..., Any] | None = None  # a mixed stage's CPU implementation (fn is its GPU one)
 
     def after(self, *nodes: Node) -> Node:
@@ -194,7 +194,7 @@ class Graph:
         ``kernels`` attribute on ``fn`` is read too; and ``capture``: the promise that
         the work ``fn`` records depends only on the shapes and dtypes of its Tensor
         arguments and the values of the others, so that hetero calls it once per such
-        signature and replays the captured dispatches afterwards (see ``hetero._capture``).
+        signature and replays the captured dispatches afterwards (see ``hetero._gpu.capture``).
         """
         if not isinstance(capture, bool):
             raise GraphError(f"stage {name or getattr(fn, '__name__', '?')!r}: capture must be True or False, "

@@ -46,7 +46,7 @@ class StagePlan:
     kernels: tuple[tuple[str, str], ...]  # declared (wgsl, entry point) pairs, compiled by warmup
     options: StageOptions  # retries, retry_on, backoff, timeout as declared
     process: bool = False  # CPU stage run in a worker process (hetero._process)
-    capture: bool = False  # GPU stage replayed per signature (see hetero._capture)
+    capture: bool = False  # GPU stage replayed per signature (see hetero._gpu.capture)
     # A stage with a CPU and a GPU implementation: kind "mixed" until placed, then one of
     # Plan.variants (kind "cpu" or "gpu"). Placed on the GPU it is planned like a GPU stage
     # (mixed consumers count as GPU consumers; a CPU-placed one downloads what it reads).

@@ -14,9 +14,9 @@ import anyio
 
 from ._batcher import Batcher
 from ._bridge import running_loop
-from ._capture import DEFAULT_CACHE_ENTRIES
-from ._device import Device
-from ._memory import MemoryStats
+from ._gpu.capture import DEFAULT_CACHE_ENTRIES
+from ._gpu.device import Device
+from ._gpu.pool import MemoryStats
 from ._graph import Graph
 from ._placement import PLACEMENTS, PerfModel
 from ._scheduler import Run, Scheduler

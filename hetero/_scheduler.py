@@ -63,18 +63,18 @@ import anyio
 import numpy as np
 
 from ._bridge import loop_caller
-from ._capture import run_captured
-from ._gpu import GPUContext, _Park, map_values
-from ._recorder import SharedRecorder, StageRecorder
+from ._gpu.capture import run_captured
+from ._gpu.context import GPUContext, _Park, map_values
+from ._gpu.recorder import SharedRecorder, StageRecorder
 from ._placement import PerfModel, Placement, Placer, input_bytes
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
 from ._process import Job, ProcessPool
 from ._stats import RunStats, Timeline
-from ._tensor import Tensor
+from ._gpu.tensor import Tensor
 from .errors import DeviceLostError, StageError
 
 if TYPE_CHECKING:
-    from ._device import Device
+    from ._gpu.device import Device
     from ._trace import Tracer
 
 __all__ = ["Run", "Scheduler", "WorkerPool"]

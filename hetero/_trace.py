@@ -7,7 +7,7 @@ https://ui.perfetto.dev open)::
 
 Timestamps
     Every method takes host times from :func:`time.perf_counter_ns` (the clock the
-    scheduler reads, and the one :mod:`hetero._timing` aligns GPU timestamps to).
+    scheduler reads, and the one :mod:`hetero._gpu.timing` aligns GPU timestamps to).
     They are written as microseconds (floats) relative to the tracer's origin, the
     ``perf_counter_ns()`` at its creation; ``otherData`` records the origin and the
     wall-clock time it corresponds to.

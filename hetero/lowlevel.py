@@ -42,13 +42,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._device import Device, Kernel
+from ._gpu.device import Device, Kernel
 from ._files import atomic_write_text, check_writable
-from ._gpu import GPUContext
+from ._gpu.context import GPUContext
 from ._bridge import running_loop as _running_loop
 from ._runtime import Runtime, _default_runtime
-from ._split import DispatchInfo, grid_uniform
-from ._tensor import Tensor
+from ._gpu.grid import DispatchInfo, grid_uniform
+from ._gpu.tensor import Tensor
 
 __all__ = [
     "Device",

@@ -406,7 +406,7 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> 
     """
     mask = g.cpu(_mask, tokens, name="mask")
     # Every GPU stage records the same work for the same batch shape: captured once per
-    # (batch, length) and replayed afterwards (see hetero._capture).
+    # (batch, length) and replayed afterwards (see hetero._gpu.capture).
     if int8:
         x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):

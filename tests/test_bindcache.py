@@ -1,4 +1,4 @@
-"""Uniform buffers and bind groups reused across dispatches (``hetero._bindcache``), on a real device."""
+"""Uniform buffers and bind groups reused across dispatches (``hetero._gpu.bindcache``), on a real device."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import wgpu
 
 import hetero
 from hetero import Tensor
-from hetero._bindcache import BindCache
-from hetero._split import CostModel
+from hetero._gpu.bindcache import BindCache
+from hetero._gpu.grid import CostModel
 
 pytestmark = pytest.mark.anyio
 

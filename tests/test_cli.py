@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import hetero
-from hetero import _cli, _device
+from hetero import _cli
+from hetero._gpu import device as _device
 
 
 def adapter_names() -> list[str]:

@@ -200,9 +200,9 @@ async def test_kernels_compile_once_per_device(shared_rt: hetero.Runtime) -> Non
 
 
 def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hetero._device import select_adapter
+    from hetero._gpu.device import select_adapter
 
-    first = hetero._device.list_adapters()[0]
+    first = hetero._gpu.device.list_adapters()[0]
     backend = first.info["backend_type"]
     monkeypatch.setenv("HETERO_ADAPTER", backend.upper())
     assert backend in select_adapter().summary
@@ -214,7 +214,7 @@ def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_adapter_selection_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
     import anyio
 
-    from hetero._device import adapter_index, adapter_labels, list_adapters, select_adapter
+    from hetero._gpu.device import adapter_index, adapter_labels, list_adapters, select_adapter
 
     adapters = list_adapters()
     labels = adapter_labels(adapters)

@@ -322,7 +322,7 @@ async def test_many_fences_resolve_in_order_without_blocking_the_loop(shared_rt:
 async def test_run_returns_after_its_recording_thread_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last stage's GPU work may finish before its recording thread released that stage's
     inputs; the run still returns with every block back in the pool."""
-    from hetero._gpu import GPUContext
+    from hetero._gpu.context import GPUContext
 
     release = GPUContext.release_blocks
 
@@ -576,7 +576,7 @@ async def test_cpu_value_read_by_several_gpu_stages_is_uploaded_once(rt: hetero.
 def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: hetero.Runtime) -> None:
     """The fence thread's on_idle hook submits what waits in a shared encoder, but never
     finishes an encoder a stage is still recording into."""
-    from hetero._recorder import SharedRecorder
+    from hetero._gpu.recorder import SharedRecorder
 
     dev = shared_rt.device()
     rec = SharedRecorder(dev, max_stages=32)
@@ -608,7 +608,7 @@ def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: he
 
 
 def test_fence_spin_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from hetero import _device
+    from hetero._gpu import device as _device
 
     monkeypatch.setattr(_device.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("HETERO_FENCE_SPIN_US", raising=False)

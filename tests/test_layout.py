@@ -198,5 +198,21 @@ def test_imports_are_resolved_to_hetero_modules() -> None:
     assert "hetero.lowlevel" in graph["hetero.kernels.nn"]          # from hetero.lowlevel import ...
     assert "hetero.kernels.nn_wgsl" in graph["hetero.kernels.nn"]   # from hetero.kernels import nn_wgsl
     assert "hetero._runtime" in graph["hetero"]                     # relative: from ._runtime import ...
-    assert "hetero._device" not in graph["hetero._fence"]           # only under TYPE_CHECKING
+    assert "hetero._gpu.device" not in graph["hetero._gpu.fence"]           # only under TYPE_CHECKING
     assert "hetero.pipelines.cli" in graph["hetero._cli"]           # inside a function
+
+
+# What the GPU runtime layer (hetero._gpu) may import besides itself: the modules both layers share.
+SHARED = {"hetero.errors", "hetero._trace", "hetero._bridge", "hetero._files"}
+
+
+def test_the_gpu_layer_does_not_import_the_graph_layer() -> None:
+    bad: list[str] = []
+    for name, targets in _edges().items():
+        if name != "hetero._gpu" and not name.startswith("hetero._gpu."):
+            continue
+        for target in sorted(targets):
+            if target.startswith("hetero._gpu.") or target in SHARED:
+                continue
+            bad.append(f"{name} imports {target}")
+    assert not bad, "the GPU runtime layer imports only itself and " + ", ".join(sorted(SHARED)) + ":\n" + "\n".join(bad)

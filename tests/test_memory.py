@@ -1,4 +1,4 @@
-"""The device-memory pool (hetero._memory) on a real wgpu device."""
+"""The device-memory pool (hetero._gpu.pool) on a real wgpu device."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import wgpu
 
-from hetero._device import select_adapter
-from hetero._memory import (
+from hetero._gpu.device import select_adapter
+from hetero._gpu.pool import (
     Block,
     BufferPool,
     MemoryWait,

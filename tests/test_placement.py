@@ -64,7 +64,7 @@ _ADAPTER: list[Any] = []
 def runtime(**kw: Any) -> hetero.Runtime:
     """A Runtime on the session's one adapter (adapters are only released with the process)."""
     if not _ADAPTER:
-        from hetero._device import select_adapter
+        from hetero._gpu.device import select_adapter
 
         _ADAPTER.append(select_adapter())
     return hetero.Runtime(cpu_threads=2, adapter=_ADAPTER[0], **kw)

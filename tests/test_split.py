@@ -7,7 +7,7 @@ import pytest
 
 import hetero
 from hetero import StageError, Tensor
-from hetero._split import DEFAULT_NS_PER_WORKGROUP, CostModel, DispatchInfo
+from hetero._gpu.grid import DEFAULT_NS_PER_WORKGROUP, CostModel, DispatchInfo
 
 pytestmark = pytest.mark.anyio
 
@@ -130,7 +130,7 @@ async def test_long_submissions_calibrate_the_cost_model() -> None:
 
 
 def test_prelude_goes_after_directives() -> None:
-    from hetero._split import PRELUDE, with_prelude
+    from hetero._gpu.grid import PRELUDE, with_prelude
 
     src = "// header\nenable f16;\nrequires readonly_and_readwrite_storage_textures;\n@compute fn main() {}\n"
     out = with_prelude(src)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import wgpu
 
-from hetero._device import select_adapter
-from hetero._timing import CHUNK, ClockAlignment, GPUSpan, GPUTimer
+from hetero._gpu.device import select_adapter
+from hetero._gpu.timing import CHUNK, ClockAlignment, GPUSpan, GPUTimer
 
 ALL = ["timestamp-query", "timestamp-query-inside-encoders", "timestamp-query-inside-passes"]
 

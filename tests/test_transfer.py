@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import wgpu
 
-from hetero._device import Device
-from hetero._transfer import StagingRing, Ticket
+from hetero._gpu.device import Device
+from hetero._gpu.transfer import StagingRing, Ticket
 from hetero.errors import RuntimeClosedError
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -119,7 +119,7 @@ def test_round_trip_copy_threads(dev: Device, copy_threads: int) -> None:
 @pytest.mark.parametrize("copy_threads", [1, 4])
 def test_large_download_into_a_prefaulted_array(dev: Device, copy_threads: int) -> None:
     """From PREFAULT_MIN bytes the array is allocated at record time and touched meanwhile; the data is exact."""
-    from hetero._transfer import PREFAULT_MIN
+    from hetero._gpu.transfer import PREFAULT_MIN
 
     with StagingRing(dev.device, copy_threads=copy_threads, chunk_bytes=1 << 20) as ring:
         a = data((PREFAULT_MIN // 8 + 3, 2), np.float32, seed=7)
@@ -473,7 +473,7 @@ def auto_download(dev: Device, ring: StagingRing, buf: Any, n: int = AUTO_N) -> 
 
 @pytest.fixture
 def auto_min(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hetero._transfer.AUTO_ZERO_COPY_MIN", 128 << 10)  # lavapipe-sized
+    monkeypatch.setattr("hetero._gpu.transfer.AUTO_ZERO_COPY_MIN", 128 << 10)  # lavapipe-sized
 
 
 def test_auto_zero_copy_reuses_dropped_arrays(dev: Device, ring: StagingRing, auto_min: None) -> None:
@@ -544,7 +544,7 @@ def test_auto_zero_copy_buffer_evicts_free_chunks(dev: Device, auto_min: None) -
 
 def test_default_pool_cap_grows_to_the_largest_transfer(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A round trip larger than the default cap still reuses its staging on the next round."""
-    monkeypatch.setattr("hetero._transfer.DEFAULT_POOLED_BYTES", 128 << 10)
+    monkeypatch.setattr("hetero._gpu.transfer.DEFAULT_POOLED_BYTES", 128 << 10)
     a = data((AUTO_N,), np.uint8)  # five chunks each way: 640 KiB of staging
     for cap, grows in ((None, True), (128 << 10, False)):
         with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=cap) as ring:

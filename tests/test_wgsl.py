@@ -293,7 +293,7 @@ async def test_a_storage_tensor_past_the_adapter_limit() -> None:
 
 # -- reading WGSL (no device) ------------------------------------------------------------------------------
 def test_strip_comments_keeps_lines_and_nesting() -> None:
-    from hetero._wgsl import strip_comments
+    from hetero._gpu.wgsl import strip_comments
 
     src = "a // b /* c\nd /* e /* f */ g\n h */ i\r\nj /* k */ l // m"
     out = strip_comments(src)
@@ -304,7 +304,7 @@ def test_strip_comments_keeps_lines_and_nesting() -> None:
 
 
 def test_group_bindings_reads_declarations() -> None:
-    from hetero._wgsl import Binding, group_bindings
+    from hetero._gpu.wgsl import Binding, group_bindings
 
     src = """
     alias T = f32;
@@ -336,7 +336,7 @@ def test_group_bindings_reads_declarations() -> None:
 
 
 def test_dtype_rule() -> None:
-    from hetero._wgsl import Binding, dtype_mismatch
+    from hetero._gpu.wgsl import Binding, dtype_mismatch
 
     def b(scalar: str, size: int) -> Binding:
         return Binding(0, 0, "x", "storage", "read", "t", scalar, size)
@@ -357,7 +357,7 @@ def test_dtype_rule() -> None:
 
 def test_wgpu_usage_errors_are_explained_the_right_way_round() -> None:
     """Where hetero could not read a declaration, wgpu's usage error is turned around correctly."""
-    from hetero._gpu import _explain_bind_error
+    from hetero._gpu.context import _explain_bind_error
 
     head = "Validation Error\n\nCaused by:\n  In wgpuDeviceCreateBindGroup\n    "
     t = Tensor(None, (8,), np.float32)  # type: ignore[arg-type]  # no buffer needed to describe it

@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
 
-from ._split import grid_uniform
-from ._tensor import Tensor, tensor_of
+from .grid import grid_uniform
+from .tensor import Tensor, tensor_of
 
 if TYPE_CHECKING:
-    from ._device import Kernel
-    from ._gpu import GPUContext
+    from .device import Kernel
+    from .context import GPUContext
 
 __all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
 

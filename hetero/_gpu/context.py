@@ -14,13 +14,13 @@ from typing import Any, Callable
 import numpy as np
 import wgpu
 
-from ._capture import Capturing
-from ._device import Device, Kernel
-from ._memory import Block, MemoryWait
-from ._recorder import StageRecorder
-from ._split import DispatchInfo, grid_uniform
-from ._tensor import Tensor, tensor_of
-from ._wgsl import dtype_mismatch
+from .capture import Capturing
+from .device import Device, Kernel
+from .pool import Block, MemoryWait
+from .recorder import StageRecorder
+from .grid import DispatchInfo, grid_uniform
+from .tensor import Tensor, tensor_of
+from .wgsl import dtype_mismatch
 
 __all__ = ["GPUContext", "map_values"]
 
@@ -259,7 +259,7 @@ class GPUContext:
 
         With one GPU recording thread (the default) it is shared with neighbouring
         stages: end every pass you begin, and do not finish it. A capturing stage that
-        uses it cannot be replayed (see ``hetero._capture``).
+        uses it cannot be replayed (see ``hetero._gpu.capture``).
         """
         if self._capture is not None:
             self._capture.refuse("it records on gpu.encoder directly")
@@ -298,7 +298,7 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
 
     A Tensor binds as storage, a numpy array or bytes as a uniform; the dtype of a Tensor
     or of a uniform's array must fit the declared element type (the rule is in
-    ``hetero._wgsl``; bytes are not checked).
+    ``hetero._gpu.wgsl``; bytes are not checked).
     """
     decls = k.bindings
     for i, b in enumerate(bindings):
@@ -453,7 +453,7 @@ def _workgroups(workgroups: Any, limit: int, label: str, *, split_x: bool = Fals
         if g < 0:
             raise ValueError(f"kernel {label!r}: workgroup count {g} in {axis} is negative")
         if g > limit and not (split_x and axis == "x"):
-            hint = ("use hetero_workgroup_id() in the kernel so that hetero can split x (see hetero._split)"
+            hint = ("use hetero_workgroup_id() in the kernel so that hetero can split x (see hetero._gpu.grid)"
                     if not split_x else "only x is split: keep y and z within the limit")
             raise ValueError(
                 f"kernel {label!r}: {g} workgroups in {axis} exceed the adapter's limit of {limit} "

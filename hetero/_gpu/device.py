@@ -41,16 +41,16 @@ from wgpu.backends.wgpu_native._ffi import lib as _raw_lib
 
 # Imported here, not where the device is created: that is a worker thread, and CPython
 # before 3.11.8 could fail an import compiled in another thread at the same time.
-from ._bindcache import BindCache
-from ._capture import CaptureCache
-from ._fence import Fence
-from ._memory import BufferPool
-from ._split import CostModel, wants_grid, with_prelude
-from ._timing import GPUTimer
-from ._trace import Tracer
-from ._transfer import StagingRing
-from ._wgsl import Binding, group_bindings
-from .errors import DeviceLostError, NoAdapterError, RuntimeClosedError
+from .bindcache import BindCache
+from .capture import CaptureCache
+from .fence import Fence
+from .pool import BufferPool
+from .grid import CostModel, wants_grid, with_prelude
+from .timing import GPUTimer
+from .._trace import Tracer
+from .transfer import StagingRing
+from .wgsl import Binding, group_bindings
+from ..errors import DeviceLostError, NoAdapterError, RuntimeClosedError
 
 __all__ = ["Device", "Kernel", "adapter_index", "adapter_labels", "adapter_summary", "list_adapters", "select_adapter"]
 

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
-from ._bridge import loop_caller
+from .._bridge import loop_caller
 
 if TYPE_CHECKING:
-    from ._device import Device
+    from .device import Device
 
 __all__ = ["Fence", "LOOP_POLL_US"]
 

@@ -41,7 +41,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ._wgsl import strip_comments
+from .wgsl import strip_comments
 
 __all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "PRELUDE", "grid_uniform", "wants_grid", "with_prelude"]
 

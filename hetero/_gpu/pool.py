@@ -96,7 +96,7 @@ from typing import Any, Callable
 
 import wgpu
 
-from .errors import OutOfMemoryError, RuntimeClosedError
+from ..errors import OutOfMemoryError, RuntimeClosedError
 
 __all__ = [
     "Block",

@@ -38,8 +38,8 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from ._device import Device
-    from ._timing import TimerFrame
+    from .device import Device
+    from .timing import TimerFrame
 
 __all__ = ["SharedRecorder", "StageRecorder"]
 

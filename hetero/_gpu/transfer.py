@@ -101,7 +101,7 @@ from typing import Any, Sequence
 import numpy as np
 import wgpu
 
-from .errors import GPUError, RuntimeClosedError
+from ..errors import GPUError, RuntimeClosedError
 
 __all__ = ["StagingRing", "Ticket"]
 
