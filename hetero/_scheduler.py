@@ -965,8 +965,7 @@ class Scheduler:
         if self._shared is None or self._shared_dev is not dev:
             self._shared = SharedRecorder(dev, self.submit_batch)
             self._shared_dev = dev
-            dev.before_flush.append(self._shared.flush)
-            dev.on_idle.append(self._shared.flush_if_free)
+            dev.share_encoders(self._shared)
         return self._shared
 
     @staticmethod

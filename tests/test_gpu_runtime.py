@@ -349,13 +349,13 @@ async def test_spinning_fence_thread_reports_short_and_long_work(monkeypatch: py
             dev.enqueue(dev.device.create_command_encoder().finish(), flush=True)
             fence = dev.fence()
             await fence.wait()
-            assert fence.done() and dev._completed >= fence.index
+            assert fence.done() and dev.submission._completed >= fence.index
         buf = dev.device.create_buffer(size=256 * 4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
         try:
             dev.enqueue(_record_busy(dev, buf), flush=True)  # usually runs far longer than the 300 µs spin
             fence = dev.fence()
             await fence.wait()
-            assert fence.done() and not dev._fence_polling
+            assert fence.done() and not dev.submission._fence_polling
             assert np.all(np.frombuffer(dev.queue.read_buffer(buf), np.float32) > 1000)
         finally:
             buf.destroy()
@@ -370,7 +370,7 @@ def test_completion_is_learnt_without_the_fence_thread(shared_rt: hetero.Runtime
     while not fence.done():
         assert time.monotonic() < deadline, "the work-done callback never marked the submission complete"
         time.sleep(0.001)
-    assert dev._completed >= index
+    assert dev.submission._completed >= index
 
 
 def test_fence_on_a_lost_device_raises() -> None:
@@ -380,13 +380,13 @@ def test_fence_on_a_lost_device_raises() -> None:
         fence = dev.fence()
         fence.wait_sync()
         assert fence.done()
-        dev.lost = "test"
+        dev.loss.lost = "test"
         later = hetero.Fence(dev, fence.index + 1)
         with pytest.raises(hetero.DeviceLostError, match="the GPU device was lost"):
             later.done()
         with pytest.raises(hetero.DeviceLostError):
             anyio.run(later.wait)
-        dev.lost = None
+        dev.loss.lost = None
 
 
 async def test_work_enqueued_while_the_gpu_is_busy_shares_one_submission(shared_rt: hetero.Runtime) -> None:
@@ -403,15 +403,15 @@ async def test_work_enqueued_while_the_gpu_is_busy_shares_one_submission(shared_
         return cb
 
     before = dev.submissions
-    with dev._submit_lock:
-        dev._inflight += 1  # as if a long submission were running
+    with dev.submission._submit_lock:
+        dev.submission._inflight += 1  # as if a long submission were running
     try:
         for k in range(20):
             dev.enqueue(dev.device.create_command_encoder().finish(), mark(k))
         assert dev.submissions == before  # collected, not submitted
     finally:
-        with dev._submit_lock:
-            dev._inflight -= 1
+        with dev.submission._submit_lock:
+            dev.submission._inflight -= 1
     dev.flush()  # what the fence thread does when the running submission completes
     assert dev.submissions == before + 1
     assert await anyio.to_thread.run_sync(all_done.wait, 30)
@@ -574,7 +574,7 @@ async def test_cpu_value_read_by_several_gpu_stages_is_uploaded_once(rt: hetero.
 
 
 def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: hetero.Runtime) -> None:
-    """The fence thread's on_idle hook submits what waits in a shared encoder, but never
+    """The fence thread, when the GPU goes idle, submits what waits in a shared encoder, but never
     finishes an encoder a stage is still recording into."""
     from hetero._gpu.recorder import SharedRecorder
 
@@ -608,18 +608,18 @@ def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: he
 
 
 def test_fence_spin_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from hetero._gpu import device as _device
+    from hetero._gpu import submission
 
-    monkeypatch.setattr(_device.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(submission.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("HETERO_FENCE_SPIN_US", raising=False)
-    assert _device._fence_spin_s() == pytest.approx(_device.FENCE_SPIN_US / 1e6)
-    monkeypatch.setattr(_device.os, "cpu_count", lambda: 2)
-    assert _device._fence_spin_s() == 0.0  # few cores: the spinner would take the CPU others need
+    assert submission._fence_spin_s() == pytest.approx(submission.FENCE_SPIN_US / 1e6)
+    monkeypatch.setattr(submission.os, "cpu_count", lambda: 2)
+    assert submission._fence_spin_s() == 0.0  # few cores: the spinner would take the CPU others need
     for raw, want in (("250", 250e-6), ("0", 0.0), ("-5", 0.0)):
         monkeypatch.setenv("HETERO_FENCE_SPIN_US", raw)
-        assert _device._fence_spin_s() == pytest.approx(want)
+        assert submission._fence_spin_s() == pytest.approx(want)
     monkeypatch.setenv("HETERO_FENCE_SPIN_US", "fast")
-    assert _device._fence_spin_s() == 0.0
+    assert submission._fence_spin_s() == 0.0
     assert "ignoring HETERO_FENCE_SPIN_US='fast'" in caplog.text
 
 
@@ -627,7 +627,7 @@ async def test_spinning_fence_thread_runs_graphs(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("HETERO_FENCE_SPIN_US", "300")
     g, x = chain(5, "spin-chain"), np.ones(256, np.float32)
     async with hetero.Runtime(cpu_threads=2) as rt:
-        assert rt.device().fence_spin_s == pytest.approx(300e-6)
+        assert rt.device().submission.fence_spin_s == pytest.approx(300e-6)
         for _ in range(5):
             np.testing.assert_array_equal(await rt.run(g, x=x), x * 32)
         results = [r async for r in rt.map(g, ({"x": x * k} for k in range(6)), max_in_flight=3)]

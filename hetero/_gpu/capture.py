@@ -400,7 +400,7 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
     rec = ctx._recorder
     cost = dev.cost
     tracing = dev.tracer is not None
-    budget = dev.budget_ns
+    budget = dev.cost.budget_ns
     limit = ctx.limits["max-compute-workgroups-per-dimension"]
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
     h: Any = None

@@ -214,7 +214,7 @@ class GPUContext:
             rec.note(k.key, total, est)
             return DispatchInfo(k.label, groups, 1, groups[0], ended, est / 1e6)
         per_x = groups[1] * groups[2]
-        chunk = cost.chunk(k.key, self._dev.budget_ns, per_x, limit)
+        chunk = cost.chunk(k.key, self._dev.cost.budget_ns, per_x, limit)
         layout1 = k.layouts[1]
         ended = n = 0
         for x0 in range(0, groups[0], chunk):

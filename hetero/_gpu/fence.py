@@ -3,7 +3,7 @@
 ``await fence.wait()`` first watches the submission from the event loop itself, for
 up to ``spin_s`` (``LOOP_POLL_US``): each turn is a checkpoint (every other task
 runs), a look at the completed index (with a non-blocking ``wgpuDevicePoll`` unless
-the fence thread is polling, see ``Device.completed``), then a sleep of at most
+the fence thread is polling, see ``Submission.completed``), then a sleep of at most
 ``SLICE_S`` on a lock that the completion releases. Only then does it sleep until the
 device's fence thread wakes the loop. The loop is never held longer than one slice
 (20 µs plus the OS timer slack).
@@ -16,7 +16,7 @@ medians of 1800, three runs): 47-49 µs watched (p90 79-82), 46-55 µs through t
 thread alone (p90 100-110). A fence thread that went straight into a blocking poll
 made both 80-97 µs: it held up every non-blocking poll, the loop's included, until
 the work finished; it now polls without blocking for its first 100 µs (where it
-spins at all, see ``Device._await_completion``). Past ``spin_s`` the loop stops
+spins at all, see ``Submission._await_completion``). Past ``spin_s`` the loop stops
 watching (long GPU work must not cost the loop's CPU time) and the fence thread
 wakes it, in order with every other completion.
 
@@ -25,7 +25,7 @@ it does so at once after a submit whose work runs for milliseconds, although
 wgpu-native documents it as "queue empty"), so its result is never used.
 
 Completion is monotonic: when a fence is done, every fence of an earlier submission is
-done too (``Device.completed``).
+done too (``Submission.completed``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .._bridge import loop_caller
 
 if TYPE_CHECKING:
     from .device import Device
+    from .submission import Submission
 
 __all__ = ["Fence", "LOOP_POLL_US"]
 
@@ -54,13 +55,14 @@ SLICE_S = 20e-6
 
 
 class Fence:
-    """The completion of submission ``index`` on ``device`` (everything enqueued before it included)."""
+    """The completion of submission ``index`` on a device's queue (everything enqueued before it included)."""
 
     __slots__ = ("index", "_dev")
 
-    def __init__(self, device: Device, index: int) -> None:
+    def __init__(self, device: Device | Submission, index: int) -> None:
         self.index = index
-        self._dev = device
+        # A Device submits through its Submission.
+        self._dev: Submission = device.submission if hasattr(device, "submission") else device
 
     def __repr__(self) -> str:
         return f"<Fence #{self.index} {'done' if self.done() else 'pending'}>"
@@ -78,7 +80,7 @@ class Fence:
         if dev.completed(self.index):
             return
         if spin_s > 0:
-            lock = dev._sleeper(self.index)
+            lock = dev.sleeper(self.index)
             if lock is None:
                 return
             try:
@@ -94,7 +96,7 @@ class Fence:
                     if time.perf_counter() >= deadline:
                         break
             finally:
-                dev._drop_sleeper(lock)
+                dev.drop_sleeper(lock)
         event = anyio.Event()
         call = loop_caller()
         dev.on_done(self.index, lambda: call(event.set))

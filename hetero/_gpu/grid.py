@@ -98,9 +98,10 @@ class DispatchInfo:
 
 
 class CostModel:
-    """Nanoseconds per workgroup, per kernel; thread-safe."""
+    """Nanoseconds per workgroup, per kernel, and the GPU time one submission may hold; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_ns: float = 100e6) -> None:
+        self.budget_ns = budget_ns  # the runtime's gpu_budget_ms: splitting and the recorder keep under it
         self._ns: dict[Any, float] = {}
         self._source: dict[Any, str] = {}
         self._timed: dict[Any, int] = {}  # dispatches of each kernel seen by should_time

@@ -138,7 +138,7 @@ class _Budget:
     def reserve(self, est_ns: float) -> int:
         """Before recording ``est_ns`` more: end the submission first if the budget would be
         exceeded (and it holds anything). Returns the number of submissions ended (0 or 1)."""
-        if self.est_ns > 0 and self.est_ns + est_ns > self._dev.budget_ns:
+        if self.est_ns > 0 and self.est_ns + est_ns > self._dev.cost.budget_ns:
             self.split()
             return 1
         return 0
