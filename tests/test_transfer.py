@@ -473,7 +473,7 @@ def auto_download(dev: Device, ring: StagingRing, buf: Any, n: int = AUTO_N) -> 
 
 @pytest.fixture
 def auto_min(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hetero._gpu.transfer.AUTO_ZERO_COPY_MIN", 128 << 10)  # lavapipe-sized
+    monkeypatch.setattr("hetero._gpu.staging.AUTO_ZERO_COPY_MIN", 128 << 10)  # lavapipe-sized
 
 
 def test_auto_zero_copy_reuses_dropped_arrays(dev: Device, ring: StagingRing, auto_min: None) -> None:
@@ -544,7 +544,7 @@ def test_auto_zero_copy_buffer_evicts_free_chunks(dev: Device, auto_min: None) -
 
 def test_default_pool_cap_grows_to_the_largest_transfer(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A round trip larger than the default cap still reuses its staging on the next round."""
-    monkeypatch.setattr("hetero._gpu.transfer.DEFAULT_POOLED_BYTES", 128 << 10)
+    monkeypatch.setattr("hetero._gpu.staging.DEFAULT_POOLED_BYTES", 128 << 10)
     a = data((AUTO_N,), np.uint8)  # five chunks each way: 640 KiB of staging
     for cap, grows in ((None, True), (128 << 10, False)):
         with StagingRing(dev.device, copy_threads=2, chunk_bytes=CHUNK, max_pooled_bytes=cap) as ring:

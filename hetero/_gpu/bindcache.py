@@ -1,10 +1,8 @@
 """Uniform buffers and bind groups reused across dispatches, per device.
 
-Measured on an H200 through Vulkan (``python -m bench.stage_cost``): creating a bind
-group costs ~30 µs of host time and a small uniform buffer with data ~30 µs, while
-recording the dispatch itself costs ~3 µs. A kernel-library op made one or two of
-each per dispatch, so an encoder layer of a dozen ops spent most of its recording
-time creating objects it had already created for the previous batch or layer.
+Creating a bind group or a small uniform buffer costs about ten times the host time of
+recording the dispatch that uses it (BENCHMARKS.md, "Where the rules of the GPU runtime
+come from"), so neither is created twice for the same contents:
 
 * **Uniforms by content.** Uniform buffers hetero creates are never written after
   creation, so one buffer serves every dispatch whose parameters have the same bytes

@@ -26,9 +26,10 @@ __all__ = ["GPUContext", "map_values"]
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 # Downloads this large that only CPU stages read are handed over as views of the mapped
-# staging memory: copying out to fresh pages costs more than the GPU copy (measured on an
-# H200: 256 MiB in 48 GB/s zero-copy against 15 GB/s copied out). Graph outputs are always
-# copied, so a caller keeping results never pins staging memory.
+# staging memory: copying out to fresh pages costs more than the GPU copy. Graph outputs
+# use zero_copy="auto" when the runtime's zero_copy_outputs is on (the default): views only
+# where that reuses pooled staging, so a caller keeping every result gets copies and pins
+# no more than the pool's cap (see transfer).
 ZERO_COPY_MIN = 1 << 20
 
 

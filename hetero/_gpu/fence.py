@@ -11,12 +11,9 @@ device's fence thread wakes the loop. The loop is never held longer than one sli
 Why. A submission of little work completes tens of microseconds after it was
 submitted. Reaching the loop through the fence thread costs a thread hand-off and an
 event-loop wake-up; the lock hands the completion straight to the waiting thread.
-On an H200 through Vulkan (``bench/gpu_runtime.py``, submit -> coroutine resumed,
-medians of 1800, three runs): 47-49 µs watched (p90 79-82), 46-55 µs through the fence
-thread alone (p90 100-110). A fence thread that went straight into a blocking poll
-made both 80-97 µs: it held up every non-blocking poll, the loop's included, until
-the work finished; it now polls without blocking for its first 100 µs (where it
-spins at all, see ``Submission._await_completion``). Past ``spin_s`` the loop stops
+A blocking poll holds up every non-blocking one, the loop's included, until the work
+finished, so the fence thread polls without blocking first where it spins at all (see
+``Submission._await_completion``). Past ``spin_s`` the loop stops
 watching (long GPU work must not cost the loop's CPU time) and the fence thread
 wakes it, in order with every other completion.
 
@@ -44,9 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Fence", "LOOP_POLL_US"]
 
-# How long ``Fence.wait`` polls from the event loop before it sleeps. Tiny submissions
-# complete within ~30 µs of their submit on an H200 (~50 µs on lavapipe); longer ones
-# are left to the fence thread after this.
+# How long ``Fence.wait`` polls from the event loop before it sleeps: several times what a
+# tiny submission takes to complete; longer ones are left to the fence thread after this.
 LOOP_POLL_US = 200.0
 # Between two polls the loop sleeps on a lock (GIL released) for at most this long, or
 # until whoever sees the completion releases it (the fence thread needs the GIL to

@@ -1,15 +1,13 @@
 """Where GPU stages record their commands: a shared encoder, or one encoder per stage.
 
-Measured on an H200 through Vulkan (``python -m bench.stage_cost``): a command
-buffer that holds a compute pass costs about 180 µs of host time to create, finish,
-submit and free, while each further dispatch in the same encoder costs 9-20 µs.
-Small GPU stages are therefore cheap only when many of them share one command
-encoder. Two recorders:
+A command buffer costs about ten times the host time of a further dispatch in an open
+encoder (BENCHMARKS.md, "Where the rules of the GPU runtime come from"), so small GPU
+stages share command encoders, and consecutive dispatches share a compute pass. Two
+recorders:
 
 * :class:`SharedRecorder` (one GPU recording thread, the default): every stage
   appends its dispatches to one open encoder, into one open compute pass until a
-  copy needs the pass closed (a dispatch in an open pass costs ~5 µs, a pass of its
-  own ~18 µs). The encoder is finished and enqueued
+  copy needs the pass closed. The encoder is finished and enqueued
   when a stage needs a fence (a CPU stage or the caller waits for it), when it holds
   ``max_stages`` stages, when a large stage (or, for a lone run, enough dispatches)
   was recorded while the GPU is idle,

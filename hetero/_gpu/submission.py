@@ -397,7 +397,8 @@ class Submission:
 # The fence thread's spin, on hosts with at least FENCE_SPIN_MIN_CPUS cores: for a new
 # submission before it sleeps (``_next_fence``), and polling a fresh one without blocking
 # before a blocking poll (``_await_completion``). Fewer cores: no spin (the spinner would
-# take the CPU a software GPU needs). See BENCHMARKS.md, "Fence thread".
+# take the CPU a software GPU needs). See BENCHMARKS.md, "Where the rules of the GPU
+# runtime come from".
 FENCE_SPIN_US = 100.0
 FENCE_SPIN_MIN_CPUS = 8
 
