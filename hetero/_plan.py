@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import networkx as nx
 
 from .errors import GraphError, InputError
 
-from ._graph import Graph, Input, Node, StageOptions
+from ._nodes import Input, Node, StageOptions
+
+if TYPE_CHECKING:
+    from ._graph import Graph
 
 __all__ = ["Plan", "StagePlan"]
 
