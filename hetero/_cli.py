@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ._argtypes import positive_int
+
 __all__ = ["main"]
 
 # Backends with real compute support. wgpu's OpenGL backend is a downlevel fallback
@@ -99,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
         "CPU: check against numpy and checksum) once with Runtime.run, then over several inputs with "
         "Runtime.map.",
     )
-    demo.add_argument("--size", type=_positive_int, default=1 << 20, metavar="N",
+    demo.add_argument("--size", type=positive_int, default=1 << 20, metavar="N",
                       help="elements per array (default: %(default)s)")
-    demo.add_argument("--runs", type=_positive_int, default=8, metavar="R",
+    demo.add_argument("--runs", type=positive_int, default=8, metavar="R",
                       help="inputs to stream through Runtime.map (default: %(default)s)")
     demo.add_argument("--trace", metavar="T.json", default=None,
                       help="write a Chrome/Perfetto trace of the runs to this file (open it in ui.perfetto.dev)")
@@ -119,16 +121,6 @@ def _parser() -> argparse.ArgumentParser:
 
     picture.add_parser(sub)
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _wgpu_version() -> str:

@@ -35,7 +35,8 @@ Devices and caches:
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
 written with :func:`atomic_write_text`; :func:`check_writable` checks, before any work,
-that an output file can be written.
+that an output file can be written. :func:`positive_int` is the ``argparse`` type of a
+count option (``--workers N``), as hetero's own command line reads it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._gpu.device import Device, Kernel
+from ._argtypes import positive_int
 from ._files import atomic_write_text, check_writable
 from ._gpu.context import GPUContext
 from ._bridge import running_loop as _running_loop
@@ -61,6 +63,7 @@ __all__ = [
     "default_runtime",
     "device_of",
     "grid_uniform",
+    "positive_int",
     "running_loop",
 ]
 
@@ -75,7 +78,7 @@ def device_of(target: Any) -> Device:
     if isinstance(target, Device):
         return target
     if isinstance(target, GPUContext):
-        return target._dev
+        return target.runtime_device
     device = getattr(target, "device", None)
     if callable(device):  # a Runtime: its device, opened on first use
         dev = device()

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from hetero.lowlevel import check_writable
+from hetero.lowlevel import check_writable, positive_int
 from hetero.errors import HeteroError
 
 __all__ = ["FORMATS", "InputFileError", "add_parser", "read_input", "read_lines", "run", "write_jsonl"]
@@ -35,17 +35,6 @@ STDIO = "-"  # --input - reads stdin, --output - writes stdout
 
 class InputFileError(HeteroError):
     """The input file of ``hetero embed`` cannot be read, or the output cannot be written."""
-
-
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

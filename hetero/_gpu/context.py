@@ -74,6 +74,11 @@ class GPUContext:
         self.downloads: list[tuple[Any, Tensor]] = []  # (staging ticket or None if empty, tensor) to the host
         self._capture: Capturing | None = None  # set while a capturing stage function runs (see _capture)
 
+    @property
+    def runtime_device(self) -> Device:
+        """The hetero :class:`Device` this context records on (``device`` is its ``wgpu.GPUDevice``)."""
+        return self._dev
+
     # -- memory ---------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Tensor:
         """A new uninitialised Tensor from the pool.
