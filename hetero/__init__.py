@@ -4,32 +4,39 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 (WebGPU compute recorded through wgpu-py); run it from sync code, asyncio or trio.
 """
 
-# Layout. Two layers, one concept per module; imports point down this list (the one
-# exception: Graph.plan() builds its Plan).
+# Layout. Two layers, one concept per module; imports point down this list, and the GPU
+# runtime layer (the private package _gpu/, whose modules drop the underscore) never
+# imports the graph and scheduling layer (tests/test_layout.py checks both).
 #
-#   graph and scheduling layer
-#     _cli        the ``hetero`` command line
+#   graph and scheduling layer (hetero/)
+#     _cli        the ``hetero`` command line     _argtypes  argparse types it shares with the pipelines
 #     _dask       DaskRuntime, HeteroPlugin: chunks of runs on a dask cluster, a Runtime per worker
 #     _runtime    Runtime: worker pools, the device, the run/map entry points
+#     _batcher    Batcher: single requests gathered into batched runs
 #     _scheduler  executes a Plan from the event loop over worker threads
+#     _process    process stages: the worker-process pool, shared memory for large arrays
+#     _graph      Graph: declaration only   _dot  pictures of a graph (DOT, networkx, files)
 #     _plan       a Graph validated once: order, consumers, last uses, transfers
 #     _placement  where a stage with CPU and GPU implementations runs: a calibrated performance model
-#     _graph      Graph, Input, Node: declaration only
-#     _process    process stages: the worker-process pool, shared memory for large arrays
+#     _nodes      Input, Node, StageOptions: what a graph is made of (the plan reads them)
+#     _stats      RunStats, StageStats
 #
-#   GPU runtime layer
-#     _gpu        GPUContext: what a GPU stage records into (allocate, upload, dispatch)
-#     _recorder   the command encoders stages record into
-#     _device     adapter, device, pipeline cache, submission, the fence thread
-#     _fence      Fence: awaiting a submission from asyncio or trio
-#     _capture    captured GPU stages: a stage's dispatches recorded once per signature, replayed
-#     _memory     the buffer pool           _transfer   the staging ring (uploads, downloads)
-#     _bindcache  uniforms, bind groups     _split      TDR-safe dispatch splitting
-#     _timing     GPU timestamps            _tensor     Tensor
-#     _wgsl       what hetero reads of WGSL: bindings, element types, comments out
+#   GPU runtime layer (hetero/_gpu/)
+#     context     GPUContext: what a GPU stage records into (allocate, upload, dispatch)
+#     capture     captured GPU stages: a stage's dispatches recorded once per signature, replayed
+#     recorder    the command encoders stages record into
+#     device      adapter selection, Device: the device, its pipeline cache and resources
+#     submission  Submission: the queue, batching of command buffers, the fence thread
+#     lost        LossWatch: watching for device loss
+#     fence       Fence: awaiting a submission from asyncio or trio
+#     pool        the buffer pool            bindcache  uniforms, bind groups
+#     transfer    StagingRing, Ticket: uploads and downloads through staging buffers, built on
+#                 staging (the pool of staging buffers) and hostcopy (copies on the copy threads)
+#     grid        TDR-safe dispatch splitting, the cost model   timing  GPU timestamps
+#     tensor      Tensor                     wgsl       what hetero reads of WGSL
 #
-#   shared by both: _stats, _trace, _bridge (waking an event loop), _files, errors,
-#     _dot (pictures of a graph: DOT text, networkx, rendered files)
+#   shared by both: errors, _trace (Chrome/Perfetto traces), _bridge (waking an event loop),
+#     _files (atomic writes)
 #
 #   public faces: this module (graphs), ops (GPU ops), lowlevel (the extension API),
 #   dask (graphs on a dask.distributed cluster; the optional [dask] extra, not imported here);

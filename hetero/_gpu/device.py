@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import wgpu
 
@@ -20,7 +20,6 @@ import wgpu
 # before 3.11.8 could fail an import compiled in another thread at the same time.
 from .bindcache import BindCache
 from .capture import CaptureCache
-from .fence import Fence
 from .lost import LossWatch
 from .pool import BufferPool
 from .grid import CostModel, wants_grid, with_prelude
@@ -30,6 +29,9 @@ from .submission import OpenEncoder, Submission
 from .transfer import StagingRing
 from .wgsl import Binding, group_bindings
 from ..errors import NoAdapterError
+
+if TYPE_CHECKING:
+    from .fence import Fence
 
 __all__ = ["Device", "Kernel", "adapter_index", "adapter_labels", "adapter_summary", "list_adapters", "select_adapter"]
 
