@@ -512,7 +512,7 @@ class Scheduler:
         self._device_if_open = device_if_open
         self.submit_batch = submit_batch
         self.tracer = tracer
-        self.capture = capture  # honour stages declared with capture=True (see _capture)
+        self.capture = capture  # honour stages declared with capture=True (see hetero._gpu.capture)
         # Graph outputs: zero-copy where the staging ring can reuse memory ("auto"), else copied.
         self._output_zero_copy: bool | str = "auto" if zero_copy_outputs else False
         self._shared: SharedRecorder | None = None

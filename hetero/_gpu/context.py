@@ -72,7 +72,7 @@ class GPUContext:
         self.blocks: list[Block] = []  # pool blocks this context acquired (one reference each)
         self.uploads: list[Any] = []  # staging tickets of this stage's uploads
         self.downloads: list[tuple[Any, Tensor]] = []  # (staging ticket or None if empty, tensor) to the host
-        self._capture: Capturing | None = None  # set while a capturing stage function runs (see _capture)
+        self._capture: Capturing | None = None  # set while a capturing stage function runs (see capture)
 
     @property
     def runtime_device(self) -> Device:

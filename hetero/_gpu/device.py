@@ -175,10 +175,10 @@ class Kernel:
     label: str
     n_bindings: int
     read_write: frozenset[int] = frozenset()  # @group(0) bindings declared var<storage, read_write>
-    grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see _split)
+    grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see grid)
     key: Any = None  # the cache key, also the cost model's key
     layouts: tuple[Any, ...] = ()  # bind group layouts of groups 0 (and 1 for grid kernels), fetched once
-    # The @group(0) declarations (see _wgsl): entry i declares @binding(i), the binding a
+    # The @group(0) declarations (see wgsl): entry i declares @binding(i), the binding a
     # dispatch's i-th argument fills; None where the WGSL declares no such binding.
     bindings: tuple[Binding | None, ...] = ()
 
