@@ -485,7 +485,7 @@ async def test_grids_split_into_sub_dispatches_give_the_same_results(shared_rt: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny GPU-time budget makes hetero split every grid: each kernel must use hetero_workgroup_id."""
     dev = shared_rt.device()
-    monkeypatch.setattr(dev, "budget_ns", 1.0)  # one workgroup per sub-dispatch
+    monkeypatch.setattr(dev.cost, "budget_ns", 1.0)  # one workgroup per sub-dispatch
     seen: list[hetero.DispatchInfo] = []
 
     def stage(gpu: hetero.GPUContext, x: Tensor, ids: Tensor, g_: Tensor, b_: Tensor) -> tuple[Tensor, ...]:
