@@ -249,7 +249,7 @@ def test_adapter_selection_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
 # with another thread's enumeration aborted the process inside wgpu-native.
 ADAPTER_LOOKUPS = """
 import threading
-from hetero import _device
+from hetero._gpu import device as _device
 
 def look():
     for _ in range(25):
@@ -271,7 +271,7 @@ def test_adapter_lookups_from_many_threads_never_abort() -> None:
     import subprocess
     import sys
 
-    from hetero._device import list_adapters, select_adapter
+    from hetero._gpu.device import list_adapters, select_adapter
 
     done = subprocess.run([sys.executable, "-c", ADAPTER_LOOKUPS], capture_output=True, text=True, timeout=300)
     why = [line for line in done.stderr.splitlines() if "panicked at" in line or "Fatal Python error" in line]
