@@ -318,18 +318,20 @@ def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
 _pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 
-def embedding_graph(model: Model, int8: bool = False) -> hetero.Graph:
+def embedding_graph(model: Model, int8: bool = False, cpu: bool = True) -> hetero.Graph:
     """The graph ``texts -> float32 [len(texts), hidden]`` for ``model`` (built once per model and mode).
 
     ``int8``: the encoder's linear layers use int8 weights (:func:`matmul_int8`).
+    ``cpu``: the float32 stages also carry their CPU implementations, placed by the
+    runtime (see :func:`offers_cpu`); without, they are GPU stages only.
     """
-    key = "embed-int8" if int8 else "embed"
+    key = "embed-int8" if int8 else ("embed" if cpu else "embed-gpu")
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
-        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8))
+        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8, cpu))
         model.graphs[key] = g
         return g
 
@@ -398,24 +400,48 @@ def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
-def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool) -> hetero.Node:
+def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu: bool = True) -> hetero.Node:
     """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned).
 
-    Float32: every stage has a CPU and a GPU implementation, placed per batch by the runtime.
-    INT8: GPU stages only (the int8 products exist on the GPU only).
+    Float32 with ``cpu``: every stage has a CPU and a GPU implementation, placed per batch
+    by the runtime. INT8, or without ``cpu``: GPU stages only (the int8 products exist on
+    the GPU only).
     """
     mask = g.cpu(_mask, tokens, name="mask")
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) and replayed afterwards (see hetero._gpu.capture).
-    if int8:
+    if int8 or not cpu:
         x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
-            x = g.gpu(_layer, x, mask, model, n, True, name=f"layer{n}", capture=True)
+            x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True)
         return g.gpu(_pool, x, mask, name="pool", capture=True)
     x = g.stage(tokens, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
         x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True)
     return g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True)
+
+
+def offers_cpu(runtime: object) -> bool:
+    """Whether the embedding graphs run on ``runtime`` carry the CPU implementations.
+
+    They do where the runtime's placement may choose them: ``placement="cpu"``, no GPU,
+    or a CPU-emulated adapter (lavapipe, llvmpipe, WARP), where the model picks numpy.
+    On a real GPU the graph is GPU stages only: placement prices each stage's own
+    transfers, not the fence round trip that a CPU stage inside a chain of GPU stages
+    costs, and measured on the H200 it moved small batches' embeddings and pooling to
+    the CPU at several times the latency (BENCHMARKS.md). A runtime that is not a
+    ``hetero.Runtime`` (a Dask cluster's) gets the GPU graph.
+    """
+    if not isinstance(runtime, hetero.Runtime):
+        return False
+    mode = runtime.options.placement
+    if mode != "auto":
+        return mode == "cpu"
+    try:
+        kind = str(runtime.device().summary.get("type", ""))
+    except hetero.NoAdapterError:
+        return True
+    return kind.strip().lower() == "cpu"
 
 
 # -- batching -----------------------------------------------------------------------------------------------
@@ -456,7 +482,8 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     m = get_model(model)
     order = _order(items)
     chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    g = embedding_graph(m, int8=bool(int8))
+    cpu = await anyio.to_thread.run_sync(offers_cpu, runtime)  # may open the device: not on the loop
+    g = embedding_graph(m, int8=bool(int8), cpu=cpu)
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
     results = runtime.map(g, inputs, max_in_flight=max_in_flight)
@@ -630,20 +657,21 @@ def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
     return np.array(emb[: len(ids)])
 
 
-def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384) -> hetero.Graph:
+def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384, cpu: bool = True) -> hetero.Graph:
     """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path.
 
     Batches are padded to bucketed shapes (:func:`length_bucket`, :func:`size_bucket`
-    within ``max_batch_tokens``), so that the captured GPU stages replay.
+    within ``max_batch_tokens``), so that the captured GPU stages replay. ``cpu``: as in
+    :func:`embedding_graph`.
     """
-    key = f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}"
+    key = f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}" + ("" if cpu else "-gpu")
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
         ids = g.input("ids")
-        emb = _encoder(g, g.cpu(pad_bucketed, ids, model, max_batch_tokens, name="pad"), model, int8)
+        emb = _encoder(g, g.cpu(pad_bucketed, ids, model, max_batch_tokens, name="pad"), model, int8, cpu)
         g.output(g.cpu(_real_rows, emb, ids, name="rows"))
         model.graphs[key] = g
         return g
@@ -701,7 +729,8 @@ class EmbeddingService:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size or max(1, max_batch_tokens // 2)
         self.runtime = runtime
-        self.graph = service_graph(self.model, self.int8, max_batch_tokens)
+        # Opens the runtime's device (once, at start-up) to choose the graph: see offers_cpu.
+        self.graph = service_graph(self.model, self.int8, max_batch_tokens, cpu=offers_cpu(runtime))
         self.batcher = runtime.batcher(
             self.graph, max_batch_size=self.max_batch_size, max_wait=max_wait,
             cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,

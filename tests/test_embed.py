@@ -459,3 +459,14 @@ def test_progress_bar_on_request_and_quiet_by_default(shared_rt: hetero.Runtime,
     err = capsys.readouterr().err
     assert "embed" in err and "10/10" in err
     np.testing.assert_array_equal(quiet, shown)
+
+
+def test_graphs_offer_cpu_implementations_where_placement_may_choose_them() -> None:
+    """On lavapipe (a CPU-emulated adapter) and under placement="cpu" the embedding graph carries
+    the numpy twins; forced onto the GPU, or on a runtime that is not a hetero.Runtime, it does not."""
+    from hetero.pipelines.embed import offers_cpu
+
+    with hetero.Runtime(cpu_threads=1) as auto, hetero.Runtime(cpu_threads=1, placement="cpu") as cpu, \
+            hetero.Runtime(cpu_threads=1, placement="gpu") as gpu:
+        emulated = auto.device().summary["type"].lower() == "cpu"  # lavapipe where the suite runs without a GPU
+        assert (offers_cpu(auto), offers_cpu(cpu), offers_cpu(gpu), offers_cpu(object())) == (emulated, True, False, False)
