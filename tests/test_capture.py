@@ -172,10 +172,16 @@ async def test_cancellation_during_replays_then_reuse(rt: hetero.Runtime) -> Non
     ::
 
         x -> s0 -> s1 -> ... -> s39 -> out      (captured GPU stages)
-        cancel (cpu): cancels the run as soon as it starts
+        cancel (cpu): cancels the run as soon as it starts, and holds it until then
     """
     calls = Counter()
     started = threading.Event()
+    release = threading.Event()
+    release.set()
+
+    def hold() -> None:
+        started.set()
+        release.wait(10)  # the run cannot complete before it is cancelled
 
     def step(gpu: hetero.GPUContext, t: hetero.Tensor) -> hetero.Tensor:
         calls()
@@ -185,21 +191,25 @@ async def test_cancellation_during_replays_then_reuse(rt: hetero.Runtime) -> Non
     v = g.input("x")
     for i in range(40):
         v = g.gpu(step, v, capture=True, name=f"s{i}")
-    side = g.cpu(lambda: started.set(), name="cancel")
+    side = g.cpu(hold, name="cancel")
     g.output(v, side)
     x = np.ones(64, np.float32)
     first = await rt.run(g, x=x)
     np.testing.assert_array_equal(first[0], x * 2.0**40)
     assert calls.n == 1  # one signature: every stage replays the first one's capture
     started.clear()
-    with anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as tg:
-            async def cancel_when_started() -> None:
-                await anyio.to_thread.run_sync(started.wait, 10)
-                scope.cancel()
+    release.clear()
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                async def cancel_when_started() -> None:
+                    await anyio.to_thread.run_sync(started.wait, 10)
+                    scope.cancel()
 
-            tg.start_soon(cancel_when_started)
-            await rt.run(g, x=x)
+                tg.start_soon(cancel_when_started)
+                await rt.run(g, x=x)
+    finally:
+        release.set()
     assert scope.cancelled_caught
     for _ in range(100):
         if rt.memory_stats().in_use_bytes == 0:
