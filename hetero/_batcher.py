@@ -387,9 +387,13 @@ class Batcher:
         outs = out if not self._plan.single_output else (out,)
         per: list[list[Any]] = []
         for k, o in enumerate(outs):
-            size = len(o) if hasattr(o, "__len__") else None
+            try:
+                size: int | None = len(o)
+            except TypeError:  # no length (a scalar, a 0-d array)
+                size = None
             if size != n:
-                what = f"{size} entries" if size is not None else f"a {type(o).__name__}"
+                what = f"{size} entries" if size is not None else (
+                    "a 0-d ndarray" if isinstance(o, np.ndarray) else f"a {type(o).__name__}")
                 raise HeteroError(f"batched run of graph {self.graph.name!r}: output {k} has {what} along its "
                                   f"first axis, expected {n} (one per caller); the graph must return one entry "
                                   "per input item")

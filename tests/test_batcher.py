@@ -230,6 +230,14 @@ async def test_wrong_output_length_fails_the_batch(rt: hetero.Runtime) -> None:
         await b.gather([{"x": 1}, {"x": 2}])
 
 
+async def test_unsized_output_fails_the_batch_with_its_name(rt: hetero.Runtime) -> None:
+    g = hetero.Graph("scalar")
+    g.output(g.cpu(lambda xs: np.array(float(len(xs))), g.input("x"), name="count"))
+    b = rt.batcher(g)
+    with pytest.raises(hetero.HeteroError, match="output 0 has a 0-d ndarray.*one per caller"):
+        await b(x=1)
+
+
 async def test_max_wait_gathers_sequential_arrivals(rt: hetero.Runtime) -> None:
     seen: list[list[int]] = []
     b = rt.batcher(doubling_graph(seen, delay=0.0), max_wait=5.0, max_batch_size=3)
