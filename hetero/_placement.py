@@ -64,8 +64,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._gpu.context import map_values
-from ._gpu.tensor import Tensor
+from ._gpu.tensor import Tensor, map_values
 
 __all__ = ["HEAVY_BYTES", "PLACEMENTS", "PerfModel", "Placement", "Placer", "input_bytes", "size_bucket"]
 

@@ -64,7 +64,8 @@ import numpy as np
 
 from ._bridge import loop_caller
 from ._gpu.capture import run_captured
-from ._gpu.context import GPUContext, _Park, map_values
+from ._gpu.context import GPUContext, _Park
+from ._gpu.tensor import map_values
 from ._gpu.recorder import SharedRecorder, StageRecorder
 from ._placement import PerfModel, Placement, Placer, input_bytes
 from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan

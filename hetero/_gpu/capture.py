@@ -51,7 +51,7 @@ import numpy as np
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
 
 from .grid import grid_uniform
-from .tensor import Tensor, tensor_of
+from .tensor import Tensor, map_values, tensor_of
 
 if TYPE_CHECKING:
     from .device import Kernel
@@ -301,22 +301,11 @@ class Capturing:
                 return t
             return _Ref(where[0], where[1], where[2], t.shape, t.dtype)
 
-        template = _map(result, ref)
+        template = map_values(result, ref, Tensor)
         if self.reason is not None:
             return _Unreplayable(self.reason)
         temps = [(t.shape, t.dtype, d) for t, d in zip(self._temps, self._temp_data)]
         return Capture(self._ops, temps, template, list(self._consts.values()))
-
-
-def _map(value: Any, fn: Callable[[Any], Any], kind: type = Tensor) -> Any:
-    """``fn`` applied to every ``kind`` in ``value`` and its tuples, lists and dicts (as the scheduler walks values)."""
-    if isinstance(value, kind):
-        return fn(value)
-    if type(value) in (tuple, list):
-        return type(value)(_map(v, fn, kind) for v in value)
-    if type(value) is dict:
-        return {k: _map(v, fn, kind) for k, v in value.items()}
-    return value
 
 
 # -- replaying ------------------------------------------------------------------------------------
@@ -387,7 +376,7 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
             return tensor_of(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block, n, n * r.dtype.itemsize)
         return Tensor(r.ref, r.shape, r.dtype, r.offset)
 
-    return _map(cap.result, resolve, _Ref)
+    return map_values(cap.result, resolve, _Ref)
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:

@@ -22,7 +22,7 @@ from .grid import DispatchInfo, grid_uniform
 from .tensor import Tensor, tensor_of
 from .wgsl import dtype_mismatch
 
-__all__ = ["GPUContext", "map_values"]
+__all__ = ["GPUContext"]
 
 _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 # Downloads this large that only CPU stages read are handed over as views of the mapped
@@ -31,17 +31,6 @@ _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsa
 # where that reuses pooled staging, so a caller keeping every result gets copies and pins
 # no more than the pool's cap (see transfer).
 ZERO_COPY_MIN = 1 << 20
-
-
-def map_values(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
-    """Apply ``fn`` to every instance of ``kind`` in ``value`` and in its tuples, lists and dicts."""
-    if isinstance(value, kind):
-        return fn(value)
-    if type(value) in (tuple, list):
-        return type(value)(map_values(v, fn, kind) for v in value)
-    if type(value) is dict:
-        return {k: map_values(v, fn, kind) for k, v in value.items()}
-    return value
 
 
 class _Park(BaseException):

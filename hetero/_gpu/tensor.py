@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 if TYPE_CHECKING:
     import wgpu
 
-__all__ = ["Tensor", "buffer_size", "tensor_of"]
+__all__ = ["Tensor", "buffer_size", "map_values", "tensor_of"]
 
 
 def buffer_size(nbytes: int) -> int:
@@ -58,3 +58,14 @@ def tensor_of(buffer: Any, shape: tuple[int, ...], dtype: np.dtype[Any], offset:
     t = Tensor.__new__(Tensor)
     t.buffer, t.shape, t.dtype, t.offset, t.block, t.size, t.nbytes = buffer, shape, dtype, offset, block, size, nbytes
     return t
+
+
+def map_values(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
+    """Apply ``fn`` to every instance of ``kind`` in ``value`` and in its tuples, lists and dicts."""
+    if isinstance(value, kind):
+        return fn(value)
+    if type(value) in (tuple, list):
+        return type(value)(map_values(v, fn, kind) for v in value)
+    if type(value) is dict:
+        return {k: map_values(v, fn, kind) for k, v in value.items()}
+    return value
