@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -171,3 +173,16 @@ def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
             n, ms = out.get(e["name"], (0, 0.0))
             out[e["name"]] = (n + 1, ms + e["dur"] / 1000.0)
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
+
+def bench_model(name: str, prefix: str) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    """The model directory for ``--model NAME`` (``minilm``, ``random`` or a directory), and the
+    temporary directory holding a ``random`` one (the caller cleans it up)."""
+    if name == "random":
+        from hetero.pipelines.testing import write_random_model
+
+        tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        return write_random_model(tmp.name, seed=0), tmp
+    from hetero.pipelines.minilm import find_minilm
+
+    return (find_minilm() if name == "minilm" else Path(name)), None

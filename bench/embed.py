@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import best_of
+from bench._common import bench_model, best_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -211,16 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     import hetero
     from hetero.pipelines.embed import embed, get_model
 
-    tmp: tempfile.TemporaryDirectory[str] | None = None
-    if args.model == "random":
-        from hetero.pipelines.testing import write_random_model
-
-        tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-embed-")
-        model_dir = write_random_model(tmp.name, seed=0)
-    else:
-        from hetero.pipelines.minilm import find_minilm
-
-        model_dir = find_minilm() if args.model == "minilm" else Path(args.model)
+    model_dir, tmp = bench_model(args.model, "hetero-bench-embed-")
     texts = sentences(args.n, args.max_words, args.corpus)
     lat_texts = texts[: args.latency]
     if args.model == "random":

@@ -22,11 +22,10 @@ import importlib.util
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
-from bench._common import best_of, emitter
+from bench._common import bench_model, best_of, emitter
 from bench._corpus import stdlib_sentences
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,16 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import hetero
     from hetero.pipelines.embed import embed, get_model
 
-    tmp: tempfile.TemporaryDirectory[str] | None = None
-    if args.model == "random":
-        from hetero.pipelines.testing import write_random_model
-
-        tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-embed-cpu-")
-        model_dir = write_random_model(tmp.name, seed=0)
-    else:
-        from hetero.pipelines.minilm import find_minilm
-
-        model_dir = find_minilm() if args.model == "minilm" else Path(args.model)
+    model_dir, tmp = bench_model(args.model, "hetero-bench-embed-cpu-")
     texts = stdlib_sentences(args.n)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
