@@ -492,6 +492,10 @@ def _run_job(job_id: int, data: bytes, seg: Segment | None, layout: tuple[tuple[
 
 
 # -- the parent side -----------------------------------------------------------------
+class _NoSharedMemory(MemoryError):
+    """A shared-memory segment for a job's arguments could not be made."""
+
+
 # on_done(ok, value or exception, worker index, t0 ns, t1 ns) runs on the dispatcher thread.
 Done = Callable[[bool, Any, int, int, int], None]
 
@@ -625,14 +629,33 @@ class ProcessPool:
                 return seg
             self.segments_made += 1
             k = next(self._seg_ids)
-        return Segment.new(k, size, f"a{k}")
+        try:
+            return Segment.new(k, size, f"a{k}")
+        except OSError as e:
+            with self._lock:
+                self._in_use -= size
+            raise _NoSharedMemory(f"no shared memory for the stage's arguments: a segment of {size} bytes "
+                                  f"could not be made ({e}); free memory or pass smaller arrays") from e
 
     def job(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
             on_done: Done) -> Job:
-        """Pickle ``fn(*args, **kwargs)`` into a job for :meth:`submit`. Raises if it cannot be pickled."""
+        """Pickle ``fn(*args, **kwargs)`` into a job for :meth:`submit`. Raises if it cannot be pickled
+        or its shared memory cannot be made; nothing is held then."""
+        taken: list[Segment] = []
+
+        def acquire(n: int) -> Segment:
+            seg = self._acquire(n)
+            taken.append(seg)
+            return seg
+
         try:
-            data, seg, layout = encode((fn, args, kwargs), self.threshold, self._acquire if _SHM else None)
+            data, seg, layout = encode((fn, args, kwargs), self.threshold, acquire if _SHM else None)
         except Exception as e:
+            with self._lock:
+                for s in taken:  # closed by encode: no longer in use
+                    self._in_use -= s.size
+            if isinstance(e, _NoSharedMemory):
+                raise
             raise TypeError(f"the stage's arguments cannot be pickled ({type(e).__name__}: {e})") from e
         return Job(key, data, seg, layout, on_done, next(self._arrival))
 

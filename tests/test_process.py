@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero import GraphError, StageError
+from hetero import GraphError, StageError, _process
 from hetero._process import SHM_THRESHOLD, open_segments, shm_segments
 
 pytestmark = pytest.mark.anyio
@@ -335,6 +335,29 @@ async def test_segments_are_reused_and_results_kept_stay_intact() -> None:
     del kept, y
     gc.collect()
     assert open_segments() <= base + 1, _memfds()
+
+
+@pytest.mark.skipif(not _process._SHM, reason="no shared memory on this platform")
+def test_shared_memory_that_cannot_be_made_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An argument segment the system refuses (shared memory full) fails the job with an error
+    that says so, and the pool holds none of its bytes."""
+    pool = _process.ProcessPool(1)
+    x = np.ones(BIG, np.float32)
+
+    def full(size: int, tag: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_process, "_new_fd", full)
+    with pytest.raises(MemoryError, match=r"^no shared memory for the stage's arguments: a segment of \d+ bytes "
+                                          r"could not be made \(\[Errno 28\] No space left on device\)"):
+        pool.job(0, add, (x, 1), {}, lambda *a: None)
+    assert pool._in_use == 0
+    monkeypatch.undo()
+    job = pool.job(0, add, (x, 1), {}, lambda *a: None)
+    assert pool._in_use > 0
+    pool.cancel(job)
+    assert pool._in_use == 0
+    pool.close()
 
 
 async def test_an_argument_the_stage_keeps_is_not_overwritten() -> None:
