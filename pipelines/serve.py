@@ -508,11 +508,11 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
     import shutil
     import tempfile
 
+    probe = listen_socket(host, port, reuse_port=True, listen=False)  # a port that is taken fails here
+    port = probe.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="hetero-serve-metrics-")
     saved_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers before they import it
-    probe = listen_socket(host, port, reuse_port=True, listen=False)
-    port = probe.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, args=(options, host, port, backend), name=f"hetero-serve-{i}")
              for i in range(workers)]

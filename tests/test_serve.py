@@ -357,6 +357,30 @@ def test_worker_processes_and_sigterm(tmp_path: Path) -> None:
         log.close()
 
 
+def test_workers_on_a_taken_port_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port that cannot be bound fails before any worker starts, and leaves neither the
+    metrics directory nor PROMETHEUS_MULTIPROC_DIR behind."""
+    import os
+    import socket
+    import tempfile
+
+    from hetero.pipelines.serve import serve_workers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(hetero.HeteroError, match=f"^cannot listen on 127.0.0.1:{port}"):
+            serve_workers({}, "127.0.0.1", port, "asyncio", 2)
+    finally:
+        taken.close()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert list(tmp_path.iterdir()) == []
+
+
 def re_float(text: str, pattern: str) -> float:
     import re
 
