@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from ._argtypes import check_positive_int
 from ._bridge import running_loop
 from .errors import HeteroError, InputError, OverloadedError, RuntimeClosedError
 
@@ -78,13 +79,6 @@ class _Item:
         self.done = False
 
 
-def _positive_int(name: str, v: object, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"batcher: {name} must be an integer >= 1, got {v!r}")
-
-
 class Batcher:
     """An async callable gathering concurrent calls into batched runs of a graph (see the module doc)."""
 
@@ -97,10 +91,11 @@ class Batcher:
 
         if not isinstance(graph, Graph):
             raise HeteroError(f"batcher() expects a hetero.Graph, got {type(graph).__name__}")
-        _positive_int("max_batch_size", max_batch_size)
-        _positive_int("max_cost", max_cost, allow_none=True)
-        _positive_int("max_queued", max_queued)
-        _positive_int("max_in_flight", max_in_flight)
+        check_positive_int("batcher: max_batch_size", max_batch_size)
+        if max_cost is not None:
+            check_positive_int("batcher: max_cost", max_cost)
+        check_positive_int("batcher: max_queued", max_queued)
+        check_positive_int("batcher: max_in_flight", max_in_flight)
         if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not max_wait >= 0 \
                 or math.isinf(max_wait):
             raise ValueError(f"batcher: max_wait must be a finite number of seconds >= 0, got {max_wait!r}")

@@ -49,9 +49,9 @@ import anyio
 import anyio.from_thread
 from distributed import Client, Future, LocalCluster, WorkerPlugin, get_worker
 
-from ._bridge import loop_caller
+from ._argtypes import check_positive_int
+from ._bridge import loop_caller, running_loop
 from ._graph import Graph
-from ._bridge import running_loop
 from ._runtime import Runtime
 from .errors import GraphError, HeteroError, StageError, _own_reducers
 
@@ -199,12 +199,6 @@ def _unpack_error(packed: tuple[str, Any, str | None, BaseException | None]) -> 
 
 
 # -- client side ------------------------------------------------------------------------------------------------
-def _positive(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return v
-
-
 class DaskRuntime:
     """Runs graphs on a dask.distributed cluster, keeping :class:`hetero.Runtime`'s contract.
 
@@ -233,9 +227,9 @@ class DaskRuntime:
             raise ValueError(f"resource must be a non-empty string, got {resource!r}")
         self.client = client
         self.resource = resource
-        self.chunk_size = _positive("chunk_size", chunk_size)
-        self.worker_in_flight = _positive("worker_in_flight", worker_in_flight)
-        self.tasks_per_worker = _positive("tasks_per_worker", tasks_per_worker)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.worker_in_flight = check_positive_int("worker_in_flight", worker_in_flight)
+        self.tasks_per_worker = check_positive_int("tasks_per_worker", tasks_per_worker)
         self._graphs: dict[int, tuple[Graph, int, Future]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -302,7 +296,7 @@ class DaskRuntime:
         if not isinstance(graph, Graph):
             raise GraphError(f"run() expects a hetero.Graph, got {type(graph).__name__}")
         workers = self.workers()
-        per_worker = 2 if max_in_flight is None else _positive("max_in_flight", max_in_flight)
+        per_worker = 2 if max_in_flight is None else check_positive_int("max_in_flight", max_in_flight)
         return self._graph_future(graph, workers), per_worker * len(workers)
 
     def _submit(self, gfut: Future, chunk: list[Any]) -> Future:
@@ -437,7 +431,7 @@ class LocalWGPUCluster(LocalCluster):
     def __init__(self, n_workers: int | None = None, *, adapter: str | None = None, resource: str = "wgpu",
                  threads_per_worker: int = 2, **kwargs: Any) -> None:
         self.selectors = selectors = self.selectors_for(adapter if adapter is not None else self.default_pattern())
-        n = len(selectors) if n_workers is None else _positive("n_workers", n_workers)
+        n = len(selectors) if n_workers is None else check_positive_int("n_workers", n_workers)
         kwargs.setdefault("dashboard_address", ":0")
         kwargs.pop("processes", None)
         super().__init__(n_workers=0, threads_per_worker=threads_per_worker, processes=True,

@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._argtypes import check_positive_int
 from ._gpu.tensor import Tensor, map_values
 
 __all__ = ["HEAVY_BYTES", "PLACEMENTS", "PerfModel", "Placement", "Placer", "input_bytes", "size_bucket"]
@@ -141,8 +142,7 @@ class PerfModel:
 
     def __init__(self, *, calibration_samples: int = CALIBRATION_SAMPLES, learn: bool = True,
                  upload_bps: float = 8e9, download_bps: float = 8e9, download_latency: float = 50e-6) -> None:
-        if isinstance(calibration_samples, bool) or not isinstance(calibration_samples, int) or calibration_samples < 1:
-            raise ValueError(f"calibration_samples must be an integer >= 1, got {calibration_samples!r}")
+        check_positive_int("calibration_samples", calibration_samples)
         for name, v in (("upload_bps", upload_bps), ("download_bps", download_bps)):
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number of bytes per second, got {v!r}")

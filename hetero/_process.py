@@ -86,6 +86,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._argtypes import check_positive_int
+
 try:
     import _posixshmem
 except ImportError:  # pragma: no cover - Windows
@@ -584,9 +586,7 @@ class ProcessPool:
     """``size`` worker processes, started on first submit, fed from a priority queue."""
 
     def __init__(self, size: int, threshold: int = SHM_THRESHOLD) -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"cpu_processes must be an integer >= 1, got {size!r}")
-        self.size = size
+        self.size = check_positive_int("cpu_processes", size)
         self.threshold = threshold
         self._ctx = _context()
         self._lock = threading.Lock()

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 
+from ._argtypes import check_positive_int
 from ._batcher import Batcher
 from ._bridge import running_loop
 from ._gpu.capture import DEFAULT_CACHE_ENTRIES
@@ -49,17 +50,13 @@ class RuntimeOptions:
     blas_threads: int | None = None
 
     def __post_init__(self) -> None:
-        def positive_int(name: str, v: object) -> None:
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-
         if self.cpu_threads is not None:
-            positive_int("cpu_threads", self.cpu_threads)
+            check_positive_int("cpu_threads", self.cpu_threads)
         if self.cpu_processes is not None:
-            positive_int("cpu_processes", self.cpu_processes)
-        positive_int("gpu_threads", self.gpu_threads)
-        positive_int("submit_batch", self.submit_batch)
-        positive_int("capture_cache", self.capture_cache)
+            check_positive_int("cpu_processes", self.cpu_processes)
+        check_positive_int("gpu_threads", self.gpu_threads)
+        check_positive_int("submit_batch", self.submit_batch)
+        check_positive_int("capture_cache", self.capture_cache)
         if not isinstance(self.capture, bool):
             raise ValueError(f"capture must be True or False, got {self.capture!r}")
         budget = self.memory_budget
@@ -310,8 +307,7 @@ class Runtime:
         at once when leaving the loop early, as ``async with rt.map(...) as results:``
         (or ``contextlib.aclosing``), as trio advises for async generators.
         """
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        check_positive_int("max_in_flight", max_in_flight)
         gen = self._map_ordered(graph, inputs, max_in_flight) if ordered else \
             self._map_unordered(graph, inputs, max_in_flight)
         return MapResults(gen)
