@@ -102,7 +102,9 @@ class Graph:
 
     def stage(self, *args: Any, cpu: Callable[..., Any], gpu: Callable[..., Any], name: str | None = None,
               retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-              kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False, **kwargs: Any) -> Node:
+              kernels: Iterable[str | tuple[str, str]] = (), capture: bool = False,
+              retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
+              backoff: float = DEFAULT_BACKOFF_S, **kwargs: Any) -> Node:
         """Declare a stage with two implementations; the runtime places each execution.
 
         ``cpu(*args, **kwargs)`` runs on the thread pool and receives numpy arrays;
@@ -123,7 +125,8 @@ class Graph:
             name = getattr(cpu, "__name__", None) or type(cpu).__name__
             if name == "<lambda>":
                 raise GraphError(f"graph {self.name!r}: a stage with lambda implementations needs name=")
-        node = self._add("mixed", gpu, args, kwargs, name, retries, timeout, after)
+        node = self._add("mixed", gpu, args, kwargs, name, retries, timeout, after, retry_on=retry_on,
+                         backoff=backoff)
         node.cpu_fn = cpu
         node.kernels = _kernel_specs(node.name, (*getattr(gpu, "kernels", ()), *kernels))
         node.capture = capture

@@ -280,6 +280,32 @@ async def test_a_failing_implementation_fails_the_run_and_frees_its_queue_charge
         assert rt._sched.placer._pending == {"cpu": 0.0, "gpu": 0.0}
 
 
+async def test_a_two_implementation_stage_retries_as_cpu_and_gpu_stages_do() -> None:
+    """``retry_on`` and ``backoff`` are stage options of ``g.stage`` too, never arguments of its functions."""
+    calls: list[int] = []
+
+    def flaky(v: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("first call fails")
+        return _gelu_cpu(v)
+
+    g = hetero.Graph("retry")
+    g.output(g.stage(g.input("x"), cpu=flaky, gpu=_gelu_gpu, name="gelu", retries=1, retry_on=ConnectionError,
+                     backoff=0.0))
+    x = rand((4,))
+    with runtime(placement="cpu") as rt:
+        np.testing.assert_allclose(await rt.run(g, x=x), _gelu_cpu(x))
+    assert len(calls) == 2
+    g2 = hetero.Graph("no-retry")
+    g2.output(g2.stage(g2.input("x"), cpu=flaky, gpu=_gelu_gpu, name="gelu", retries=1, retry_on=KeyError))
+    calls.clear()
+    with runtime(placement="cpu") as rt:
+        with pytest.raises(StageError, match="ConnectionError: first call fails"):
+            await rt.run(g2, x=x)
+    assert len(calls) == 1
+
+
 async def test_the_trace_says_where_each_stage_ran_and_why(tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
     with runtime(trace=path, perf_model=frozen(gelu=(1e-3, 1.0))) as rt:
