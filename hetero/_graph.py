@@ -219,8 +219,9 @@ class Graph:
     def to_networkx(self) -> nx.DiGraph:
         """This graph as a ``networkx.DiGraph``: nodes keyed by stage name, ``input X`` and ``output N``.
 
-        Nodes carry ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``output``) and ``name``; edges
-        carry ``kind`` (``value``, ``upload``, ``download``, ``after``).
+        Nodes carry ``kind`` (``input``, ``cpu``, ``process``, ``gpu``, ``mixed``, ``output``) and ``name``;
+        edges carry ``kind`` (``value``, ``upload``, ``download``, ``after``, and around two-implementation
+        stages ``upload if on gpu``, ``download if on gpu``, ``download if on cpu``).
         """
         from ._dot import to_networkx
 
