@@ -1,43 +1,4 @@
-"""Dynamic batching: concurrent callers gathered into one run of a graph.
-
-``rt.batcher(graph, ...)`` returns a :class:`Batcher`; ``await b(**inputs)`` submits one
-item and returns that item's share of the batch's outputs.
-
-Rules:
-
-- **Gathering.** A batch's run gets, for each graph input, the list of its callers'
-  values in arrival order. Each graph output must have one entry per caller along its
-  first axis (a numpy array or a sequence; a tuple of those for several outputs); caller
-  ``i`` gets entry ``i`` (a tuple of entries for several outputs; numpy rows are copied
-  out of the batch's array).
-- **Continuous batching.** A batch forms as soon as the runtime can take one: fewer than
-  ``max_in_flight`` of this batcher's batches are running and an item is queued. It takes
-  queued items in FIFO order (never skipping one) up to ``max_batch_size`` items and up
-  to ``max_cost``. No timer: under light load a lone item runs at once; under heavy load
-  items queue while the batches in flight run, and the next batch takes them all.
-  ``max_wait > 0`` (seconds) makes a batch wait up to that long after its first item
-  arrived for more items, unless it is already full.
-- **Cost rule** (text-embeddings-inference's padded-token budget): each item has a cost
-  (``cost(inputs)``, default 1); a batch's cost is its item count times its largest item
-  cost, as if every item were padded to the longest. An item joins a batch of ``n``
-  items whose largest cost is ``m`` while ``max(m, c) * (n + 1) <= max_cost``. The first
-  item of a batch always joins, so an item costlier than ``max_cost`` runs alone.
-- **Splitting** (optional ``split``): a function from the formed batch's item costs to
-  groups of item indices; each group runs as a graph run of its own, concurrently, and
-  together they count as one batch in flight (the embedding pipeline sorts by length
-  and splits where padding would waste much).
-- **Cancellation.** A batch runs in a task the batcher owns. Cancelling a caller whose
-  item is still queued removes the item; cancelling one whose item is in a running batch
-  only stops that caller's wait: the batch runs on for the others.
-- **Errors.** A failed run fails exactly its callers, each with the run's error (a
-  :class:`~hetero.StageError` names the stage).
-- **Overload.** A call that finds ``max_queued`` items queued raises
-  :class:`~hetero.OverloadedError` at once.
-- **Event loops.** The batcher starts its dispatching task on the event loop (asyncio or
-  trio) of its first call and is bound to that loop while the loop runs; a call from
-  another running loop raises :class:`~hetero.HeteroError`. Once that loop has ended (its
-  dispatching task was cancelled), the next call binds the batcher to the caller's loop.
-"""
+"""Dynamic batching: concurrent callers gathered into one run of a graph (the rules are :class:`Batcher`'s)."""
 
 from __future__ import annotations
 
@@ -80,7 +41,46 @@ class _Item:
 
 
 class Batcher:
-    """An async callable gathering concurrent calls into batched runs of a graph (see the module doc)."""
+    """An async callable gathering concurrent calls into batched runs of a graph.
+
+    ``rt.batcher(graph, ...)`` returns one; ``await b(**inputs)`` submits one item and
+    returns that item's share of the batch's outputs.
+
+    Rules:
+
+    - **Gathering.** A batch's run gets, for each graph input, the list of its callers'
+      values in arrival order. Each graph output must have one entry per caller along its
+      first axis (a numpy array or a sequence; a tuple of those for several outputs); caller
+      ``i`` gets entry ``i`` (a tuple of entries for several outputs; numpy rows are copied
+      out of the batch's array).
+    - **Continuous batching.** A batch forms as soon as the runtime can take one: fewer than
+      ``max_in_flight`` of this batcher's batches are running and an item is queued. It takes
+      queued items in FIFO order (never skipping one) up to ``max_batch_size`` items and up
+      to ``max_cost``. No timer: under light load a lone item runs at once; under heavy load
+      items queue while the batches in flight run, and the next batch takes them all.
+      ``max_wait > 0`` (seconds) makes a batch wait up to that long after its first item
+      arrived for more items, unless it is already full.
+    - **Cost rule** (text-embeddings-inference's padded-token budget): each item has a cost
+      (``cost(inputs)``, default 1); a batch's cost is its item count times its largest item
+      cost, as if every item were padded to the longest. An item joins a batch of ``n``
+      items whose largest cost is ``m`` while ``max(m, c) * (n + 1) <= max_cost``. The first
+      item of a batch always joins, so an item costlier than ``max_cost`` runs alone.
+    - **Splitting** (optional ``split``): a function from the formed batch's item costs to
+      groups of item indices; each group runs as a graph run of its own, concurrently, and
+      together they count as one batch in flight (the embedding pipeline sorts by length
+      and splits where padding would waste much).
+    - **Cancellation.** A batch runs in a task the batcher owns. Cancelling a caller whose
+      item is still queued removes the item; cancelling one whose item is in a running batch
+      only stops that caller's wait: the batch runs on for the others.
+    - **Errors.** A failed run fails exactly its callers, each with the run's error (a
+      :class:`~hetero.StageError` names the stage).
+    - **Overload.** A call that finds ``max_queued`` items queued raises
+      :class:`~hetero.OverloadedError` at once.
+    - **Event loops.** The batcher starts its dispatching task on the event loop (asyncio or
+      trio) of its first call and is bound to that loop while the loop runs; a call from
+      another running loop raises :class:`~hetero.HeteroError`. Once that loop has ended (its
+      dispatching task was cancelled), the next call binds the batcher to the caller's loop.
+    """
 
     def __init__(self, runtime: Runtime, graph: Graph, *, max_batch_size: int = 64, max_wait: float = 0.0,
                  cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,

@@ -283,7 +283,7 @@ class Runtime:
         and ``max_cost`` (item count times the largest ``cost(inputs)``: padded cost). A full
         queue (``max_queued``) raises :class:`~hetero.OverloadedError` at once. ``split``
         runs a batch as several concurrent runs; ``on_batch(items, cost)`` observes each
-        batch formed. See :mod:`hetero._batcher` for the rules (cancellation, errors, loops).
+        batch formed. See :class:`~hetero.Batcher` for the rules (cancellation, errors, loops).
         """
         self._check_open()
         return Batcher(self, graph, max_batch_size=max_batch_size, max_wait=max_wait, cost=cost, max_cost=max_cost,
