@@ -136,8 +136,9 @@ class PerfModel:
     ``calibration_samples``: measurements a bucket needs before its mean is used.
     ``learn=False`` freezes the model (only :meth:`seed` changes it): decisions then
     depend on nothing measured, e.g. in tests. ``upload_bps``, ``download_bps`` and
-    ``download_latency`` price transfers (see the module doc). Thread-safe; one model
-    may serve several runtimes.
+    ``download_latency`` price transfers: a host array going to the GPU costs ``bytes /
+    upload_bps``, a device tensor coming to the CPU ``download_latency + bytes /
+    download_bps``. Thread-safe; one model may serve several runtimes.
     """
 
     def __init__(self, *, calibration_samples: int = CALIBRATION_SAMPLES, learn: bool = True,
