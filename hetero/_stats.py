@@ -47,7 +47,8 @@ class StageStats:
 
     @property
     def device(self) -> str:
-        """Where the stage ran: "cpu" or "gpu"."""
+        """Where the stage ran: "cpu", "process" (a worker process) or "gpu"; "mixed" for a
+        two-implementation stage that was never placed (the run stopped first)."""
         return self.kind
 
     @property
@@ -90,7 +91,7 @@ class RunStats:
 
     @property
     def devices(self) -> dict[str, str]:
-        """Where each stage ran: ``{stage name: "cpu" | "gpu"}``."""
+        """Where each stage ran: ``{stage name: "cpu" | "process" | "gpu"}`` (``"mixed"``: never placed)."""
         return {s.name: s.kind for s in self.stages}
 
     def stage(self, name: str) -> StageStats:
