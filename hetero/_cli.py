@@ -1,10 +1,10 @@
-"""The ``hetero`` command line: ``hetero info [--check]``, ``hetero demo``, ``hetero embed`` and ``hetero serve``.
+"""The ``hetero`` command line: ``hetero info [--check]``, ``hetero demo``, ``embed``, ``serve`` and ``graph``.
 
 ``info`` shows what the GPU side of hetero will run on; ``info --check`` is the
 one-line probe setup scripts use to decide whether to install a software Vulkan
 driver; ``demo`` runs a small hybrid CPU/GPU graph and checks it against numpy.
-``embed`` (``hetero.pipelines.cli``) and ``graph`` (``hetero.pipelines.picture``) come
-from the pipelines.
+``embed`` (``hetero.pipelines.cli``), ``serve`` (``hetero.pipelines.serve``) and ``graph``
+(``hetero.pipelines.picture``) come from the pipelines.
 Errors hetero raises are printed as ``hetero: error: <message>`` (exit status 1),
 not as tracebacks. Files a command will write (``--trace``, ``--output``) are checked
 before any work starts, so a bad path costs nothing; Ctrl-C ends any command with
