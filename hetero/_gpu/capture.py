@@ -108,7 +108,6 @@ class _Ref:
     offset: int
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    block: Any = None  # CONST only: None
 
 
 class Capture:
