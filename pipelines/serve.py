@@ -346,7 +346,7 @@ class EmbeddingServer:
                 if not t:
                     raise RequestError(400, f"'input[{i}]' is an empty string; send non-empty text", "input")
                 continue
-            if isinstance(t, int) or (isinstance(t, list) and all(isinstance(x, int) for x in t)):
+            if _token_id(t) or (isinstance(t, list) and all(_token_id(x) for x in t)):
                 raise RequestError(400, "'input' holds token ids: token arrays are not supported, send strings",
                                    "input")
             raise RequestError(400, f"'input[{i}]' must be a string, got {type(t).__name__}", "input")
@@ -555,6 +555,11 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
+
+
+def _token_id(v: object) -> bool:
+    """An int as OpenAI's token arrays hold them (JSON true and false are no token ids)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # -- the command line --------------------------------------------------------------------------------------

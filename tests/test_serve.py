@@ -212,6 +212,8 @@ async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> No
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"}
                 assert err["param"] == param and err["message"]
+            r = await c.post("/v1/embeddings", json={"input": ["a", True]})  # JSON true is no token id
+            assert r.json()["error"]["message"] == "'input[1]' must be a string, got bool"
 
             info = (await c.get("/info")).json()
             assert info["model"] == "tiny" and info["dimension"] == tiny.dim
