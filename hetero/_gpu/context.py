@@ -20,7 +20,7 @@ from .pool import Block, MemoryWait
 from .recorder import StageRecorder
 from .grid import DispatchInfo, grid_uniform
 from .tensor import Tensor, tensor_of
-from .wgsl import dtype_mismatch
+from .wgsl import Binding, dtype_mismatch
 
 __all__ = ["GPUContext"]
 
@@ -304,13 +304,7 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
                                 f"declares {d.declared}; " + ("pass a numpy array or bytes for a uniform"
                                                               if d.space == "uniform" else _HANDLE_HINT))
             if d is not None and d.scalar is not None:
-                want = dtype_mismatch(d, b.dtype)
-                if want is not None:
-                    raise TypeError(
-                        f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(b.dtype.name)} "
-                        f"{b.dtype.name} Tensor where the shader reads {want}; pass {want} data "
-                        f"(e.g. .astype(np.{want}) in a CPU stage)"
-                    )
+                _check_dtype(k, i, d, b.dtype, "Tensor", ".astype(np.{want}) in a CPU stage")
             limit = limits["max-storage-buffer-binding-size"]
             if b.binding_size > limit:
                 raise ValueError(f"{_where(k, i)}: a Tensor of {b.nbytes} bytes exceeds the adapter's "
@@ -322,13 +316,7 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
                                 f"declares {d.declared}; " + ("pass a Tensor (gpu.upload(array) or gpu.empty(...))"
                                                               if d.space == "storage" else _HANDLE_HINT))
             if d is not None and d.scalar is not None and isinstance(b, (np.ndarray, np.generic)):
-                want = dtype_mismatch(d, b.dtype)
-                if want is not None:
-                    raise TypeError(
-                        f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(b.dtype.name)} "
-                        f"{b.dtype.name} array where the shader reads {want}; pass {want} data "
-                        f"(e.g. np.array([...], np.{want}))"
-                    )
+                _check_dtype(k, i, d, b.dtype, "array", "np.array([...], np.{want})")
             nbytes = b.nbytes if isinstance(b, (np.ndarray, np.generic, memoryview)) else len(b)
             limit = limits["max-uniform-buffer-binding-size"]
             if nbytes > limit:
@@ -338,6 +326,15 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
         else:
             raise TypeError(f"{_where(k, i)}: expected a Tensor (storage) or a numpy array/bytes (uniform), "
                             f"got {type(b).__name__}")
+
+
+def _check_dtype(k: Kernel, i: int, d: Binding, dtype: np.dtype[Any], what: str, example: str) -> None:
+    """A TypeError when binding ``i``'s data (a ``what`` of ``dtype``) is not what the shader reads there."""
+    want = dtype_mismatch(d, dtype)
+    if want is not None:
+        raise TypeError(f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(dtype.name)} "
+                        f"{dtype.name} {what} where the shader reads {want}; pass {want} data "
+                        f"(e.g. {example.format(want=want)})")
 
 
 def _where(k: Kernel, i: int) -> str:
