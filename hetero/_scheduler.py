@@ -265,12 +265,22 @@ class Run:
         """
         if self.cleaned:
             return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT):
+        stray: BaseException | None = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT) as timeout:
             while not self.cleaned:
                 event = self._event = anyio.Event()
                 if self.cleaned:
                     break
-                await event.wait()
+                try:
+                    await event.wait()
+                except anyio.get_cancelled_exc_class() as e:
+                    if timeout.cancel_called:
+                        raise
+                    # Under asyncio a cancellation requested just before the shield took effect
+                    # still arrives inside it: wait on, and raise it once the blocks are back.
+                    stray = e
+        if stray is not None:
+            raise stray
         if not self.cleaned:
             log.warning("run %d of %r: a GPU stage is still being recorded %g s after the run stopped; "
                         "returning with its device memory in use", self.seq, self.plan.name, _CLEANUP_WAIT)

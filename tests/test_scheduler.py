@@ -770,3 +770,33 @@ async def test_a_defect_after_a_cpu_stage_fails_the_run(rt: hetero.Runtime, monk
         with pytest.raises(StageError, match="^cpu stage 'inc' failed: RuntimeError: injected fault$"):
             await rt.run(g, x=1)
         assert await rt.run(g, x=1) == -2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_settled_waits_through_a_cancellation_requested_before_its_shield(shared_rt: hetero.Runtime) -> None:
+    """Under asyncio, a task.cancel() that lands just before a stopped run's shielded wait still
+    arrives inside it: the wait goes on until the run's blocks are back, then the cancellation
+    is raised."""
+    import asyncio
+
+    started, release = threading.Event(), threading.Event()
+    x = np.arange(1000, dtype=np.float32)
+    run = shared_rt._start(_slow_gpu_graph(started, release), {"x": x})
+    try:
+        await anyio.to_thread.run_sync(started.wait, WAIT)
+        run.stop()  # the slow stage is still being recorded, holding its temporaries
+        assert shared_rt.memory_stats().in_use_bytes > 0
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run.settled()
+        task.uncancel()
+        assert release.is_set()  # it waited for the stage to let go
+        s = shared_rt.memory_stats()
+        assert (s.in_use_bytes, s.blocks_in_use) == (0, 0)
+    finally:
+        release.set()
+        run.forget_values()
