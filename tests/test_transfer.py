@@ -6,12 +6,14 @@ import asyncio
 import gc
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import wgpu
 
+import hetero
 from hetero._gpu.device import Device
 from hetero._gpu.transfer import StagingRing, Ticket
 from hetero.errors import RuntimeClosedError
@@ -555,3 +557,29 @@ def test_default_pool_cap_grows_to_the_largest_transfer(dev: Device, monkeypatch
                 counts.append(ring.stats()["staging_allocations"])
             assert ring.max_pooled_bytes == (640 << 10 if grows else 128 << 10)
             assert (counts[2] == counts[0]) == grows  # a fixed cap too small recreates chunks every time
+
+
+def test_staging_map_promises_are_bound_to_no_event_loop(shared_rt: hetero.Runtime) -> None:
+    """A map promise made on an event loop's thread and resolved by a device poll after that
+    loop ended must not call into it (trio raised RunFinishedError inside the poll)."""
+    import trio
+
+    from hetero._gpu.staging import map_detached
+
+    dev = shared_rt.device()
+    buf = dev.device.create_buffer(size=256, usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC)
+
+    async def make() -> object:
+        return map_detached(buf, "WRITE")
+
+    promise = trio.run(make)
+    assert promise._call_soon_threadsafe is None  # type: ignore[attr-defined]
+    promise.sync_wait()  # type: ignore[attr-defined]
+    buf.unmap()
+    buf.destroy()
+    hetero_dir = Path(hetero.__file__).parent
+    direct = [f"{p.relative_to(hetero_dir)}:{i}" for p in sorted(hetero_dir.rglob("*.py"))
+              for i, line in enumerate(p.read_text().splitlines(), 1)
+              if ".map_async(" in line and "def map_detached" not in line and "promise = buffer.map_async" not in line
+              and "``buffer.map_async" not in line]
+    assert direct == []  # every map of hetero's goes through map_detached

@@ -30,7 +30,22 @@ import wgpu
 
 from ..errors import GPUError, RuntimeClosedError
 
-__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "pad4"]
+__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "map_detached", "pad4"]
+
+
+def map_detached(buffer: Any, mode: str, offset: int = 0, size: int | None = None) -> Any:
+    """``buffer.map_async(...)`` whose promise is bound to no event loop.
+
+    wgpu-py binds a promise to the event loop running on the thread that makes it, and
+    calls into that loop when the promise resolves. hetero only ever waits on its map
+    promises with ``sync_wait``, and a staging buffer may be mapped on the loop's thread
+    and resolved by a device poll after that loop ended (trio then raises RunFinishedError
+    inside the poll, an unraisable error in whatever runs next). So the binding is cut.
+    """
+    promise = buffer.map_async(mode, offset, size) if (offset or size is not None) else buffer.map_async(mode)
+    promise._call_soon_threadsafe = None  # wgpu 0.32's GPUPromise: resolve without a loop
+    return promise
+
 
 log = logging.getLogger("hetero")
 
@@ -201,7 +216,7 @@ class StagingPool:
             s.future.result()
             s.future = None
         if s.promise is None and s.buffer.map_state == "unmapped":  # after discard()
-            s.promise = s.buffer.map_async("WRITE")
+            s.promise = map_detached(s.buffer, "WRITE")
             self.poll()
         if s.promise is not None:
             promise, s.promise = s.promise, None
@@ -234,7 +249,7 @@ class StagingPool:
         remaps = [s for s in keep if remap and s.direction == "up" and s.buffer.map_state == "unmapped"]
         if remaps and not loop_on_this_thread():
             for s in remaps:
-                s.promise = s.buffer.map_async("WRITE")
+                s.promise = map_detached(s.buffer, "WRITE")
             self.poll()
         elif remaps:
             # Requested here, the maps would resolve on this thread's event loop: request
@@ -271,7 +286,7 @@ class StagingPool:
         return out
 
     def _request_write_map(self, s: Staging) -> None:
-        s.promise = s.buffer.map_async("WRITE")
+        s.promise = map_detached(s.buffer, "WRITE")
         self.poll()
 
     def settle(self, stagings: list[Staging]) -> tuple[list[Staging], list[Staging]]:

@@ -91,7 +91,8 @@ import numpy as np
 import wgpu
 
 from .hostcopy import HostCopies, Prefaulted, PREFAULT_MIN
-from .staging import AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, StagingPool, loop_on_this_thread, pad4
+from .staging import (AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, StagingPool, loop_on_this_thread,
+                      map_detached, pad4)
 from ..errors import GPUError
 
 __all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "PREFAULT_MIN", "StagingRing", "Ticket"]
@@ -183,7 +184,7 @@ class Ticket:
             self._state = "completed"
             if not loop_on_this_thread():  # else read() maps, on the thread that waits
                 for s, n in self._chunks:
-                    s.promise = s.buffer.map_async("READ_NOSYNC", 0, pad4(n))
+                    s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
                 self._ring.pool.poll()
 
     def read(self, shape: int | Sequence[int], dtype: Any, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -406,7 +407,7 @@ class StagingRing:
         requested = False
         for s, n in chunks:
             if s.promise is None and s.buffer.map_state == "unmapped":
-                s.promise = s.buffer.map_async("READ_NOSYNC", 0, pad4(n))
+                s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
                 requested = True
         if requested:
             self.pool.poll()
