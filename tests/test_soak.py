@@ -20,6 +20,12 @@ pytestmark = pytest.mark.anyio
 RUNS = 1000
 WARMUP = 200  # runs before the baseline: kernels compiled, pool and caches at their working size
 SIZES = (1, 97, 300)
+MAX_IN_FLIGHT = 4
+# The most device buffers the pool can need: a run holds three at once (input, temporary,
+# output), each in its size's class; the runs in flight are MAX_IN_FLIGHT consecutive items,
+# of which at most ceil(MAX_IN_FLIGHT / len(SIZES)) share a size. Storage buffers are never
+# shared between classes. How close a given soak comes to this depends on timing.
+POOL_BOUND = len(SIZES) * -(-MAX_IN_FLIGHT // len(SIZES)) * 3
 RSS_SLACK = 4 << 20  # bytes of resident memory the remaining runs may add (allocator noise)
 
 DOUBLE = """
@@ -81,7 +87,7 @@ async def soak(rt: hetero.Runtime, g: hetero.Graph, todo: list[dict[str, object]
     while todo:
         done = 0
         try:
-            async for got in rt.map(g, todo, max_in_flight=4):
+            async for got in rt.map(g, todo, max_in_flight=MAX_IN_FLIGHT):
                 x = todo[done]["x"]
                 assert isinstance(x, np.ndarray) and got == 4.0 * float(x.sum())
                 done += 1
@@ -105,9 +111,12 @@ async def test_a_thousand_runs_with_failures_leave_allocations_and_rss_flat() ->
         allocations, rss = rt.memory_stats().allocations, rss_bytes()
         assert await soak(rt, g, work[WARMUP:]) == ((RUNS - WARMUP) * 9 // 10, (RUNS - WARMUP) // 10)
         gc.collect()
-        # Per size class at most one run is recorded (input, temporary, output) while another
-        # run's output waits for its download: the warm-up reaches that, nothing adds to it.
+        # How many runs overlap depends on timing, so the warm-up need not reach the peak: the
+        # pool may still add a buffer after it, never more than the in-flight runs can hold at
+        # once. A buffer leaked per failure (80), or one per hundred runs (8 on top of the 11-12
+        # the warm-up leaves), goes past it.
         s = rt.memory_stats()
-        assert s.allocations == allocations, "the pool allocated device memory after the warm-up"
+        assert allocations <= s.allocations <= POOL_BOUND, (allocations, s)
+        assert s.buffers == s.allocations, "the pool destroyed buffers it should have reused"
         grown = rss_bytes() - rss
         assert grown <= RSS_SLACK, f"resident memory grew by {grown} bytes over {RUNS - WARMUP} runs"
