@@ -26,6 +26,12 @@ Policy, in the words of the code below:
   :class:`~hetero.StageError` keeps ``.stage`` and its ``__cause__`` across the wire.
   Dask waits forever for a resource no worker declares (dask#9587), so every map first
   asks the scheduler and raises :class:`ClusterError` when no worker has it.
+- **Which adapter, how busy.** :meth:`DaskRuntime.adapters` asks every worker which
+  adapter its Runtime's device runs on (:class:`WorkerAdapter`: the ``HETERO_ADAPTER``
+  selector that picks exactly it, its index, name and ids), so a cluster of identical GPUs
+  can show that no two workers share one. :meth:`DaskRuntime.worker_stats` returns each
+  worker's counters since its plugin was set up (:class:`WorkerStats`: chunks, runs, the
+  seconds a chunk was running, the process's CPU time, GPU submissions).
 - **Any event loop.** The client must be a synchronous ``distributed.Client`` (its own
   loop runs in a thread). Futures are awaited through done-callbacks that wake the
   caller's loop (asyncio or trio) without blocking the client's thread; results are
@@ -41,8 +47,11 @@ import inspect
 import itertools
 import os
 import pickle
+import socket
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -57,14 +66,58 @@ from .errors import GraphError, HeteroError, StageError, _own_reducers
 
 _own_reducers()  # importing distributed (above) replaced the reducers of hetero's errors
 
-__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME",
-           "dask_setup", "ensure_plugin"]
+__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter",
+           "WorkerStats", "dask_setup", "ensure_plugin"]
 
 PLUGIN_NAME = "hetero"
 
 
 class ClusterError(HeteroError):
     """The cluster cannot run hetero graphs: no worker declares the resource, or a chunk was lost for good."""
+
+
+@dataclass(frozen=True)
+class WorkerAdapter:
+    """The adapter a worker's Runtime runs on (:meth:`DaskRuntime.adapters`).
+
+    ``selector`` is the ``HETERO_ADAPTER`` value that selects exactly this adapter in the
+    worker's enumeration (``"vulkan#1"``, as ``hetero info`` prints it) and ``index`` its
+    position among all adapters; both are None when the worker asked for none and
+    identical GPUs share the summary of the one wgpu preferred. ``requested`` is what the
+    worker asked for (``HeteroPlugin(adapter=...)``, else ``$HETERO_ADAPTER``; None: wgpu's
+    high-performance preference). wgpu exposes no PCI bus or UUID: identical GPUs differ
+    only by ``index``.
+    """
+
+    selector: str | None
+    index: int | None
+    name: str
+    backend: str
+    type: str
+    summary: str
+    vendor_id: int | None
+    device_id: int | None
+    requested: str | None
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's counters since its :class:`HeteroPlugin` was set up (:meth:`DaskRuntime.worker_stats`).
+
+    ``busy_s`` counts the wall seconds during which at least one chunk was running on the
+    worker (host time, not GPU time); ``cpu_s`` is the worker process's CPU time (every
+    thread), ``submissions`` its device's GPU submissions, ``uptime_s`` the seconds since
+    setup. Differences of two snapshots describe what happened between them.
+    """
+
+    chunks: int
+    runs: int
+    busy_s: float
+    cpu_s: float
+    submissions: int
+    uptime_s: float
 
 
 # -- worker side ------------------------------------------------------------------------------------------------
@@ -90,6 +143,12 @@ class HeteroPlugin(WorkerPlugin):
         self.runtime: Runtime | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._portal_cm: contextlib.AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
+        self._count_lock = threading.Lock()
+        self._active = 0  # chunks running now
+        self._busy_since = 0  # perf_counter_ns when _active became 1
+        self._busy_ns = 0
+        self._chunks = self._runs = 0
+        self._setup_ns = time.perf_counter_ns()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"runtime_options": self.runtime_options}
@@ -114,6 +173,9 @@ class HeteroPlugin(WorkerPlugin):
             cm.__exit__(None, None, None)
             raise
         self._portal_cm, self._portal, self.runtime = cm, portal, rt
+        with self._count_lock:
+            self._busy_ns = self._chunks = self._runs = 0
+            self._busy_since = self._setup_ns = time.perf_counter_ns()
 
     def _stop(self) -> None:
         rt, cm = self.runtime, self._portal_cm
@@ -138,18 +200,86 @@ class HeteroPlugin(WorkerPlugin):
                 return out, _pack_error(e)
             return out, None
 
-        return portal.call(collect)
+        self._count(+1)
+        results: list[Any] = []
+        try:
+            results, err = portal.call(collect)
+            return results, err
+        finally:
+            self._count(-1, len(results))
+
+    def _count(self, step: int, runs: int = 0) -> None:
+        now = time.perf_counter_ns()
+        with self._count_lock:
+            if step > 0 and self._active == 0:
+                self._busy_since = now
+            self._active += step
+            if step < 0:
+                self._chunks += 1
+                self._runs += runs
+                if self._active == 0:
+                    self._busy_ns += now - self._busy_since
+
+    def adapter(self) -> WorkerAdapter:
+        """The adapter this worker's Runtime runs on."""
+        from ._gpu.device import adapter_labels, adapter_position, list_adapters
+
+        rt = self._require()
+        dev = rt.device()
+        adapters = list_adapters()
+        index = adapter_position(dev.adapter, adapters)
+        info = dev.adapter.info
+        requested = self.runtime_options.get("adapter")
+        if requested is None:
+            requested = os.environ.get("HETERO_ADAPTER") or None
+
+        def as_int(v: Any) -> int | None:
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        return WorkerAdapter(
+            selector=None if index is None else adapter_labels(adapters)[index], index=index,
+            name=dev.summary["name"], backend=dev.summary["backend"], type=dev.summary["type"],
+            summary=dev.summary["summary"], vendor_id=as_int(info.get("vendor_id")),
+            device_id=as_int(info.get("device_id")),
+            requested=requested if requested is None or isinstance(requested, str) else repr(requested),
+            pid=os.getpid(), host=socket.gethostname())
+
+    def stats(self) -> WorkerStats:
+        """This worker's counters since setup."""
+        rt = self._require()
+        now = time.perf_counter_ns()
+        with self._count_lock:
+            busy = self._busy_ns + (now - self._busy_since if self._active else 0)
+            chunks, runs, since = self._chunks, self._runs, self._setup_ns
+        return WorkerStats(chunks=chunks, runs=runs, busy_s=busy / 1e9, cpu_s=time.process_time(),
+                           submissions=rt.device().submission.submissions, uptime_s=(now - since) / 1e9)
+
+    def _require(self) -> Runtime:
+        if self.runtime is None:
+            raise ClusterError("this worker's HeteroPlugin is not set up (or was torn down)")
+        return self.runtime
 
 
-def _run_chunk(graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
-    """The cluster task: a chunk of whole graph runs on the worker's Runtime."""
-    worker = get_worker()
+def _plugin(worker: Any) -> HeteroPlugin:
     plugin = worker.plugins.get(PLUGIN_NAME)
     if not isinstance(plugin, HeteroPlugin):
         raise ClusterError(f"worker {worker.address} has no HeteroPlugin; register it with "
                            "client.register_plugin(hetero.dask.HeteroPlugin()) or start workers with "
                            "'--preload hetero.dask'")
-    return plugin.run_chunk(graph, inputs, max_in_flight)
+    return plugin
+
+
+def _run_chunk(graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
+    """The cluster task: a chunk of whole graph runs on the worker's Runtime."""
+    return _plugin(get_worker()).run_chunk(graph, inputs, max_in_flight)
+
+
+def _worker_adapter(dask_worker: Any) -> WorkerAdapter:
+    return _plugin(dask_worker).adapter()
+
+
+def _worker_stats(dask_worker: Any) -> WorkerStats:
+    return _plugin(dask_worker).stats()
 
 
 async def dask_setup(worker: Any) -> None:
@@ -275,6 +405,19 @@ class DaskRuntime:
                 f"(workers and their resources: {seen}); start workers with 'dask worker ADDRESS --resources "
                 f"{self.resource}=1 --preload hetero.dask' or use hetero.dask.LocalWGPUCluster")
         return have
+
+    def adapters(self) -> dict[str, WorkerAdapter]:
+        """The adapter of each worker that declares the resource, by worker address (blocking).
+
+        Raises :class:`ClusterError` when no worker declares the resource or one has no
+        :class:`HeteroPlugin`. From async code, call it in a thread
+        (``await anyio.to_thread.run_sync(drt.adapters)``).
+        """
+        return dict(sorted(self.client.run(_worker_adapter, workers=self.workers()).items()))
+
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        """Each worker's :class:`WorkerStats`, by worker address (blocking, as :meth:`adapters`)."""
+        return dict(sorted(self.client.run(_worker_stats, workers=self.workers()).items()))
 
     def _graph_future(self, graph: Graph, workers: list[str]) -> Future:
         """The future of ``graph`` scattered to ``workers``: once per graph and version (blocking)."""

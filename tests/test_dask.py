@@ -7,6 +7,9 @@
 The contract runs on a ``LocalCluster(processes=False)`` of two workers (fast); pickling,
 embeddings by model path, ``hetero embed --scheduler`` and a worker killed in the middle
 of a map run on a ``LocalWGPUCluster`` of two worker processes sharing the one adapter.
+Workers report their adapter (the selector pattern each was given, resolved as this
+process resolves it) and their counters; where two adapters share a name (lavapipe's
+Vulkan and OpenGL adapters), a cluster over that name puts one worker on each.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +32,8 @@ pytest.importorskip("distributed")
 from distributed import Client, LocalCluster  # noqa: E402
 
 import hetero  # noqa: E402
-from hetero.dask import ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster  # noqa: E402
+from hetero._gpu.device import adapter_index, adapter_labels, list_adapters  # noqa: E402
+from hetero.dask import ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, WorkerAdapter  # noqa: E402
 from hetero.pipelines import cli  # noqa: E402
 from hetero.pipelines.embed import aembed, embed, get_model  # noqa: E402
 from hetero.pipelines.testing import write_random_model  # noqa: E402
@@ -188,6 +193,30 @@ def test_workers_without_the_plugin_fail_clearly_until_it_is_registered() -> Non
             assert drt.run_sync(g, x=np.ones(2, np.float32))[0].tolist() == [2.0, 2.0]
 
 
+def test_workers_report_their_adapter_and_counters(client: Client) -> None:
+    adapters = list_adapters()
+    g = make_graph()
+    with DaskRuntime(client, chunk_size=2) as drt:
+        reported = drt.adapters()
+        assert sorted(reported) == sorted(drt.workers())
+        for a in reported.values():
+            assert isinstance(a, WorkerAdapter) and a.pid == os.getpid()  # in-process workers
+            assert a.index is not None and a.selector == adapter_labels(adapters)[a.index]
+            assert a.summary == adapters[a.index].summary and a.backend == adapters[a.index].info["backend_type"]
+            assert a.requested == (os.environ.get("HETERO_ADAPTER") or None)
+        before = drt.worker_stats()
+        assert [r[0][0] for r in drt.map_sync(g, inputs(10))] == [2.0 * i for i in range(10)]
+        after = drt.worker_stats()
+    assert sorted(after) == sorted(before)
+    assert sum(after[w].runs - before[w].runs for w in after) == 10
+    assert sum(after[w].chunks - before[w].chunks for w in after) == 5
+    for w, s in after.items():
+        ran = s.chunks > before[w].chunks
+        assert (s.busy_s > before[w].busy_s) == ran
+        assert (s.submissions > before[w].submissions) == ran  # each run of `double` submits
+        assert s.busy_s <= s.uptime_s and (s.busy_s > 0 or not ran)
+
+
 @pytest.mark.anyio
 async def test_embed_on_a_dask_runtime(client: Client, model_dir: Path) -> None:
     model = get_model(model_dir)
@@ -221,6 +250,56 @@ def test_local_wgpu_cluster_pins_workers_to_adapters(proc_client: Client) -> Non
     assert sorted(env.values()) == sorted(selectors[i % len(selectors)] for i in range(2))
     info = proc_client.scheduler_info(n_workers=-1)["workers"]
     assert [w["resources"] for w in info.values()] == [{"wgpu": 1}, {"wgpu": 1}]
+
+
+def test_worker_processes_report_the_adapter_they_were_given(proc_client: Client) -> None:
+    adapters = list_adapters()
+    env = proc_client.run(lambda: os.environ.get("HETERO_ADAPTER"))
+    with DaskRuntime(proc_client) as drt:
+        reported = drt.adapters()
+    assert sorted(reported) == sorted(env)
+    for addr, a in reported.items():
+        assert a.requested == env[addr] and a.pid != os.getpid()
+        index = adapter_index(adapters, env[addr])
+        assert (a.index, a.selector, a.summary) == (index, adapter_labels(adapters)[index], adapters[index].summary)
+
+
+def test_explicit_selector_pins_every_worker_and_bad_patterns_name_the_adapters() -> None:
+    adapters = list_adapters()
+    labels = adapter_labels(adapters)
+    last = labels[-1]  # on a machine with several adapters, not the one hetero picks by default
+    with LocalWGPUCluster(n_workers=2, adapter=last, threads_per_worker=1) as cluster, Client(cluster) as c:
+        c.register_plugin(HeteroPlugin(cpu_threads=1))
+        with DaskRuntime(c) as drt:
+            reported = drt.adapters()
+        assert [(a.selector, a.index, a.requested) for a in reported.values()] == [(last, len(labels) - 1, last)] * 2
+        with pytest.raises(hetero.NoAdapterError, match=r"HETERO_ADAPTER='vulkan#99' asks for adapter #99 of the "
+                           r"\d+ that match; available: .*vulkan#0: "):
+            c.register_plugin(HeteroPlugin(adapter="vulkan#99"))
+    with pytest.raises(hetero.NoAdapterError, match=r"^no adapter matches HETERO_ADAPTER='no-such-gpu#0'; "
+                       rf"available: {re.escape(labels[0])}: {re.escape(adapters[0].summary)}"):
+        LocalWGPUCluster(adapter="no-such-gpu")
+
+
+def test_adapters_of_one_name_get_one_worker_each() -> None:
+    """Identical GPUs share a name and differ by index: one worker per index, none shared."""
+    adapters = list_adapters()
+    names = [str(a.info.get("device", "")) for a in adapters]
+    name = next((n for n in names if n and names.count(n) > 1), None)
+    if name is None:
+        pytest.skip(f"no two adapters share a name here: {names}")
+    same = [i for i, a in enumerate(adapters) if name.casefold() in a.summary.casefold()]
+    gpus = [i for i in same if str(adapters[i].info.get("adapter_type", "")).casefold() != "cpu"]
+    same = gpus or same  # software rasterizers only where no GPU matches
+    with LocalWGPUCluster(adapter=name, threads_per_worker=1) as cluster, Client(cluster) as c:
+        assert len(cluster.selectors) == len(same) == len(cluster.workers)
+        c.register_plugin(HeteroPlugin(cpu_threads=1))
+        with DaskRuntime(c, chunk_size=1) as drt:
+            reported = drt.adapters()
+            g = make_graph()
+            assert [r[0][0] for r in drt.map_sync(g, inputs(8))] == [2.0 * i for i in range(8)]
+    assert sorted(a.index for a in reported.values()) == same
+    assert len({a.pid for a in reported.values()}) == len(same)
 
 
 def test_worker_processes_get_the_graph_once_and_pickled_errors(proc_client: Client) -> None:

@@ -33,7 +33,8 @@ from ..errors import NoAdapterError
 if TYPE_CHECKING:
     from .fence import Fence
 
-__all__ = ["Device", "Kernel", "adapter_index", "adapter_labels", "adapter_summary", "list_adapters", "select_adapter"]
+__all__ = ["Device", "Kernel", "adapter_index", "adapter_labels", "adapter_position", "adapter_summary", "list_adapters",
+           "select_adapter"]
 
 log = logging.getLogger("hetero")
 
@@ -109,6 +110,20 @@ def adapter_labels(adapters: list[Any]) -> list[str]:
         k = sum(1 for b in adapters[:i] if backend in b.summary.casefold())
         labels.append(f"{backend}#{k}" if backend else f"#{i}")
     return labels
+
+
+def adapter_position(adapter: Any, adapters: list[Any]) -> int | None:
+    """Where ``adapter`` is in ``adapters``: the same object, else the only one with its summary.
+
+    :func:`select_adapter` returns an object of :func:`list_adapters` when a pattern chose
+    it, and wgpu's own high-performance adapter otherwise; that one is found by its
+    summary, which identical GPUs share (None then: the index cannot be told).
+    """
+    for i, a in enumerate(adapters):
+        if a is adapter:
+            return i
+    same = [i for i, a in enumerate(adapters) if a.summary == adapter.summary]
+    return same[0] if len(same) == 1 else None
 
 
 def adapter_index(adapters: list[Any], pattern: str | int | None) -> int | None:
