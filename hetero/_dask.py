@@ -50,7 +50,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -562,7 +562,8 @@ class LocalWGPUCluster(LocalCluster):
     that backend). The ``n`` adapters are those :meth:`selectors_for` finds for it (in
     enumeration order, as ``hetero info`` lists them; software rasterizers only where no
     GPU matches; an ``adapter`` with its own ``#k``, such as ``"vulkan#0"``, is that one
-    alone). Worker ``i`` runs with ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares
+    alone), or, when ``adapter`` is a list of ``HETERO_ADAPTER`` values (``["vulkan#0",
+    "vulkan#2"]``), those (each must select an adapter). Worker ``i`` runs with ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares
     ``resources={resource: 1}``. ``n_workers`` defaults to ``n``; more workers than
     adapters share them round-robin. Register a :class:`HeteroPlugin` through a client
     (``client.register_plugin(HeteroPlugin())``); the scheduler hands it to workers that
@@ -571,9 +572,13 @@ class LocalWGPUCluster(LocalCluster):
     per process).
     """
 
-    def __init__(self, n_workers: int | None = None, *, adapter: str | None = None, resource: str = "wgpu",
-                 threads_per_worker: int = 2, **kwargs: Any) -> None:
-        self.selectors = selectors = self.selectors_for(adapter if adapter is not None else self.default_pattern())
+    def __init__(self, n_workers: int | None = None, *, adapter: str | Sequence[str] | None = None,
+                 resource: str = "wgpu", threads_per_worker: int = 2, **kwargs: Any) -> None:
+        if adapter is None or isinstance(adapter, str):
+            selectors = self.selectors_for(adapter if adapter is not None else self.default_pattern())
+        else:
+            selectors = self._checked_selectors(adapter)
+        self.selectors = selectors
         n = len(selectors) if n_workers is None else check_positive_int("n_workers", n_workers)
         kwargs.setdefault("dashboard_address", ":0")
         kwargs.pop("processes", None)
@@ -590,6 +595,18 @@ class LocalWGPUCluster(LocalCluster):
 
         env = os.environ.get("HETERO_ADAPTER")
         return env if env else str(select_adapter().info.get("backend_type", "")).lower()
+
+    @staticmethod
+    def _checked_selectors(given: Sequence[str]) -> list[str]:
+        from ._gpu.device import adapter_index, list_adapters
+
+        selectors = list(given)
+        if not selectors or not all(isinstance(s, str) and s for s in selectors):
+            raise ValueError(f"adapter: a list of HETERO_ADAPTER values must hold non-empty strings, got {given!r}")
+        adapters = list_adapters()
+        for sel in selectors:
+            adapter_index(adapters, sel)  # raises NoAdapterError listing the adapters
+        return selectors
 
     @staticmethod
     def selectors_for(adapter: str) -> list[str]:

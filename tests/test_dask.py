@@ -264,21 +264,33 @@ def test_worker_processes_report_the_adapter_they_were_given(proc_client: Client
         assert (a.index, a.selector, a.summary) == (index, adapter_labels(adapters)[index], adapters[index].summary)
 
 
-def test_explicit_selector_pins_every_worker_and_bad_patterns_name_the_adapters() -> None:
+@pytest.mark.parametrize("given", ["last", "list"])
+def test_explicit_selectors_pin_every_worker_and_bad_patterns_name_the_adapters(given: str) -> None:
     adapters = list_adapters()
     labels = adapter_labels(adapters)
     last = labels[-1]  # on a machine with several adapters, not the one hetero picks by default
-    with LocalWGPUCluster(n_workers=2, adapter=last, threads_per_worker=1) as cluster, Client(cluster) as c:
+    adapter: str | list[str] = last if given == "last" else [last, labels[0]]
+    expect = [last, last] if given == "last" else [last, labels[0]]
+    with LocalWGPUCluster(n_workers=2, adapter=adapter, threads_per_worker=1) as cluster, Client(cluster) as c:
+        assert cluster.selectors == ([last] if given == "last" else expect)
         c.register_plugin(HeteroPlugin(cpu_threads=1))
+        names = c.run(lambda dask_worker: dask_worker.name)
         with DaskRuntime(c) as drt:
             reported = drt.adapters()
-        assert [(a.selector, a.index, a.requested) for a in reported.values()] == [(last, len(labels) - 1, last)] * 2
-        with pytest.raises(hetero.NoAdapterError, match=r"HETERO_ADAPTER='vulkan#99' asks for adapter #99 of the "
-                           r"\d+ that match; available: .*vulkan#0: "):
-            c.register_plugin(HeteroPlugin(adapter="vulkan#99"))
-    with pytest.raises(hetero.NoAdapterError, match=r"^no adapter matches HETERO_ADAPTER='no-such-gpu#0'; "
-                       rf"available: {re.escape(labels[0])}: {re.escape(adapters[0].summary)}"):
+        got = sorted((names[addr], a.selector, a.index, a.requested) for addr, a in reported.items())
+        assert got == [(i, sel, labels.index(sel), sel) for i, sel in enumerate(expect)]
+        if given == "last":
+            with pytest.raises(hetero.NoAdapterError, match=r"HETERO_ADAPTER='vulkan#99' asks for adapter #99 of "
+                               r"the \d+ that match; available: .*vulkan#0: "):
+                c.register_plugin(HeteroPlugin(adapter="vulkan#99"))
+    available = rf"available: {re.escape(labels[0])}: {re.escape(adapters[0].summary)}"
+    with pytest.raises(hetero.NoAdapterError, match=rf"^no adapter matches HETERO_ADAPTER='no-such-gpu#0'; {available}"):
         LocalWGPUCluster(adapter="no-such-gpu")
+    with pytest.raises(hetero.NoAdapterError, match=rf"^no adapter matches HETERO_ADAPTER='no-such-gpu'; {available}"):
+        LocalWGPUCluster(adapter=[labels[0], "no-such-gpu"])
+    with pytest.raises(ValueError, match=r"^adapter: a list of HETERO_ADAPTER values must hold non-empty strings, "
+                       r"got \[\]$"):
+        LocalWGPUCluster(adapter=[])
 
 
 def test_adapters_of_one_name_get_one_worker_each() -> None:
