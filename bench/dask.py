@@ -48,6 +48,34 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+def model_path(name: str, tmp: str) -> Any:
+    """``--model``: ``random`` (MiniLM's architecture, random weights) and ``tiny`` are written under ``tmp``."""
+    from hetero.pipelines.testing import write_random_model
+
+    if name in ("random", "tiny"):
+        return write_random_model(Path(tmp) / "model", **(TINY if name == "tiny" else {}))
+    return name
+
+
+def warm_workers(client: Any, model: Any, warm: list[str], batch: int, tries: int = 3) -> dict[str, int]:
+    """Embed ``warm`` on every worker of ``client`` (each compiles its kernels and captures its stages).
+
+    One batch per task; repeated (up to ``tries`` times) until every worker has run a chunk.
+    Returns the chunks each worker ran, by address; raises SystemExit if one never ran any.
+    """
+    from hetero.dask import DaskRuntime
+    from hetero.pipelines.embed import embed
+
+    with DaskRuntime(client, chunk_size=1) as warmer:
+        start = {w: s.chunks for w, s in warmer.worker_stats().items()}
+        for _ in range(tries):
+            embed(warm * len(start), model=model, batch_size=batch, runtime=warmer)
+            ran = {w: s.chunks - start.get(w, 0) for w, s in warmer.worker_stats().items()}
+            if all(ran.values()):
+                return ran
+    raise SystemExit(f"bench: warm-up left workers without a chunk after {tries} tries: {ran}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench dask", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,18 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     from hetero._gpu.device import adapter_labels, list_adapters
     from hetero.dask import DaskRuntime, HeteroPlugin, LocalWGPUCluster
     from hetero.pipelines.embed import embed, get_model
-    from hetero.pipelines.testing import write_random_model
 
     from ._common import adapter_fields, emitter
     from ._corpus import stdlib_sentences
 
     emit = emitter("dask")
     tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-dask-")
-    if args.model in ("random", "tiny"):
-        path: Any = write_random_model(Path(tmp.name) / "model", **(TINY if args.model == "tiny" else {}))
-    else:
-        path = args.model
-    model = get_model(path)
+    model = get_model(model_path(args.model, tmp.name))
     texts = stdlib_sentences(args.n)
     warm = texts[: args.batch * 4]
     words = float(np.mean([len(t.split()) for t in texts]))
@@ -113,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for workers in (1,) if args.no_two_workers else (1, 2):
         with LocalWGPUCluster(workers, adapter=label) as cluster, Client(cluster) as client:
             client.register_plugin(HeteroPlugin())
-            with DaskRuntime(client, chunk_size=1) as warmer:  # one batch per task: every worker compiles
-                embed(warm * workers, model=model, batch_size=args.batch, runtime=warmer)
+            warm_workers(client, model, warm, args.batch)
             with DaskRuntime(client, chunk_size=args.chunk_size) as drt:
                 s = _timed(lambda: out.update(dask=embed(texts, model=model, batch_size=args.batch, runtime=drt,
                                                          max_in_flight=args.max_in_flight)))
