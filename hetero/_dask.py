@@ -563,13 +563,14 @@ class LocalWGPUCluster(LocalCluster):
     enumeration order, as ``hetero info`` lists them; software rasterizers only where no
     GPU matches; an ``adapter`` with its own ``#k``, such as ``"vulkan#0"``, is that one
     alone), or, when ``adapter`` is a list of ``HETERO_ADAPTER`` values (``["vulkan#0",
-    "vulkan#2"]``), those (each must select an adapter). Worker ``i`` runs with ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares
-    ``resources={resource: 1}``. ``n_workers`` defaults to ``n``; more workers than
-    adapters share them round-robin. Register a :class:`HeteroPlugin` through a client
-    (``client.register_plugin(HeteroPlugin())``); the scheduler hands it to workers that
-    start later, such as one the nanny restarted. Other keyword arguments go to
-    ``distributed.LocalCluster`` (always with worker processes: the adapter is chosen
-    per process).
+    "vulkan#2"]``), those (each must select an adapter). Worker ``i`` runs with
+    ``HETERO_ADAPTER`` set to the ``i mod n``-th and declares ``resources={resource: 1}``.
+    ``n_workers`` defaults to ``n``; more workers than adapters share them round-robin.
+    Register a :class:`HeteroPlugin` through a client (``client.register_plugin(
+    HeteroPlugin())``); the scheduler hands it to workers that start later, such as one
+    the nanny restarted. Other keyword arguments go to ``distributed.LocalCluster``
+    (always with worker processes: the adapter is chosen per process).
+    :meth:`DaskRuntime.adapters` tells which adapter each worker runs on.
     """
 
     def __init__(self, n_workers: int | None = None, *, adapter: str | Sequence[str] | None = None,
