@@ -461,3 +461,37 @@ async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups(rt: h
         np.testing.assert_allclose(await rt.run(g, k=k), 3.0 * (2.0 * data[k] + 1.0) + 1.0)
         assert rt.stats().stage("twice").capture == "replayed"
     assert binds.hits + binds.misses == lookups
+
+
+async def test_float_arguments_match_captures_by_bit_pattern(shared_rt: hetero.Runtime) -> None:
+    """NaN != NaN, yet a NaN argument made afresh each run replays its capture (and the cache does
+    not grow); 0.0 == -0.0, yet they put different bytes in the uniform, so each has its own capture."""
+    calls = Counter()
+
+    def fn(gpu: hetero.GPUContext, x: hetero.Tensor, a: Any) -> hetero.Tensor:
+        calls()
+        out = gpu.empty(x.shape, np.float32)
+        gpu.dispatch(SCALE, -(-x.size // 64), x, out, _params(float(a), x.size))
+        return out
+
+    def make(kind: str, text: str) -> Any:  # a new object every run, as an upstream stage's result is
+        return np.float32(text) if kind == "f32" else float(text)
+
+    x = np.array([1.0, -2.0, np.inf], np.float32)
+    for kind in ("float", "f32"):
+        g = hetero.Graph(f"bits-{kind}")
+        g.output(g.gpu(fn, g.input("x"), g.cpu(make, kind, g.input("a"), name="a"), capture=True, name="scale"))
+        before, entries = calls.n, len(shared_rt.device().captures)
+        seen = []
+        for _ in range(3):
+            out = await shared_rt.run(g, x=x, a="nan")
+            assert np.isnan(out).all()
+            seen.append(shared_rt.stats().stage("scale").capture)
+        assert seen == ["captured", "replayed", "replayed"] and calls.n == before + 1
+        assert len(shared_rt.device().captures) == entries + 1
+        np.testing.assert_array_equal(await shared_rt.run(g, x=x, a="0.0"), [1, 1, np.nan])
+        neg = await shared_rt.run(g, x=x, a="-0.0")
+        assert shared_rt.stats().stage("scale").capture == "captured" and calls.n == before + 3
+        np.testing.assert_array_equal(neg, [1, 1, np.nan])
+        await shared_rt.run(g, x=x, a="-0.0")
+        assert shared_rt.stats().stage("scale").capture == "replayed" and calls.n == before + 3

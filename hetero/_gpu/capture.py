@@ -3,7 +3,9 @@
 ``g.gpu(fn, *args, capture=True)`` is the user's promise that the commands ``fn``
 records depend only on its *signature*: the shapes and dtypes of its Tensor arguments
 (and which of them share a buffer) and the values of its other arguments (compared by
-``==``; they must be hashable, as a dict key would be). WebGPU command buffers cannot
+``==``; they must be hashable, as a dict key would be). Floats (Python's and numpy's,
+complex too) are compared by type and bit pattern instead: a NaN matches a NaN, and
+``0.0`` and ``-0.0``, which put different bytes in a uniform, are two signatures. WebGPU command buffers cannot
 be resubmitted, so a replay re-issues the captured dispatches into this run's encoder.
 
 * **Capture.** The first run of a signature calls ``fn`` and records as usual; the
@@ -41,6 +43,7 @@ signature. Each holds its constant buffers alive.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import warnings
 from collections import OrderedDict
@@ -194,6 +197,9 @@ class CaptureCache:
 
 
 # -- signatures -----------------------------------------------------------------------------------
+_pack_double = struct.Struct("<d").pack
+
+
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> tuple[Any, list[Tensor]]:
     """The hashable signature of a call, and its Tensor arguments in order (flattened)."""
     flat: list[Tensor] = []
@@ -205,10 +211,16 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> tupl
             flat.append(v)
             return (Tensor, v.shape, v.dtype.str, first if first != len(flat) - 1 else -1)
         t = type(v)
+        if t is float:  # by bit pattern: NaN != NaN would never match its capture
+            return (t, _pack_double(v))
         if t is tuple or t is list:
             return (t, tuple(key(x, (*where, i)) for i, x in enumerate(v)))
         if t is dict:
             return (t, tuple((k, key(x, (*where, k))) for k, x in v.items()))
+        if t is complex:
+            return (t, _pack_double(v.real), _pack_double(v.imag))
+        if isinstance(v, np.inexact):
+            return (t, v.tobytes())
         try:
             hash(v)
         except TypeError:
