@@ -721,3 +721,32 @@ def test_deferred_fence_callbacks_run_after_the_waiting_ones(shared_rt: hetero.R
     gate.set()
     assert ran.wait(10)
     assert order == ["first", "second", "deferred"]
+
+
+def test_a_loss_callback_runs_exactly_once_whenever_it_is_registered() -> None:
+    """Registered before the loss, while the loss callbacks run, or after: each runs once."""
+    import threading
+
+    import wgpu
+
+    from hetero._gpu.lost import LossWatch
+
+    device = wgpu.gpu.request_adapter_sync().request_device_sync()
+    watch = LossWatch(device, "test device")
+    calls: dict[str, list[str]] = {"before": [], "during": [], "after": []}
+
+    def before(reason: str) -> None:
+        calls["before"].append(reason)
+        watch.on_lost(calls["during"].append)  # the device is lost by now: runs at once, and only then
+
+    watch.on_lost(before)
+    device.destroy()
+    watch.probe()
+    for t in threading.enumerate():  # the log watcher may have probed first, on a thread of its own
+        if t.name == "hetero-lost-probe":
+            t.join()
+    watch.on_lost(calls["after"].append)
+    reason = "reported by the driver"
+    assert calls == {"before": [reason], "during": [reason], "after": [reason]}
+    with pytest.raises(hetero.DeviceLostError, match="the GPU device was lost"):
+        watch.check_alive()

@@ -36,10 +36,17 @@ class LossWatch:
             raise DeviceLostError(f"the GPU device was lost ({self.lost}); create a new Runtime")
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` once if the device is lost (at once if it already is)."""
-        self._callbacks.append(callback)
-        if self.lost is not None:
-            callback(self.lost)
+        """Call ``callback(reason)`` once if the device is lost (at once if it already is).
+
+        Under the lock, a callback either joins the list the loss will run, or (the loss
+        having taken the list already) runs here: never both, never neither.
+        """
+        with self._lock:
+            reason = self.lost
+            if reason is None:
+                self._callbacks.append(callback)
+                return
+        callback(reason)
 
     def probe(self) -> None:
         """wgpu reported that *a* device was lost: find out whether it was this one."""
@@ -52,11 +59,12 @@ class LossWatch:
             except Exception as e:  # "Parent device is lost"
                 if "lost" not in str(e).lower():
                     return
-            self.lost = "reported by the driver"
+            self.lost = reason = "reported by the driver"
+            callbacks, self._callbacks = self._callbacks, []
         log.error("hetero: the GPU device %s was lost", self._summary)
-        for cb in self._callbacks:
+        for cb in callbacks:  # outside the lock: a callback may register another
             try:
-                cb(self.lost)
+                cb(reason)
             except Exception:  # pragma: no cover
                 log.exception("device-lost callback failed")
 
