@@ -531,8 +531,16 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        for proc in procs:
-            proc.start()
+        for i, proc in enumerate(procs):
+            try:
+                proc.start()
+            except Exception as e:
+                # The workers started before it would serve on alone: stop them first.
+                forward(signal.SIGTERM, None)
+                _reap(procs[:i], graceful_timeout=_WORKER_STOP_S)
+                raise HeteroError(f"cannot start worker process {proc.name} ({i + 1} of {workers}): "
+                                  f"{type(e).__name__}: {e}; stopped the {i} worker{'s' if i != 1 else ''} "
+                                  "started before it") from e
         probe.close()
         if ready is not None:
             shown = f"[{host}]" if ":" in host else host
@@ -555,6 +563,21 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
+
+
+# How long a worker may take to shut down gracefully after SIGTERM before it is killed.
+_WORKER_STOP_S = 60.0
+
+
+def _reap(procs: list[Any], graceful_timeout: float) -> None:
+    """Wait for ``procs`` (already sent SIGTERM) to exit; kill those still running after the timeout."""
+    deadline = time.monotonic() + graceful_timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
 
 
 def _token_id(v: object) -> bool:

@@ -383,6 +383,46 @@ def test_workers_on_a_taken_port_leave_nothing_behind(tmp_path: Path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_worker_that_cannot_start_stops_those_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second of three workers fails to start (the OS refuses the process): the first, already
+    started, is stopped, the third never starts, and the error names the worker and the cause."""
+    import multiprocessing
+    import os
+    import tempfile
+    from multiprocessing.context import SpawnProcess
+
+    from hetero.pipelines.serve import serve_workers
+
+    d = write_random_model(tmp_path / "m", seed=6, **TINY)
+    real_start = SpawnProcess.start
+    tried: list[str] = []
+
+    def start(self: SpawnProcess) -> None:
+        tried.append(self.name)
+        if self.name == "hetero-serve-1":
+            raise OSError(12, "Cannot allocate memory")
+        real_start(self)
+
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    try:
+        with pytest.raises(hetero.HeteroError, match=r"^cannot start worker process hetero-serve-1 \(2 of 3\): "
+                           r"OSError: \[Errno 12\] Cannot allocate memory; stopped the 1 worker started "
+                           r"before it$"):
+            serve_workers(dict(model=str(d), max_batch_tokens=256, precapture=False), "127.0.0.1", 0, "asyncio", 3)
+        assert tried == ["hetero-serve-0", "hetero-serve-1"]
+        assert [p.name for p in multiprocessing.active_children() if p.name.startswith("hetero-serve-")] == []
+    finally:
+        for p in multiprocessing.active_children():  # what a failure above left running
+            if p.name.startswith("hetero-serve-"):
+                p.kill()
+                p.join()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def re_float(text: str, pattern: str) -> float:
     import re
 
