@@ -19,9 +19,17 @@ __all__ = ["PIPELINES", "add_parser", "pipeline_graph", "run"]
 
 
 def _embed_graph(args: argparse.Namespace) -> hetero.Graph:
-    from .embed import embedding_graph, get_model
+    """The graph ``hetero embed`` runs with these options: the CPU twins only where offered."""
+    from .embed import embedding_graph, get_model, offers_cpu
 
-    return embedding_graph(get_model(args.model), int8=bool(args.int8))
+    model = get_model(args.model)
+    int8 = bool(args.int8)
+    if int8:
+        return embedding_graph(model, int8=True)  # GPU stages only, wherever it runs
+    # The runtime `hetero embed --placement` makes; under auto, its adapter decides (offers_cpu).
+    with hetero.Runtime(placement=getattr(args, "placement", "auto")) as rt:
+        cpu = offers_cpu(rt)
+    return embedding_graph(model, cpu=cpu)
 
 
 # name -> builds the pipeline's graph from the parsed arguments
@@ -41,6 +49,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default="minilm", metavar="DIR|minilm",
                    help="the embed pipeline's model: a directory or 'minilm' (default: %(default)s)")
     p.add_argument("--int8", action="store_true", help="the embed pipeline with int8 linear layers")
+    p.add_argument("--placement", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="the embed pipeline as 'hetero embed --placement' runs it: with CPU twins of its stages "
+                   "under cpu, or under auto where the adapter (HETERO_ADAPTER, else the one hetero picks) is "
+                   "CPU-emulated or missing; GPU stages only otherwise (default: %(default)s)")
     p.add_argument("--rankdir", default="LR", choices=("LR", "TB", "RL", "BT"),
                    help="layout direction (default: %(default)s)")
     p.add_argument("-o", "--output", default=None, metavar="OUT.svg",

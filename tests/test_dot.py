@@ -208,6 +208,36 @@ def test_cli_graph_prints_dot_and_writes_files(tmp_path: Path, capsys: pytest.Ca
     assert "hetero: error: graph 'embed': cannot tell the picture format" in capsys.readouterr().err
 
 
+def test_cli_graph_draws_the_graph_that_would_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embed pipeline offers CPU twins only where placement may choose them (offers_cpu): the
+    picture shows the GPU-only graph under --placement gpu, and follows the adapter under auto."""
+    from hetero import _cli
+    from hetero.pipelines.embed import embedding_graph, offers_cpu
+    from hetero.pipelines.minilm import load_model
+    from hetero.pipelines.testing import write_random_model
+
+    d = write_random_model(tmp_path / "m", num_hidden_layers=2)
+    model = load_model(d)
+    for placement in ("auto", "cpu", "gpu"):
+        assert _cli.main(["graph", "--pipeline", "embed", "--model", str(d), "--placement", placement]) == 0
+        text = capsys.readouterr().out
+        with hetero.Runtime(placement=placement) as rt:  # the runtime `hetero embed --placement` makes
+            expected = embedding_graph(model, cpu=offers_cpu(rt))
+            twins = placement == "cpu" or (placement == "auto" and rt.device().summary["type"].lower() == "cpu")
+        assert text == expected.to_dot(rankdir="LR")
+        assert ('"embeddings" [label="embeddings\\ncpu | gpu, captured"' in text) is twins, (placement, text)
+        assert ('"tokenize" -> "embeddings" [label="upload if on gpu"' in text) is twins
+    gpu_only = text
+    assert gpu_only.startswith('digraph "embed-gpu" {') and '"embeddings" [label="embeddings\\ngpu, captured"' in text
+    # the adapter the runtime would open decides under auto (none at all: placement runs on the CPU)
+    monkeypatch.setenv("HETERO_ADAPTER", "no-such-adapter")
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", str(d)]) == 0
+    assert '"embeddings" [label="embeddings\\ncpu | gpu, captured"' in capsys.readouterr().out
+    assert _cli.main(["graph", "--pipeline", "embed", "--model", str(d), "--placement", "gpu", "--int8"]) == 0
+    assert capsys.readouterr().out.startswith('digraph "embed-int8" {')
+
+
 @needs_dot
 def test_cli_graph_renders_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hetero import _cli
