@@ -6,7 +6,7 @@ import atexit
 import collections
 import os
 import threading
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping, MutableSequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,6 +317,31 @@ class Runtime:
             raise HeteroError(f"map() inputs must be dicts of graph inputs, got {type(item).__name__}")
         return self._start(graph, item)
 
+    def _feed(self, graph: Graph, source: Iterator[Any], pending: MutableSequence[Any], max_in_flight: int, *,
+              errors_in_order: bool, on_wake: Callable[[], None] | None = None) -> bool:
+        """Start runs of ``source``'s next items until ``pending`` holds ``max_in_flight``.
+
+        Returns True once ``source`` is exhausted (it is not read again). An item that
+        cannot start (a HeteroError) takes its place in ``pending`` with
+        ``errors_in_order``, else is raised at once. ``on_wake`` becomes each run's.
+        """
+        while len(pending) < max_in_flight:
+            try:
+                item = next(source)
+            except StopIteration:
+                return True
+            try:
+                run = self._start_item(graph, item)
+            except HeteroError as e:
+                if not errors_in_order:
+                    raise
+                pending.append(e)
+                continue
+            if on_wake is not None:
+                run.on_wake = on_wake
+            pending.append(run)
+        return False
+
     async def _map_ordered(self, graph: Graph, inputs: Iterable[Mapping[str, Any]],
                            max_in_flight: int) -> AsyncGenerator[Any, None]:
         pending: collections.deque[Run | BaseException] = collections.deque()
@@ -324,16 +349,8 @@ class Runtime:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(pending) < max_in_flight:
-                    try:
-                        item = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    try:
-                        pending.append(self._start_item(graph, item))
-                    except HeteroError as e:
-                        pending.append(e)
+                if not exhausted:
+                    exhausted = self._feed(graph, source, pending, max_in_flight, errors_in_order=True)
                 if not pending:
                     return
                 head = pending.popleft()
@@ -362,15 +379,9 @@ class Runtime:
 
         try:
             while True:
-                while not exhausted and len(pending) < max_in_flight:
-                    try:
-                        item = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    run = self._start_item(graph, item)
-                    run.on_wake = woken
-                    pending.append(run)
+                if not exhausted:
+                    exhausted = self._feed(graph, source, pending, max_in_flight, errors_in_order=False,
+                                           on_wake=woken)
                 if not pending:
                     return
                 # A fresh event before looking: a run that stops after the look wakes it.
