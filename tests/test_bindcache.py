@@ -107,6 +107,23 @@ async def test_buffers_hetero_does_not_own_are_never_cached(rt: hetero.Runtime) 
     assert dev.binds.stats()["misses"] == misses
 
 
+async def test_ever_new_sizes_keep_the_caches_within_their_bounds(rt: hetero.Runtime) -> None:
+    """Every new tensor size brings new buffers and parameters, so new bind groups and uniforms:
+    the LRU bounds hold both tables (evicting a uniform drops the groups that bind it), and
+    answers stay right over groups made again after eviction."""
+    g = chain(3)
+    binds = rt.device().binds
+    binds.max_groups, binds.max_uniforms = 8, 16
+    sizes = [int(n) for n in np.random.default_rng(5).permutation(np.arange(1, 400, 7))]
+    for n in sizes + sizes[:10]:  # the first sizes again, after their entries were evicted
+        x = np.arange(n, dtype=np.float32)
+        np.testing.assert_array_equal(await rt.run(g, x=x), x + 3)
+        s = binds.stats()
+        assert s["bind_groups"] <= 8 and s["uniforms"] <= 16, (n, s)
+    assert binds.stats()["misses"] >= len(sizes)  # every size made groups of its own
+    assert rt.memory_stats().in_use_bytes == 0
+
+
 def test_lru_bounds_and_forget(shared_rt: hetero.Runtime) -> None:
     dev = shared_rt.device()
     cache = BindCache(dev.device, max_uniforms=2, max_groups=2)
