@@ -62,7 +62,7 @@ from ._argtypes import check_positive_int
 from ._bridge import loop_caller, running_loop
 from ._graph import Graph
 from ._runtime import Runtime
-from .errors import GraphError, HeteroError, StageError, _own_reducers
+from .errors import GraphError, HeteroError, NoAdapterError, StageError, _own_reducers
 
 _own_reducers()  # importing distributed (above) replaced the reducers of hetero's errors
 
@@ -157,20 +157,31 @@ class HeteroPlugin(WorkerPlugin):
         self.__init__(**state["runtime_options"])  # type: ignore[misc]
 
     async def setup(self, worker: Any) -> None:
-        await asyncio.to_thread(self._start)
+        address = getattr(worker, "address", None)
+        await asyncio.to_thread(self._start, f"worker {address}" if address else "this worker")
 
     async def teardown(self, worker: Any) -> None:
         await asyncio.to_thread(self._stop)
 
-    def _start(self) -> None:
+    def _start(self, where: str = "this worker") -> None:
         self._stop()  # set up twice (registered again): one Runtime at a time
         cm = anyio.from_thread.start_blocking_portal(name="hetero-dask")
         portal = cm.__enter__()
+        rt: Runtime | None = None
         try:
             rt = Runtime(**self.runtime_options)
             rt.device()  # warm: adapter, device, fence thread; a worker without a GPU fails here
-        except BaseException:
-            cm.__exit__(None, None, None)
+        except BaseException as e:
+            # Whatever was made is released: the Runtime (what it started, its trace file), then the portal.
+            try:
+                if rt is not None:
+                    rt.close()
+            finally:
+                cm.__exit__(None, None, None)
+            if isinstance(e, NoAdapterError):
+                raise NoAdapterError(f"hetero's dask plugin cannot open a GPU device on {where}: {e} "
+                                     "(HeteroPlugin(adapter=...) or the worker's HETERO_ADAPTER chooses the "
+                                     "adapter)") from None
             raise
         self._portal_cm, self._portal, self.runtime = cm, portal, rt
         with self._count_lock:

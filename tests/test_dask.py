@@ -217,6 +217,25 @@ def test_workers_report_their_adapter_and_counters(client: Client) -> None:
         assert s.busy_s <= s.uptime_s and (s.busy_s > 0 or not ran)
 
 
+def test_a_plugin_without_an_adapter_closes_its_runtime_and_says_why(tmp_path: Path) -> None:
+    """Setting up on a worker whose adapter cannot be opened fails clearly, and the Runtime made
+    for it is closed (closing writes its trace file), not left behind in the worker."""
+    import asyncio
+
+    trace = tmp_path / "plugin.json"
+    plugin = HeteroPlugin(adapter="no-such-adapter", cpu_threads=1, trace=str(trace))
+    threads = set(threading.enumerate())
+    with pytest.raises(hetero.NoAdapterError, match=r"^hetero's dask plugin cannot open a GPU device on this "
+                       r"worker: no adapter matches HETERO_ADAPTER='no-such-adapter'; available: .*"
+                       r"\(HeteroPlugin\(adapter=\.\.\.\) or the worker's HETERO_ADAPTER chooses the adapter\)$"):
+        asyncio.run(plugin.setup(None))
+    assert plugin.runtime is None
+    assert trace.exists()  # the Runtime was closed
+    assert [t for t in threading.enumerate() if t not in threads] == []
+    with pytest.raises(ClusterError, match="not set up"):
+        plugin.run_chunk(make_graph(), [], 1)
+
+
 @pytest.mark.anyio
 async def test_embed_on_a_dask_runtime(client: Client, model_dir: Path) -> None:
     model = get_model(model_dir)
