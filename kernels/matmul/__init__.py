@@ -40,7 +40,9 @@ and no accumulator spills to local memory). The K loop walks ``BK``-deep slices:
 * ``split_k = S`` (small outputs with a long K, which would leave most of a large
   GPU idle): the grid's z holds batch x S workgroups per tile, each summing its
   part of K into float32 partials ``[S, B, M, N]``; a second dispatch adds the S
-  partials and the bias (every part gets at least :data:`MIN_SPLIT_K` of K).
+  partials and the bias (every part gets at least the configuration's ``split_min``
+  of K, by default :data:`MIN_SPLIT_K`; :data:`SMALL_M_CANDIDATES` split into parts
+  of :data:`SMALL_SPLIT_MIN`).
 
 The grid is x over N tiles, y over M tiles, z over the batch; the kernel finds its
 tile through ``hetero_workgroup_id``, so hetero may split x into sub-dispatches under
@@ -64,9 +66,11 @@ from __future__ import annotations
 
 from hetero.kernels.matmul.cache import cache_path, choose_config, explain_config, size_class
 from hetero.kernels.matmul.codegen import ACTIVATIONS, wgsl
-from hetero.kernels.matmul.config import CANDIDATES, MatmulConfig, default_config
-from hetero.kernels.matmul.op import MIN_SPLIT_K, SPLIT_K_MAX_TILES, matmul
+from hetero.kernels.matmul.config import (CANDIDATES, MIN_SPLIT_K, SMALL_M_CANDIDATES, SMALL_SPLIT_MIN, MatmulConfig,
+                                          default_config, small_output_config)
+from hetero.kernels.matmul.op import SPLIT_K_MAX_TILES, matmul
 from hetero.kernels.matmul.tuner import TuneResult, tune
 
-__all__ = ["ACTIVATIONS", "CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "SPLIT_K_MAX_TILES", "TuneResult", "cache_path",
-           "choose_config", "default_config", "explain_config", "matmul", "size_class", "tune", "wgsl"]
+__all__ = ["ACTIVATIONS", "CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "SMALL_M_CANDIDATES", "SMALL_SPLIT_MIN",
+           "SPLIT_K_MAX_TILES", "TuneResult", "cache_path", "choose_config", "default_config", "explain_config",
+           "matmul", "size_class", "small_output_config", "tune", "wgsl"]

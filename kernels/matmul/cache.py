@@ -183,4 +183,4 @@ def explain_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *,
                     best = (d, -int(key[len(prefix):]), c, key)
         if best is not None:
             return best[2], f"cache {best[3]}"
-    return default_config(info["type"], m, n, batch, limits), "default"
+    return default_config(info["type"], m, n, batch, limits, k=k), "default"

@@ -10,7 +10,7 @@ import numpy as np
 from hetero.kernels.matmul import codegen
 from hetero.kernels.matmul.cache import choose_config
 from hetero.kernels.matmul.codegen import Variant
-from hetero.kernels.matmul.config import MatmulConfig
+from hetero.kernels.matmul.config import MIN_SPLIT_K, MatmulConfig
 from hetero.lowlevel import GPUContext, Tensor
 
 __all__ = ["MIN_SPLIT_K", "Problem", "SPLIT_K_MAX_TILES", "Step", "cdiv", "matmul", "plan", "problem", "split_parts"]
@@ -100,13 +100,11 @@ def _overlap(x: Tensor, y: Tensor) -> bool:
 
 SPLIT_K_MAX_TILES = 512
 """The tuner tries K splits only for outputs of fewer tiles than this (default candidates)."""
-MIN_SPLIT_K = 256
-"""A K split gives every part at least this many K (fewer: the second pass costs more than it saves)."""
 
 
 def split_parts(p: Problem, c: MatmulConfig, cap: int) -> tuple[int, int]:
     """(parts, K per part) of ``c``'s K split for this problem; parts == 1: no split."""
-    s = max(1, min(c.split_k, p.k // MIN_SPLIT_K))
+    s = max(1, min(c.split_k, p.k // c.split_min))
     while s > 1 and s * p.batch * p.m * p.n * 4 > cap:  # the partials must fit one binding
         s -= 1
     if s == 1:

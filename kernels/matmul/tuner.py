@@ -15,7 +15,7 @@ import numpy as np
 from hetero.kernels.matmul import cache
 from hetero.kernels.matmul.cache import adapter_info, cache_key, cache_path, size_class
 from hetero.kernels.matmul.config import CANDIDATES, MatmulConfig
-from hetero.kernels.matmul.op import (MIN_SPLIT_K, SPLIT_K_MAX_TILES, Problem, Step, matmul, plan, problem,
+from hetero.kernels.matmul.op import (SPLIT_K_MAX_TILES, Problem, Step, matmul, plan, problem,
                                       split_parts)
 from hetero.lowlevel import Device, GPUContext, Tensor, device_of, grid_uniform
 
@@ -105,7 +105,7 @@ def _check_config(dev: Device, c: MatmulConfig, p: Problem, dtype: Any) -> str |
     def shrink(x: int, cap: int) -> int:
         return x if x <= cap else cap - cap % 4 + x % 4  # same residue mod 4, partial tiles
 
-    k_cap = 3 * c.bk + 5 if c.split_k == 1 else c.split_k * MIN_SPLIT_K + 5  # long enough to split
+    k_cap = 3 * c.bk + 5 if c.split_k == 1 else c.split_k * c.split_min + 5  # long enough to split
     m, n, k = shrink(p.m, 2 * c.bm + 5), shrink(p.n, 2 * c.bn + 5), shrink(p.k, k_cap)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((m, k)).astype(dtype)
