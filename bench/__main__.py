@@ -19,7 +19,7 @@ BENCHES = {
     "op_record": "host time to record one op (dispatch, gelu, layernorm, matmul) in a GPU stage, and to replay it",
     "split": "TDR-safe splitting overhead at GPU-time budgets",
     "reduce": "hetero.ops.sum bandwidth beside torch.sum, and its accuracy",
-    "matmul": "fp32 matmul TFLOP/s beside torch (with --tune: autotune first)",
+    "matmul": "fp32 matmul TFLOP/s beside torch (with --tune: autotune first; --small-m: MiniLM's linears, few rows)",
     "matmul_int8": "INT8 weight-quantized matmul (both strategies) beside hetero's fp32 matmul",
     "nn": "softmax, layernorm, gelu, attention, ... at MiniLM shapes beside torch",
     "embed": "MiniLM sentence embeddings of real text beside sentence-transformers (random weights without the model)",

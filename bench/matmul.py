@@ -1,6 +1,7 @@
 """GPU time of hetero's float32 matmul on device-resident data, beside torch.matmul (or numpy).
 
     python -m bench.matmul [--sizes 1024,2048,4096] [--tune] [--transpose-b] [--repeat 5] [--min-ms 50]
+    python -m bench.matmul --small-m [--ms 1,8,20,32,64,128] [--linears qkv,attn_out,inter,out]
 
 Sizes are square ``M = N = K`` (or ``MxNxK``). For each size A and B are uploaded once;
 then K matmuls (``hetero.kernels.matmul.matmul`` writing into one preallocated C; its
@@ -23,6 +24,28 @@ Targets: hetero/torch >= 0.5 at 4096^3, >= 0.3 at 1024^3.
 
 One JSON line per figure: ``adapter``, then per size the ``hetero`` line, the
 reference's line and ``{"ratio": "hetero/<ref>", "value": ...}`` (> 1: hetero faster).
+
+``--small-m``: MiniLM's linear layers for a few rows (``M`` = sentences x tokens: one
+sentence of ~20 tokens is M = 20), ``x [M, K] @ W.T + b`` with ``W [N, K]`` as nn.Linear
+stores it, for every M of ``--ms`` and every layer of ``--linears`` (qkv 1152x384,
+attn_out 384x384, inter 1536x384 without bias, out 384x1536; N x K). Per shape it times,
+in the same process and the same way as above (K calls per submission):
+
+* ``default``: today's :func:`hetero.kernels.matmul.default_config` for this adapter;
+* ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule that
+  ``HETERO_MATMUL_SMALL_SPLIT=1`` turns on;
+* ``tuned``: the winner of :func:`hetero.kernels.matmul.tune` over
+  :data:`~hetero.kernels.matmul.SMALL_M_CANDIDATES` (plus the two above), tuned here and
+  not saved (``--max-candidates`` takes the first few only, for a quick run);
+* the reference ``torch.nn.functional.linear`` on CUDA (TF32 off), CUDA events over K eager
+  calls, and the same K calls replayed from one CUDA graph (``torch_graph``: its GPU time
+  without launch gaps), when torch with CUDA is importable; else ``x @ W.T + b`` in numpy.
+
+Every hetero configuration's result is checked against numpy (float64) before it is
+timed. JSON lines per figure (``small_m`` lines, the tuner's ``tune`` lines), then a
+markdown table: microseconds per call, ``default/proposed`` and ``default/tuned`` (> 1: the
+new configuration is faster), ``torch/<winner>`` (> 1: hetero faster) and the winner; and
+per M the sum over the layers (one encoder layer's linear time).
 """
 
 from __future__ import annotations
@@ -38,6 +61,12 @@ import hetero
 import hetero.kernels.matmul as mm
 from hetero._gpu.device import Device
 from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, replay_timed, run_once
+
+# MiniLM's linear layers: name -> (N, K, bias) of x [M, K] @ W.T (+ b), W [N, K]. The intermediate
+# layer's bias goes with its gelu (pipelines/embed.py), so its matmul has none.
+LINEARS = {"qkv": (1152, 384, True), "attn_out": (384, 384, True), "inter": (1536, 384, False),
+           "out": (384, 1536, True)}
+SMALL_MS = "1,8,20,32,64,128"
 
 TARGETS = {1024: 0.3, 4096: 0.5}
 
@@ -166,6 +195,179 @@ def bench_size(dev: Device, shape: tuple[int, int, int], a_: argparse.Namespace,
     emit(**line)
 
 
+def cuda_graph_seconds(torch: Any, op: Any, repeat: int, k: int) -> float:
+    """Best seconds per ``op()`` when ``k`` calls are replayed from one CUDA graph (CUDA events)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        for _ in range(3):
+            op()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(k):
+            op()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / k)
+    del graph
+    return best
+
+
+def small_m_reference(torch: Any, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, a_: argparse.Namespace
+                      ) -> dict[str, float]:
+    """Seconds per ``F.linear(x, w, bias)``: eager (``torch``) and from a CUDA graph (``torch_graph``);
+    without torch, ``numpy`` (``x @ w.T + b``, best of ``--repeat``)."""
+    if torch is None:
+        best = math.inf
+        for _ in range(max(1, a_.repeat)):
+            t0 = time.perf_counter()
+            r = x @ w.T
+            if bias is not None:
+                r += bias
+            best = min(best, time.perf_counter() - t0)
+        return {"numpy": best}
+    import torch.nn.functional as F
+
+    tx, tw = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
+    tb = torch.from_numpy(bias).cuda() if bias is not None else None
+
+    def op() -> Any:
+        return F.linear(tx, tw, tb)
+
+    eager, k = cuda_seconds(torch, op, a_.repeat, a_.min_ms / 1e3)
+    out = {"torch": eager}
+    try:
+        out["torch_graph"] = cuda_graph_seconds(torch, op, a_.repeat, k)
+    except Exception as e:  # noqa: BLE001 - the eager figure stands alone
+        emit(note=f"torch CUDA graph timing failed: {type(e).__name__}: {e}")
+    del tx, tw, tb
+    torch.cuda.empty_cache()
+    return out
+
+
+def time_config(dev: Device, c: mm.MatmulConfig, x: hetero.Tensor, w: hetero.Tensor, bias: hetero.Tensor | None,
+                out: hetero.Tensor, a_: argparse.Namespace, rtt: float) -> tuple[float, int]:
+    """Seconds per ``matmul(x, w, transpose_b=True, bias=, config=c)`` into ``out``, and the calls per submission."""
+    def rec(g: Any) -> Any:
+        return mm.matmul(g, x, w, transpose_b=True, bias=bias, out=out, config=c)
+
+    one = max(replay_timed(dev, rec, 1) - rtt, 1e-7)
+    reps = max(1, min(1000, math.ceil(a_.min_ms / 1e3 / one)))
+    best = min(replay_timed(dev, rec, reps) for _ in range(max(1, a_.repeat)))
+    return max(best - rtt, 1e-9) / reps, reps
+
+
+def bench_small_m(dev: Device, a_: argparse.Namespace, torch: Any, rtt: float) -> None:
+    """``--small-m``: default, proposed and tuned configurations and the reference per (M, layer)."""
+    ms = [int(v) for v in a_.ms.split(",") if v.strip()]
+    names = [v.strip() for v in a_.linears.split(",") if v.strip()]
+    unknown = [v for v in names if v not in LINEARS]
+    if unknown or not names or not ms or min(ms) <= 0:
+        raise SystemExit(f"bench matmul --small-m: --linears takes {', '.join(LINEARS)}; --ms positive ints "
+                         f"(got --linears {a_.linears!r}, --ms {a_.ms!r})")
+    kind = dev.summary["type"]
+    limits = dev.limits
+    rows: list[dict[str, Any]] = []
+    for m in ms:
+        for name in names:
+            n, k, has_bias = LINEARS[name]
+            shape = f"{m}x{n}x{k}"
+            rng = np.random.default_rng(m * 7 + n + k)
+            x = rng.random((m, k), dtype=np.float32) - 0.5
+            w = rng.random((n, k), dtype=np.float32) - 0.5
+            bias = (rng.random(n, dtype=np.float32) - 0.5) if has_bias else None
+            want = x.astype(np.float64) @ w.T.astype(np.float64) + (bias if bias is not None else 0.0)
+            ref = small_m_reference(torch, x, w, bias, a_)  # first: see bench_size
+            default = mm.default_config(kind, m, n, 1, limits, k=k, small_split=False)
+            proposed = mm.small_output_config(m, n, k, 1, limits) or default
+            cands = list(dict.fromkeys([*mm.SMALL_M_CANDIDATES[:a_.max_candidates], default, proposed]))
+            cands = [c for c in cands if c.fits(limits) is None]
+            t0 = time.perf_counter()
+            r = mm.tune(dev, m, n, k, transpose_b=True, configs=cands, min_ms=a_.tune_min_ms, repeat=a_.repeat,
+                        save=False)
+            flops = 2.0 * m * n * k
+            for cname, gflops, note in r.results:
+                emit(tune=shape, layer=name, config=cname, GFLOPs=gflops,
+                     us=round(flops / gflops / 1e3, 3) if gflops else None, note=note)
+            emit(tuned=shape, layer=name, best=r.best.name, seconds=round(time.perf_counter() - t0, 1))
+            roles = {"default": default, "proposed": proposed, "tuned": r.best}
+            arrays = [x, w] + ([bias] if bias is not None else [])
+            ts, holder = upload(dev, *arrays)
+            try:
+                xt, wt = ts[0], ts[1]
+                bt = ts[2] if bias is not None else None
+                out = holder.empty((m, n), np.float32)
+                secs: dict[mm.MatmulConfig, float] = {}
+                for role, c in roles.items():
+                    if c not in secs:
+                        got = run_once(dev, lambda g, c=c: mm.matmul(g, xt, wt, transpose_b=True, bias=bt, config=c))
+                        err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+                        if err > 1e-4:
+                            raise SystemExit(f"hetero matmul {shape} with {c.name} is wrong: relative error {err:.3g}")
+                        secs[c], reps = time_config(dev, c, xt, wt, bt, out, a_, rtt)
+                        emit(small_m=shape, layer=name, role=role, config=c.name, us=round(secs[c] * 1e6, 3), k=reps,
+                             max_rel_err=float(f"{err:.3g}"))
+                    else:
+                        emit(small_m=shape, layer=name, role=role, config=c.name, us=round(secs[c] * 1e6, 3),
+                             same_as=next(ro for ro, cc in roles.items() if cc == c))
+            finally:
+                holder.release_blocks()
+            for impl, sec in ref.items():
+                emit(small_m=shape, layer=name, impl=impl, us=round(sec * 1e6, 3))
+            row: dict[str, Any] = {"m": m, "layer": name, "shape": shape, "ref": ref,
+                                   **{role: (c, secs[c]) for role, c in roles.items()}}
+            win = min(roles, key=lambda ro: (secs[roles[ro]], list(roles).index(ro)))
+            row["winner"] = win
+            emit(small_m=shape, layer=name, winner=win, config=roles[win].name,
+                 **{f"default/{ro}": round(secs[default] / secs[roles[ro]], 3) for ro in ("proposed", "tuned")},
+                 **{f"{impl}/hetero": round(sec / secs[roles[win]], 3) for impl, sec in ref.items()})
+            rows.append(row)
+    small_m_table(rows)
+
+
+def small_m_table(rows: list[dict[str, Any]]) -> None:
+    """The markdown table of ``--small-m`` (µs per call; ratios > 1: the left one is slower)."""
+    refs = list(dict.fromkeys(impl for r in rows for impl in r["ref"]))
+
+    def us(s: float) -> str:
+        return f"{s * 1e6:.1f}"
+
+    print()
+    print("| M | layer | N x K | default | proposed | tuned | " + " | ".join(refs)
+          + " | default/proposed | default/tuned | " + " | ".join(f"{ref}/best" for ref in refs) + " | winner |")
+    print("|" + "---|" * (9 + 2 * len(refs)))
+    for r in rows:
+        best = r[r["winner"]][1]
+        print(f"| {r['m']} | {r['layer']} | {r['shape'].split('x', 1)[1]} | "
+              + " | ".join(f"{us(r[ro][1])} ({r[ro][0].name})" for ro in ("default", "proposed", "tuned")) + " | "
+              + " | ".join(us(r["ref"][ref]) if ref in r["ref"] else "" for ref in refs) + " | "
+              + f"{r['default'][1] / r['proposed'][1]:.2f} | {r['default'][1] / r['tuned'][1]:.2f} | "
+              + " | ".join(f"{r['ref'][ref] / best:.2f}" if ref in r["ref"] else "" for ref in refs)
+              + f" | {r['winner']} |")
+    print()
+    print("| M | layers | default µs | proposed µs | tuned µs | " + " | ".join(f"{ref} µs" for ref in refs)
+          + " | default/proposed | default/tuned |")
+    print("|" + "---|" * (7 + len(refs)))
+    for m in dict.fromkeys(r["m"] for r in rows):
+        sel = [r for r in rows if r["m"] == m]
+        tot = {ro: sum(r[ro][1] for r in sel) for ro in ("default", "proposed", "tuned")}
+        rt = {ref: sum(r["ref"].get(ref, 0.0) for r in sel) for ref in refs}
+        print(f"| {m} | {len(sel)} | {us(tot['default'])} | {us(tot['proposed'])} | {us(tot['tuned'])} | "
+              + " | ".join(us(rt[ref]) for ref in refs)
+              + f" | {tot['default'] / tot['proposed']:.2f} | {tot['default'] / tot['tuned']:.2f} |")
+    emit(small_m_summary={str(m): {ro: round(sum(r[ro][1] for r in rows if r["m"] == m) * 1e6, 3)
+                                   for ro in ("default", "proposed", "tuned")}
+                          for m in dict.fromkeys(r["m"] for r in rows)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1024,2048,4096", help="comma-separated N (square) or MxNxK")
@@ -174,15 +376,22 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed submissions per size (best is kept)")
     ap.add_argument("--min-ms", type=float, default=50.0, help="GPU time one timed submission aims for")
     ap.add_argument("--tune-min-ms", type=float, default=20.0, help="the same, for each tuner candidate")
+    ap.add_argument("--small-m", action="store_true",
+                    help="MiniLM's linear layers for a few rows: default, proposed and tuned configs beside torch")
+    ap.add_argument("--ms", default=SMALL_MS, help="--small-m: the rows M (comma-separated)")
+    ap.add_argument("--linears", default=",".join(LINEARS), help=f"--small-m: layers among {', '.join(LINEARS)}")
+    ap.add_argument("--max-candidates", type=int, default=len(mm.SMALL_M_CANDIDATES),
+                    help="--small-m: tune over the first N of SMALL_M_CANDIDATES only (and default, proposed)")
     a = ap.parse_args()
-    shapes = [parse_shape(s) for s in a.sizes.split(",") if s.strip()]
+    shapes = [] if a.small_m else [parse_shape(s) for s in a.sizes.split(",") if s.strip()]
     # A GPU-time budget far above any timed submission: K matmuls stay in one submission.
     rt = hetero.Runtime(gpu_budget_ms=1e9)
     try:
         dev = rt.device()
         torch = torch_cuda()
         emit(**adapter_fields(dev), cache=str(mm.cache_path(dev)),
-             reference="torch.matmul (CUDA, TF32 off)" if torch is not None else "numpy.matmul (host)")
+             reference=(("torch.nn.functional.linear" if a.small_m else "torch.matmul") + " (CUDA, TF32 off)"
+                        if torch is not None else "numpy.matmul (host)"))
         rtt = empty_round_trip(dev)
         emit(empty_submission_ms=round(rtt * 1e3, 4))
         if a.tune:
@@ -195,6 +404,8 @@ def main() -> None:
                      seconds=round(time.perf_counter() - t0, 1))
         for shape in shapes:
             bench_size(dev, shape, a, torch, rtt)
+        if a.small_m:
+            bench_small_m(dev, a, torch, rtt)
     finally:
         rt.close()
 
