@@ -46,6 +46,13 @@ timed. JSON lines per figure (``small_m`` lines, the tuner's ``tune`` lines), th
 markdown table: microseconds per call, ``default/proposed`` and ``default/tuned`` (> 1: the
 new configuration is faster), ``torch/<winner>`` (> 1: hetero faster) and the winner; and
 per M the sum over the layers (one encoder layer's linear time).
+
+What decides making the proposal the default on GPUs: on a large GPU (the H200), the
+per-M sum ``default/proposed`` at least 1.25 at M = 20 and 32 (one sentence) and at
+least 1.0 at every M, and no single shape below 0.9; where ``tuned`` beats ``proposed``
+by 1.2x or more on most shapes, the rule follows the tuned winners first. Then an
+end-to-end check: ``bench embed``'s one-sentence latency with and without
+``HETERO_MATMUL_SMALL_SPLIT=1``, paired runs.
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ def test_small_output_rule_matches_numpy(shared_rt: hetero.Runtime) -> None:
     for i, (m, (n, k)) in enumerate(itertools.product(MS, NK)):
         c = MM.default_config("DiscreteGPU", m, n, k=k, small_split=True, limits=dev.limits)
         assert c == MM.small_output_config(m, n, k) and c.split_k > 1, (m, n, k, c)
+        assert split_parts(Problem(m, n, k, 1, 0, 0, (m, n), False, True, False), c, 1 << 27)[0] > 1  # two passes
         bias = rand((n,), 300 + i) if i % 2 == 0 else None
         cases.append((rand((m, k), i), rand((n, k), 100 + i), bias, True, c))
     m, n, k = ODD
@@ -143,15 +144,15 @@ def test_small_output_rule_shapes() -> None:
     assert rule(16, 384, 1536) == MatmulConfig(16, 64, 8, 4, 4, split_k=16, split_min=SMALL_SPLIT_MIN)
     assert rule(20, 1536, 1536) == MatmulConfig(32, 32, 8, 4, 4, split_k=6, split_min=SMALL_SPLIT_MIN)
     assert rule(128, 1536, 384) == MatmulConfig(32, 32, 8, 4, 4, split_k=2, split_min=SMALL_SPLIT_MIN)
-    assert rule(20, 384, 100) == MatmulConfig(32, 32, 8, 4, 4)  # K too short: no split
-    assert rule(4, 384, 100) == MatmulConfig(16, 64, 8, 4, 4)
+    assert rule(20, 384, 100) is None and rule(4, 384, 100) is None  # K too short to split
+    assert MM.default_config("DiscreteGPU", 4, 20, k=32, small_split=True) == MatmulConfig(32, 32, 8, 4, 4)
     assert rule(512, 512, 384) is None  # 256 tiles: enough workgroups already
     assert rule(20, 384, 384, limits={"max-compute-workgroup-storage-size": 1024}) is None
     for m, (n, k) in itertools.product((1, 8, 20, 32, 64, 128), NK):
         c = rule(m, n, k)
-        assert c is not None and c.split_k <= SMALL_SPLIT_MAX
+        assert c is not None and 2 <= c.split_k <= SMALL_SPLIT_MAX
         tiles = -(-m // c.bm) * -(-n // c.bn)
-        assert c.split_k == 1 or tiles * (c.split_k - 1) < SMALL_SPLIT_WORKGROUPS
+        assert tiles * (c.split_k - 1) < SMALL_SPLIT_WORKGROUPS
 
 
 def test_split_min_in_names_dicts_and_validation() -> None:

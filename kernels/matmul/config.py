@@ -170,7 +170,7 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
     linear layers for a few sentences: M = 1..128 rows, N = 384..1536), the tile is
     16x64 for at most :data:`SKINNY_M` rows, else 32x32, and K is split into
     ``S = min(SMALL_SPLIT_MAX, ceil(SMALL_SPLIT_WORKGROUPS / tiles), K // SMALL_SPLIT_MIN)``
-    parts (no split when S < 2).
+    parts. None when S < 2 (K too short to split: the default tiles stay).
 
     A proposal, not yet the default: :func:`default_config` applies it only when asked
     (``small_split=True`` or ``HETERO_MATMUL_SMALL_SPLIT=1``). Whether it becomes the
@@ -184,7 +184,9 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
         return None
     tile = _SKINNY if m <= SKINNY_M else _SMALL
     s = min(SMALL_SPLIT_MAX, math.ceil(SMALL_SPLIT_WORKGROUPS / tiles(tile)), k // SMALL_SPLIT_MIN)
-    c = replace(tile, split_k=s, split_min=SMALL_SPLIT_MIN) if s >= 2 else tile
+    if s < 2:
+        return None
+    c = replace(tile, split_k=s, split_min=SMALL_SPLIT_MIN)
     return c if limits is None or c.fits(limits) is None else None
 
 
