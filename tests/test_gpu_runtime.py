@@ -513,6 +513,30 @@ async def test_device_loss_fails_runs_fast_instead_of_aborting() -> None:
         assert await rt.run(cpu_only) == 3  # CPU graphs still run
 
 
+async def test_a_loss_found_by_the_fence_thread_runs_the_loss_callbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for a submission fails (how wgpu-native reports a loss there): the device is lost,
+    its loss callbacks run once with the reason, and runs fail with DeviceLostError."""
+    g = chain(2, "fence_lost")
+    async with hetero.Runtime() as rt:
+        np.testing.assert_array_equal(await rt.run(g, x=np.ones(4, np.float32)), [4, 4, 4, 4])
+        dev = rt.device()
+        reasons: list[str] = []
+        told = threading.Event()
+        dev.on_lost(lambda reason: (reasons.append(reason), told.set()))
+
+        def fails(index: int) -> None:
+            raise RuntimeError("Parent device is lost")
+
+        monkeypatch.setattr(dev.submission, "_await_completion", fails)
+        with pytest.raises(hetero.DeviceLostError, match="Parent device is lost"):
+            await rt.run(g, x=np.ones(4, np.float32))
+        assert await anyio.to_thread.run_sync(told.wait, 60)  # the callbacks run on the fence thread
+        assert reasons == ["RuntimeError('Parent device is lost')"]
+        with pytest.raises(hetero.DeviceLostError):
+            await rt.run(g, x=np.ones(4, np.float32))
+        assert reasons == ["RuntimeError('Parent device is lost')"]
+
+
 async def test_one_buffer_bound_for_reading_and_writing_is_refused(shared_rt: hetero.Runtime) -> None:
     def alias(gpu: hetero.GPUContext, t: Tensor) -> Tensor:
         gpu.dispatch(SCALE, 1, t, t, params(1.0, t.size))

@@ -59,9 +59,20 @@ class LossWatch:
             except Exception as e:  # "Parent device is lost"
                 if "lost" not in str(e).lower():
                     return
-            self.lost = reason = "reported by the driver"
+        self.mark_lost("reported by the driver")
+
+    def mark_lost(self, reason: str) -> None:
+        """The device is lost for ``reason``: record it and run every loss callback once.
+
+        Whoever finds the loss calls this (the probe, the fence thread when waiting for a
+        submission fails); the first reason is kept and later calls do nothing.
+        """
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = reason
             callbacks, self._callbacks = self._callbacks, []
-        log.error("hetero: the GPU device %s was lost", self._summary)
+        log.error("hetero: the GPU device %s was lost (%s)", self._summary, reason)
         for cb in callbacks:  # outside the lock: a callback may register another
             try:
                 cb(reason)

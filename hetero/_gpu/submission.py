@@ -334,8 +334,8 @@ class Submission:
                     self.tracer.span(f"fence #{index}", "fence", t0, time.perf_counter_ns())
                 else:
                     self._await_completion(index)
-            except Exception as e:  # pragma: no cover - wgpu-native reports loss this way
-                self.loss.lost = repr(e)
+            except Exception as e:  # wgpu-native reports a loss this way: runs on the device fail
+                self.loss.mark_lost(repr(e))
             else:
                 self._advance(index)
             try:
