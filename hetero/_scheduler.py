@@ -92,6 +92,8 @@ _KEEP: Any = object()  # Run.set_value: leave the device-side value as it is
 # until its fence. With several runs in flight the recording thread is the bottleneck and
 # every submission costs it ~0.3 ms on the H200, so their stages are not submitted early.
 EARLY_SUBMIT_DISPATCHES = 8
+# Stages (and shapes) whose upload buffers are remembered (see _device_args); past it the memory starts afresh.
+_UPLOAD_HINTS = 256
 # How long a stopped (failed or cancelled) run waits for its GPU stages being recorded
 # before returning anyway (a stage function that never returns must not hang the caller).
 _CLEANUP_WAIT = 5.0
@@ -532,6 +534,7 @@ class Scheduler:
         self._active: dict[int, Run] = {}  # runs started and not ended, by sequence
         self._parked: dict[int, tuple[Run, int]] = {}  # stages waiting for memory
         self._seq = itertools.count()
+        self._upload_hints: dict[Any, tuple[StagePlan, list[Any]]] = {}  # see _device_args
 
     def new_run(self, plan: Plan, inputs: dict[str, Any]) -> Run:
         return Run(self, plan, inputs, next(self._seq))
@@ -861,7 +864,7 @@ class Scheduler:
                 span = rec.begin_stage_span(st.name, ("stage", tl, i))
                 fresh: dict[int, Any] = {}
                 try:
-                    args, kwargs = _device_args(run, st, ctx, share, fresh)
+                    args, kwargs = _device_args(run, st, ctx, share, fresh, self._upload_hints)
                     if st.capture and self.capture:
                         result, tl.capture[i] = run_captured(ctx, st.fn, args, kwargs, dev.captures)
                     else:
@@ -1113,18 +1116,20 @@ def _span_args(run: Run, i: int) -> dict[str, Any]:
     return {"run": run.seq} if p is None else {"run": run.seq, "placement": p.as_dict()}
 
 
-def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int],
-                 fresh: dict[int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int], fresh: dict[int, Any],
+                 hints: dict[Any, tuple[StagePlan, list[Any]]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Stage ``st``'s arguments as its GPU function sees them: numpy arrays uploaded.
 
     A CPU value in ``share`` (read by several GPU stages) is uploaded by its first
     reader (recorded in ``fresh``; the caller keeps it after the stage committed) and
-    reused by the others from ``run.uploaded``.
+    reused by the others from ``run.uploaded``. The arrays to upload go together
+    (``GPUContext.upload_many``: one staging buffer for small ones).
     """
-    if not share:
-        args, kwargs = run.args_for(st, run.dev_values)
-        return (tuple(map_values(a, ctx.upload, np.ndarray) for a in args),
-                {k: map_values(v, ctx.upload, np.ndarray) for k, v in kwargs.items()})
+    arrays: list[np.ndarray] = []
+
+    def collect(a: np.ndarray) -> _Upload:
+        arrays.append(a)
+        return _Upload(len(arrays) - 1)
 
     def one(spec: tuple[int, Any]) -> Any:
         kind, ref = spec
@@ -1133,12 +1138,41 @@ def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int]
             if hit is None:
                 hit = fresh.get(ref)
                 if hit is None:
-                    hit = fresh[ref] = map_values(run.dev_values[ref], ctx.upload, np.ndarray)
+                    hit = fresh[ref] = map_values(run.dev_values[ref], collect, np.ndarray)
             return hit
         v = run.dev_values[ref] if kind == ARG_NODE else (ref if kind == ARG_CONST else run.inputs[ref])
-        return map_values(v, ctx.upload, np.ndarray)
+        return map_values(v, collect, np.ndarray)
 
-    return tuple(one(a) for a in st.args), {k: one(a) for k, a in st.kwargs}
+    args = tuple(one(a) for a in st.args)
+    kwargs = {k: one(a) for k, a in st.kwargs}
+    if not arrays:
+        return args, kwargs
+    # The buffers this stage's uploads of these shapes had last time, where they are free: a
+    # replay then finds its bind groups (a hint; the entry holds the stage's plan alive, so its
+    # id is not another's).
+    key = (id(st), *((a.shape, a.dtype.str) for a in arrays))
+    hint = hints.get(key)
+    tensors = ctx._upload_many(arrays, hint[1] if hint is not None else None)
+    if len(hints) >= _UPLOAD_HINTS:
+        hints.clear()
+    hints[key] = (st, [t.buffer for t in tensors])
+
+    def place(u: _Upload) -> Tensor:
+        return tensors[u.index]
+
+    for ref, v in fresh.items():
+        fresh[ref] = map_values(v, place, _Upload)
+    return (tuple(map_values(a, place, _Upload) for a in args),
+            {k: map_values(v, place, _Upload) for k, v in kwargs.items()})
+
+
+class _Upload:
+    """Where an argument array goes until it is uploaded (``_device_args``)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 def _check_returned(result: Any, pool: Any) -> None:

@@ -535,3 +535,51 @@ async def test_a_split_k_matmul_replays_its_partials_and_summing_pass(rt: hetero
     assert calls.n == 2 + 6  # one capture per shape, and every uncaptured run
     after = rt.memory_stats()
     assert base is not None and after.in_use_bytes == base.in_use_bytes == 0
+
+
+async def test_steady_replays_take_back_their_buffers_and_find_their_bind_groups(rt: hetero.Runtime) -> None:
+    """A CPU stage's arrays are uploaded together (odd sizes, strides, an empty one), and runs of
+    two alternating shapes settle on the same buffers per shape: replays then bind what the
+    previous replay of their shape bound, with no bind-cache lookup, and the results stay right."""
+
+    def make(n: int) -> tuple[np.ndarray, ...]:
+        x = np.arange(2 * n, dtype=np.float32)[::2] * n
+        return x, np.arange(n, dtype=np.int32) - 3, np.arange(3, dtype=np.uint8) + n, np.zeros(0, np.float32)
+
+    def stage(gpu: hetero.GPUContext, arrays: tuple[hetero.Tensor, ...]) -> tuple[hetero.Tensor, ...]:
+        x, ints, small, empty = arrays
+        y = gpu.empty(x.shape, np.float32)
+        gpu.dispatch(SCALE, -(-x.size // 64), x, y, _params(2.0, x.size))
+        z = gpu.empty(x.shape, np.float32)
+        gpu.dispatch(SCALE, -(-x.size // 64), gpu.upload(np.full(x.shape, 5.0, np.float32)), z, _params(3.0, x.size))
+        return y, z, ints, small, empty
+
+    seen: list[tuple[int, ...]] = []
+
+    def note(gpu: hetero.GPUContext, out: tuple[hetero.Tensor, ...]) -> tuple[hetero.Tensor, ...]:
+        seen.append(tuple(id(t.buffer) for t in out[:4]))  # the temporaries and two uploads
+        return out
+
+    g = hetero.Graph("settle")
+    g.output(g.gpu(note, g.gpu(stage, g.cpu(make, g.input("n"), name="make"), name="stage", capture=True),
+                   name="note"))
+    binds = rt.device().binds
+
+    async def check(n: int) -> None:
+        y, z, ints, small, empty = await rt.run(g, n=n)
+        x = np.arange(n, dtype=np.float32) * 2 * n
+        np.testing.assert_array_equal(y, 2.0 * x + 1.0)
+        np.testing.assert_array_equal(z, np.full(n, 16.0, np.float32))
+        np.testing.assert_array_equal(ints, np.arange(n, dtype=np.int32) - 3)
+        np.testing.assert_array_equal(small, np.arange(3, dtype=np.uint8) + n)
+        assert empty.shape == (0,)
+
+    for n in (70, 200, 70, 200, 70, 200):  # capture each shape, then replays settle
+        await check(n)
+    lookups = binds.hits + binds.misses
+    del seen[:]
+    for n in (70, 200, 70, 200):
+        await check(n)
+        assert rt.stats().stage("stage").capture == "replayed"
+    assert binds.hits + binds.misses == lookups
+    assert seen[0] == seen[2] and seen[1] == seen[3]  # each shape's replays bound the same buffers

@@ -457,3 +457,41 @@ def test_pooled_block_binds_at_its_offset_in_a_dispatch(device: Any, pool: Buffe
     np.testing.assert_array_equal(out[1, :n], (base + 1000) * 2 + 1)
     np.testing.assert_array_equal(out[2, :n], base + 2000)
     assert (out[:, n:] == 0xDEADBEEF).all()  # nothing written past any block's data
+
+
+def test_acquire_many_takes_preferred_buffers_when_free(device: Any) -> None:
+    """A replay asks for the buffers of the previous one: it gets each that is free, others as acquire would."""
+    pool = BufferPool(device)
+    first = [pool.acquire(n, STORAGE) for n in (1000, 1000, 5000)]
+    for b in first:
+        pool.release(b)
+    busy = pool.acquire(1000, STORAGE)  # takes one of the two 1000-byte buffers
+    requests = [(n, *pool.placement(n, STORAGE)) for n in (1000, 1000, 5000)]
+    out: list[Block] = []
+    pool.acquire_many(requests, STORAGE, out, prefer=[b.buffer for b in first])
+    assert [b.nbytes for b in out] == [1000, 1000, 5000]
+    free_one = next(b.buffer for b in first[:2] if b.buffer is not busy.buffer)
+    assert free_one in (out[0].buffer, out[1].buffer)
+    assert out[2].buffer is first[2].buffer
+    assert len({id(b.buffer) for b in [*out, busy]}) == 4  # the busy one's was not handed out twice
+    s = pool.stats()
+    assert (s.blocks_in_use, s.in_use_bytes, s.requested_bytes) == (4, 3 * 1024 + 8192, 3000 + 5000)
+    for b in [*out, busy]:
+        pool.release(b)
+    assert pool.stats().blocks_in_use == 0
+    pool.close()
+
+
+def test_acquire_many_refused_by_the_budget_leaves_what_it_took_to_the_caller(device: Any) -> None:
+    pool = BufferPool(device, budget_bytes=1 * MiB)
+    requests = [(n, *pool.placement(n, STORAGE)) for n in (512 * KiB, 400 * KiB, 256 * KiB)]
+    out: list[Block] = []
+    with pytest.raises(MemoryWait):
+        pool.acquire_many(requests, STORAGE, out, stage="s")
+    assert [b.nbytes for b in out] == [512 * KiB, 400 * KiB]
+    for b in out:
+        pool.release(b)
+    assert pool.stats().blocks_in_use == 0
+    with pytest.raises(OutOfMemoryError):
+        pool.acquire_many([(2 * MiB, *pool.placement(2 * MiB, STORAGE))], STORAGE, out, stage="s")
+    pool.close()

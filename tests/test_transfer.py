@@ -583,3 +583,25 @@ def test_staging_map_promises_are_bound_to_no_event_loop(shared_rt: hetero.Runti
               if ".map_async(" in line and "def map_detached" not in line and "promise = buffer.map_async" not in line
               and "``buffer.map_async" not in line]
     assert direct == []  # every map of hetero's goes through map_detached
+
+
+def test_upload_many_shares_one_staging_buffer(dev: Device, ring: StagingRing) -> None:
+    """Several small arrays through one staging buffer: each lands at its destination, pads are zeros."""
+    arrays = [data((3,), np.uint8, 1), data((5, 3), np.float64, 2)[:, ::2], data((0,), np.int32),
+              data((7,), np.int32, 3), np.asfortranarray(data((4, 3), np.float32, 4))]
+    bufs = [new_buffer(dev, a.nbytes + 8) for a in arrays]
+    for b in bufs:  # a previous transfer's bytes where the pads go
+        upload(dev, ring, np.full(b.size, 0xAB, np.uint8), b)
+    enc = dev.device.create_command_encoder()
+    t = ring.upload_many(enc, [(a, b, 4) for a, b in zip(arrays, bufs)])
+    assert_unmapped(t)
+    assert len(t.buffers) == 1 and t.nbytes == sum(a.nbytes for a in arrays)
+    submit_wait(dev, enc)
+    t.complete()
+    for a, b in zip(arrays, bufs):
+        got = download(dev, ring, b, 4, (pad4(a.nbytes),), np.uint8)
+        assert got[:a.nbytes].tobytes() == np.ascontiguousarray(a).tobytes()
+        assert not got[a.nbytes:].any()
+    with pytest.raises(ValueError, match="one staging buffer"):
+        ring.upload_many(dev.device.create_command_encoder(), [(np.zeros(CHUNK, np.uint8), new_buffer(dev, CHUNK), 0),
+                                                                (np.zeros(4, np.uint8), bufs[0], 0)])

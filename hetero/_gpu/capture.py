@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import wgpu
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
 
 from .grid import grid_uniform
@@ -76,6 +77,8 @@ ARG, TEMP, CONST = 0, 1, 2
 Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
 # Bind groups an op keeps for the buffers of recent replays (see Capture._op_groups).
 _OP_GROUPS = 32
+# The usage of pooled tensors (GPUContext.empty's).
+_STORAGE = int(wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)
 
 
 class _Unreplayable:
@@ -116,8 +119,8 @@ class _Ref:
 class Capture:
     """A stage's captured work for one signature."""
 
-    __slots__ = ("ops", "temps", "result", "workgroups", "consts", "_memo_key", "_memo_groups", "_memo_gen",
-                 "_op_groups", "_op_gen", "_lock")
+    __slots__ = ("ops", "temps", "result", "workgroups", "work", "consts", "_memo_key", "_memo_groups", "_memo_gen",
+                 "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
                  result: Any, consts: list[Any]) -> None:
@@ -127,6 +130,9 @@ class Capture:
                       for shape, dt, data in temps]
         self.result = result
         self.workgroups = sum(op.total for op in ops)
+        self.work: dict[Any, int] = {}  # workgroups per kernel (the recorder's calibration books)
+        for op in ops:
+            self.work[op.kernel.key] = self.work.get(op.kernel.key, 0) + op.total
         self.consts = consts  # buffers bound as constants: kept alive with the capture
         self._memo_key: tuple[Any, ...] | None = None
         self._memo_groups: list[Any] = []
@@ -136,6 +142,10 @@ class Capture:
         self._op_groups: list[dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = [{} for _ in ops]
         self._op_gen = -1
         self._lock = threading.Lock()
+        # The pool requests (nbytes, size class, slab) of the temporaries, made on the first replay;
+        # and the buffers the last replay got for them, asked for again by the next.
+        self._requests: list[tuple[int, int, bool]] | None = None
+        self._prefer: list[Any] | None = None
 
 
 class CaptureCache:
@@ -322,11 +332,23 @@ class Capturing:
 # -- replaying ------------------------------------------------------------------------------------
 def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
-    temps: list[Tensor] = []
-    take = ctx._take
-    for shape, dtype, data, nbytes, size in cap.temps:
-        temps.append(take(shape, dtype, nbytes, size) if data is None else ctx.upload(data))
     dev = ctx._dev
+    requests = cap._requests
+    if requests is None:
+        placement, usage = dev.pool.placement, _STORAGE
+        requests = cap._requests = [(nbytes, *placement(nbytes, usage)) for _, _, _, nbytes, _ in cap.temps]
+    # Every temporary in one step, each in the buffer the previous replay had where it is free
+    # (then the bind groups below are that replay's); the captured uploads are written together.
+    blocks = ctx._take_many(requests, cap._prefer) if requests else []
+    cap._prefer = [b.buffer for b in blocks]
+    temps: list[Tensor] = []
+    writes: list[tuple[np.ndarray, Any, int]] = []
+    for (shape, dtype, data, nbytes, size), b in zip(cap.temps, blocks):
+        temps.append(tensor_of(b.buffer, shape, dtype, b.offset, b, size, nbytes))
+        if data is not None and nbytes:
+            writes.append((data, b.buffer, b.offset))
+    if writes:
+        ctx._write(writes)
     binds = dev.binds
     # Bind groups: those of the previous replay when every buffer is the same (and the pool
     # destroyed none since); else each op's own, by the buffers it binds now; else through
@@ -402,6 +424,8 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
     tracing = dev.tracer is not None
     budget = dev.cost.budget_ns
     limit = ctx.limits["max-compute-workgroups-per-dimension"]
+    if not tracing and _issue_whole(rec, cost, cap, groups, budget, limit):
+        return
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
     h: Any = None
     pipeline: Any = None
@@ -451,6 +475,44 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
             else:
                 _dispatch(h, w, gy, gz)
             note(k.key, w * per_x, est)
+
+
+def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[Any], budget: float, limit: int) -> bool:
+    """:func:`_issue`'s common case in one tight loop: the stage's estimated GPU time fits the open
+    submission and every grid kernel fits one dispatch (its whole-grid bind group made), so no
+    dispatch is split and the submission is not ended. False (nothing issued) otherwise."""
+    ns = cost.ns_per_workgroup
+    est = 0.0
+    for op in cap.ops:
+        per = ns(op.kernel.key)
+        est += op.total * per
+        if op.kernel.grid:
+            gx, gy, gz = op.groups
+            if op.whole is None or gx > limit or budget < per * gy * gz * gx:
+                return False
+    if rec.est_ns + est > budget:
+        return False
+    h = rec.compute_pass()._internal
+    pipeline: Any = None
+    for op, bg in zip(cap.ops, groups):
+        if op.pipeline != pipeline:
+            pipeline = op.pipeline
+            _set_pipeline(h, pipeline)
+        _set_bind_group(h, 0, bg._internal, 0, _NULL)
+        gx, gy, gz = op.groups
+        k = op.kernel
+        if not k.grid:
+            _dispatch(h, gx, gy, gz)
+            continue
+        _set_bind_group(h, 1, op.whole._internal, 0, _NULL)
+        if cost.should_time(k.key):  # cost-model samples of splittable kernels
+            span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
+            _dispatch(h, gx, gy, gz)
+            rec.end_span(span)
+        else:
+            _dispatch(h, gx, gy, gz)
+    rec.note_many(est, len(cap.ops), cap.work)
+    return True
 
 
 # -- the stage ------------------------------------------------------------------------------------

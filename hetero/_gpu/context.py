@@ -96,6 +96,16 @@ class GPUContext:
         self.blocks.append(block)
         return tensor_of(block.buffer, shape, dt, block.offset, block, size, nbytes)
 
+    def _take_many(self, requests: list[tuple[int, int, bool]], prefer: list[Any] | None) -> list[Block]:
+        """Blocks for a replay's temporaries in one step (``BufferPool.acquire_many``); appended to ``blocks``."""
+        start = len(self.blocks)
+        try:
+            self._dev.pool.acquire_many(requests, _STORAGE, self.blocks, prefer=prefer, stage=self.stage,
+                                        overcommit=self._overcommit)
+        except MemoryWait as w:
+            raise _Park(w) from None
+        return self.blocks[start:]
+
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
         a = np.asarray(array)
@@ -103,14 +113,57 @@ class GPUContext:
             raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
-            t0 = time.perf_counter_ns()
-            self.uploads.append(self._dev.ring.upload(self._recorder.encoder, a, t.buffer, t.offset))
-            tracer = self._dev.tracer
-            if tracer is not None:
-                tracer.span("upload", "transfer", t0, time.perf_counter_ns(), args={"bytes": a.nbytes})
+            self._write([(a, t.buffer, t.offset)])
         if self._capture is not None:
             self._capture.on_upload(t, a)
         return t
+
+    def _upload_many(self, arrays: list[np.ndarray], prefer: list[Any] | None = None) -> list[Tensor]:
+        """:meth:`upload` for several arrays, each to its own Tensor: small ones share one staging buffer.
+
+        One host fill, one staging ticket and one pool lock instead of one each (a stage's
+        arguments are often a few small arrays: token ids, positions, a mask). ``prefer[i]``:
+        a buffer array ``i`` takes if it is free (the scheduler asks for the buffers of the
+        stage's previous run, so that a replay finds its bind groups).
+        """
+        ring = self._dev.ring
+        total = 0
+        for a in arrays:
+            if a.dtype.hasobject:
+                raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
+            total += (a.nbytes + 3) & ~3
+        if total > ring.chunk_bytes:
+            return [self.upload(a) for a in arrays]
+        pool = self._dev.pool
+        requests = [(a.nbytes, *pool.placement(a.nbytes, _STORAGE)) for a in arrays]
+        blocks = self._take_many(requests, prefer)
+        out: list[Tensor] = []
+        items: list[tuple[np.ndarray, Any, int]] = []
+        for a, b in zip(arrays, blocks):
+            t = tensor_of(b.buffer, a.shape, a.dtype, b.offset, b, a.size, a.nbytes)
+            out.append(t)
+            if a.nbytes:
+                items.append((a, b.buffer, b.offset))
+            if self._capture is not None:
+                self._capture.on_empty(t)
+                self._capture.on_upload(t, a)
+        if items:
+            self._write(items)
+        return out
+
+    def _write(self, items: list[tuple[np.ndarray, Any, int]]) -> None:
+        """Record uploads of ``(array, buffer, offset)``: through one staging buffer where they fit one."""
+        ring = self._dev.ring
+        t0 = time.perf_counter_ns()
+        if len(items) == 1 or sum((a.nbytes + 3) & ~3 for a, _, _ in items) > ring.chunk_bytes:
+            for a, buffer, offset in items:
+                self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
+        else:
+            self.uploads.append(ring.upload_many(self._recorder.encoder, items))
+        tracer = self._dev.tracer
+        if tracer is not None:
+            tracer.span("upload", "transfer", t0, time.perf_counter_ns(),
+                        args={"bytes": sum(a.nbytes for a, _, _ in items), "arrays": len(items)})
 
     def resident(self, array: Any) -> Tensor:
         """A Tensor holding ``array`` for as long as the device lives (model weights, tables).

@@ -373,6 +373,13 @@ class BufferPool:
             raise ValueError(f"a buffer size must be a non-negative number of bytes, got {nbytes!r}")
         usage = int(usage)
         cls, use_slab = self._placement(nbytes, usage)
+        self._check_budget(nbytes, stage)
+        with self._lock:
+            if self._closed:
+                raise RuntimeClosedError("the buffer pool is closed; create a new Runtime")
+            return self._acquire_locked(cls, nbytes, usage, use_slab, stage, overcommit, None)
+
+    def _check_budget(self, nbytes: int, stage: str) -> None:
         if max(4, (nbytes + 3) & ~3) > self.budget_bytes:
             who = f"stage {stage!r}" if stage else "a request"
             raise OutOfMemoryError(
@@ -380,30 +387,67 @@ class BufferPool:
                 f"budget of {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes); "
                 "raise Runtime(memory_budget=...) or split the work"
             )
-        key = (usage, cls)
+
+    def placement(self, nbytes: int, usage: int) -> tuple[int, bool]:
+        """(size class, carved from a slab?) of a request: what :meth:`acquire_many` takes per request."""
+        return self._placement(nbytes, int(usage))
+
+    def acquire_many(self, requests: list[tuple[int, int, bool]], usage: int, out: list[Block], *,
+                     prefer: list[Any] | None = None, stage: str = "", overcommit: bool = False) -> None:
+        """:meth:`acquire` for several requests under one lock, appending each block to ``out``.
+
+        ``requests`` hold ``(nbytes, size class, slab)`` as :meth:`placement` gave them.
+        ``prefer[i]``, where given, is a buffer request ``i`` takes if it
+        is free (a replay asks for the buffers of the previous one: its bind groups stay
+        valid). On :class:`MemoryWait` the blocks taken so far are in ``out``; the caller
+        releases them.
+        """
+        usage = int(usage)
+        for nbytes, _, _ in requests:
+            self._check_budget(nbytes, stage)
         with self._lock:
             if self._closed:
                 raise RuntimeClosedError("the buffer pool is closed; create a new Runtime")
+            for i, (nbytes, cls, use_slab) in enumerate(requests):
+                out.append(self._acquire_locked(cls, nbytes, usage, use_slab, stage, overcommit,
+                                                prefer[i] if prefer is not None else None))
+
+    def _acquire_locked(self, cls: int, nbytes: int, usage: int, use_slab: bool, stage: str, overcommit: bool,
+                        want: Any) -> Block:
+        """Under the lock: a block of class ``cls`` (buffer ``want`` if it is free), made if none is free."""
+        key = (usage, cls)
+        block = None
+        if want is not None and not use_slab:
+            free = self._free_dedicated.get(key)
+            if free:
+                for j in range(len(free) - 1, -1, -1):
+                    unit = free[j]
+                    if unit.buffer is want:
+                        del free[j]
+                        self._live_dedicated[id(unit)] = unit
+                        block = Block(self, unit, unit.buffer, 0, cls, nbytes, usage)
+                        break
+        if block is None:
             block = self._take_free(key, cls, nbytes, usage, use_slab)
-            if block is None:
-                size = self.slab_bytes // cls * cls if use_slab else cls
-                self._make_room(size, nbytes, stage, overcommit)
-                buffer = self._create(size, usage, f"hetero-{'slab' if use_slab else 'block'}-{cls}")
-                if use_slab:
-                    slab = _Slab(buffer, key, cls, size // cls)
-                    self._slabs.setdefault(key, []).append(slab)
-                    block = Block(self, slab, buffer, slab.free.pop(), cls, nbytes, usage)
-                else:
-                    unit = _Dedicated(buffer, key, cls)
-                    self._live_dedicated[id(unit)] = unit
-                    block = Block(self, unit, buffer, 0, cls, nbytes, usage)
+        if block is None:
+            size = self.slab_bytes // cls * cls if use_slab else cls
+            self._make_room(size, nbytes, stage, overcommit)
+            buffer = self._create(size, usage, f"hetero-{'slab' if use_slab else 'block'}-{cls}")
+            if use_slab:
+                slab = _Slab(buffer, key, cls, size // cls)
+                self._slabs.setdefault(key, []).append(slab)
+                block = Block(self, slab, buffer, slab.free.pop(), cls, nbytes, usage)
             else:
-                self._reuses += 1
-            self._in_use += cls
-            self._requested += nbytes
-            self._blocks += 1
-            if self._in_use > self._peak:
-                self._peak = self._in_use
+                unit = _Dedicated(buffer, key, cls)
+                self._live_dedicated[id(unit)] = unit
+                block = Block(self, unit, buffer, 0, cls, nbytes, usage)
+        else:
+            self._reuses += 1
+        self._in_use += cls
+        self._requested += nbytes
+        self._blocks += 1
+        if self._in_use > self._peak:
+            self._peak = self._in_use
         return block
 
     def _take_free(self, key: tuple[int, int], cls: int, nbytes: int, usage: int, use_slab: bool) -> Block | None:

@@ -133,6 +133,14 @@ class _Budget:
         self.dispatches += 1
         self._work[key] = self._work.get(key, 0) + workgroups
 
+    def note_many(self, est_ns: float, dispatches: int, work: dict[Any, int]) -> None:
+        """:meth:`note` for ``dispatches`` dispatches at once: ``work`` holds workgroups per kernel."""
+        self.est_ns += est_ns
+        self.dispatches += dispatches
+        mine = self._work
+        for key, workgroups in work.items():
+            mine[key] = mine.get(key, 0) + workgroups
+
     def reserve(self, est_ns: float) -> int:
         """Before recording ``est_ns`` more: end the submission first if the budget would be
         exceeded (and it holds anything). Returns the number of submissions ended (0 or 1)."""

@@ -297,6 +297,54 @@ class StagingRing:
             raise
         return Ticket(self, "up", n, [(s, length) for s, (_, length) in zip(stagings, chunks)])
 
+    def upload_many(self, encoder: Any, items: Sequence[tuple[np.ndarray, Any, int]]) -> Ticket:
+        """Several small uploads through one staging buffer: one host fill, one ticket, a copy each.
+
+        ``items`` hold ``(array, dst_buffer, dst_offset)``; each array's bytes (C order) go
+        where :meth:`upload` would put them. Together, each rounded up to 4 bytes, they must
+        fit one staging buffer (``chunk_bytes``).
+        """
+        starts: list[int] = []
+        total = nbytes = 0
+        for a, buf, off in items:
+            if a.dtype.hasobject:
+                raise TypeError(f"upload: cannot upload an array of Python objects (dtype {a.dtype})")
+            self._check_range("upload", "dst", buf, off, pad4(a.nbytes))
+            starts.append(total)
+            total += pad4(a.nbytes)
+            nbytes += a.nbytes
+        if total > self.chunk_bytes:
+            raise ValueError(f"upload_many: {total} bytes exceed one staging buffer of {self.chunk_bytes} bytes; "
+                             "upload them one by one")
+        if total == 0:
+            return Ticket(self, "up", 0, [])
+        self.pool.grow_cap(total)
+        s = self.pool.acquire("up", total)
+        try:
+            view = self.copies.mapped(s, total)
+            try:
+                for (a, _, _), start in zip(items, starts):
+                    n = a.nbytes
+                    if n:
+                        np.copyto(view[start:start + n].view(a.dtype).reshape(a.shape), a)
+                        view[start + n:start + pad4(n)] = 0  # the pad: zeros, not a previous transfer's bytes
+            finally:
+                del view
+            s.buffer.unmap()  # the safety rule: unmapped before any copy reaches an encoder
+            if not s.idle:  # pragma: no cover - never record a mapped buffer
+                raise GPUError(f"upload: staging buffer is {s.buffer.map_state} after unmap; refusing to record it")
+        except BaseException:
+            self.pool.recycle([s], remap=False)  # never recorded: mapped or not, the pool takes it
+            raise
+        try:
+            for (a, buf, off), start in zip(items, starts):
+                if a.nbytes:
+                    encoder.copy_buffer_to_buffer(s.buffer, start, buf, off, pad4(a.nbytes))
+        except BaseException:
+            self.pool.forget([s])  # the encoder may hold it: drop, never reuse
+            raise
+        return Ticket(self, "up", nbytes, [(s, total)])
+
     def download(self, encoder: Any, src_buffer: Any, src_offset: int, nbytes: int, *,
                  zero_copy: bool | str = False, prefault: bool = True) -> Ticket:
         """Record a copy of ``nbytes`` of ``src_buffer`` from ``src_offset`` into staging buffers.
