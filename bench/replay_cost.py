@@ -66,12 +66,20 @@ def threads_by_kind() -> dict[str, list[int]]:
     return kinds
 
 
-def model_dir(name: str, tmp: str) -> Path:
-    if name == "tiny":
+def model_dir(name: str, tmp: str, texts: list[str]) -> Path:
+    """The model's directory (``tiny`` and ``random`` written into ``tmp``, with ``bench.embed``'s
+    tokenizer over ``texts`` for ``random``: sentences as long as real MiniLM makes them)."""
+    if name in ("tiny", "random"):
         from hetero.pipelines.testing import write_random_model
 
-        return write_random_model(tmp, seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                                  vocab_size=2000)
+        from bench.embed import corpus_tokenizer
+
+        if name == "tiny":
+            return write_random_model(tmp, seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      vocab_size=2000)
+        d = write_random_model(tmp, seed=0)
+        corpus_tokenizer(d, texts)
+        return d
     return bench_model(name, "hetero-bench-replay-")[0]
 
 
@@ -169,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     from hetero.pipelines.embed import get_model
 
     with tempfile.TemporaryDirectory(prefix="hetero-replay-cost-") as tmp:
-        model = get_model(str(model_dir(args.model, tmp)))
         pool = stdlib_sentences(max_words=40)
         texts = [pool[i * args.batch:(i + 1) * args.batch] for i in range(args.shapes)]
+        model = get_model(str(model_dir(args.model, tmp, pool[:1024])))
         modes = (True,) if args.no_reference else (True, False)
         rounds: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
         for r in range(args.rounds):

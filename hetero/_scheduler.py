@@ -1123,7 +1123,7 @@ def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int]
     A CPU value in ``share`` (read by several GPU stages) is uploaded by its first
     reader (recorded in ``fresh``; the caller keeps it after the stage committed) and
     reused by the others from ``run.uploaded``. The arrays to upload go together
-    (``GPUContext.upload_many``: one staging buffer for small ones).
+    (``GPUContext._upload_many``: one staging buffer for small ones).
     """
     arrays: list[np.ndarray] = []
 

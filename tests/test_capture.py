@@ -71,7 +71,8 @@ def graph(fn: Any, capture: bool, scale: float = 2.0) -> hetero.Graph:
     return g
 
 
-async def test_results_equal_with_and_without_capture_over_random_shapes() -> None:
+@pytest.mark.parametrize("budget_ms", [0.01, 100.0])
+async def test_results_equal_with_and_without_capture_over_random_shapes(budget_ms: float) -> None:
     rng = np.random.default_rng(7)
     calls = Counter()
 
@@ -80,9 +81,10 @@ async def test_results_equal_with_and_without_capture_over_random_shapes() -> No
         return block_ops(gpu, x, w, scale)
 
     shapes = [(int(rng.integers(1, 9)), int(rng.integers(1, 40)), int(rng.integers(1, 40))) for _ in range(4)]
-    # A tiny GPU-time budget splits the grid kernel into many sub-dispatches, on replay too.
-    with hetero.Runtime(cpu_threads=2, gpu_budget_ms=0.01) as rt:
-        for m, k, n in shapes * 2:
+    # A tiny GPU-time budget splits the grid kernel into many sub-dispatches, on replay too; the
+    # default one issues each replay in one loop.
+    with hetero.Runtime(cpu_threads=2, gpu_budget_ms=budget_ms) as rt:
+        for m, k, n in shapes * 3:  # the first replay of a grid kernel makes its whole-grid bind group
             x = rng.standard_normal((m, k), dtype=np.float32)
             w = rng.standard_normal((k, n), dtype=np.float32)
             got = await rt.run(graph(fn, True), x=x, w=w)
@@ -91,7 +93,7 @@ async def test_results_equal_with_and_without_capture_over_random_shapes() -> No
             np.testing.assert_array_equal(got[0], want[0])
             np.testing.assert_array_equal(got[1], want[1])
         assert calls.n == len(set(shapes))
-        assert rt.device().captures.stats()["replays"] == 2 * len(shapes) - len(set(shapes))
+        assert rt.device().captures.stats()["replays"] == 3 * len(shapes) - len(set(shapes))
 
 
 async def test_fn_runs_once_per_signature_and_a_new_shape_captures_anew(shared_rt: hetero.Runtime) -> None:

@@ -17,14 +17,17 @@ be resubmitted, so a replay re-issues the captured dispatches into this run's en
   The stage's return value is kept as a template over the same slots.
 * **Replay.** Later runs of the signature do not call ``fn``. Temporaries are taken
   from the buffer pool as the capture took them (same shapes and dtypes, so memory
-  budget, waits for memory and lifetimes are unchanged), uploads are re-issued with
-  the captured data, bind groups are resolved through the bind cache (or reused from
-  the previous replay when every buffer is the same one and the pool destroyed
-  nothing since), and the dispatches are issued straight through wgpu-native's C
-  functions (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``) into the
-  recorder's open compute pass. Splittable kernels are split as planned now (the cost
-  model may have learnt since), within the GPU-time budget; timed dispatches (tracing,
-  cost-model sampling) still get GPU timestamps, marked ``replayed`` in the trace.
+  budget, waits for memory and lifetimes are unchanged), all in one step and each in
+  the buffer the previous replay had where it is free; uploads are re-issued with
+  the captured data (through one staging buffer); bind groups are reused from the
+  previous replay when every buffer is the same one and the pool destroyed nothing
+  since (the common case once runs settle), else found per op or through the bind
+  cache; and the dispatches are issued straight through wgpu-native's C functions
+  (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``) into the recorder's
+  open compute pass, in one loop when the stage's estimated GPU time fits the open
+  submission. Splittable kernels are split as planned now (the cost model may have
+  learnt since), within the GPU-time budget; timed dispatches (tracing, cost-model
+  sampling) still get GPU timestamps, marked ``replayed`` in the trace.
 * **What cannot be replayed** is found while capturing: a stage that touches
   ``gpu.encoder`` (it records commands hetero does not see) or binds a pooled tensor
   that is neither its argument nor its own temporary (or a buffer hetero does not
@@ -51,7 +54,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import wgpu
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
 
 from .grid import grid_uniform
@@ -77,8 +79,6 @@ ARG, TEMP, CONST = 0, 1, 2
 Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
 # Bind groups an op keeps for the buffers of recent replays (see Capture._op_groups).
 _OP_GROUPS = 32
-# The usage of pooled tensors (GPUContext.empty's).
-_STORAGE = int(wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST)
 
 
 class _Unreplayable:
@@ -335,8 +335,7 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     dev = ctx._dev
     requests = cap._requests
     if requests is None:
-        placement, usage = dev.pool.placement, _STORAGE
-        requests = cap._requests = [(nbytes, *placement(nbytes, usage)) for _, _, _, nbytes, _ in cap.temps]
+        requests = cap._requests = ctx._pool_requests([nbytes for _, _, _, nbytes, _ in cap.temps])
     # Every temporary in one step, each in the buffer the previous replay had where it is free
     # (then the bind groups below are that replay's); the captured uploads are written together.
     blocks = ctx._take_many(requests, cap._prefer) if requests else []

@@ -96,6 +96,11 @@ class GPUContext:
         self.blocks.append(block)
         return tensor_of(block.buffer, shape, dt, block.offset, block, size, nbytes)
 
+    def _pool_requests(self, sizes: list[int]) -> list[tuple[int, int, bool]]:
+        """What :meth:`_take_many` asks the pool for tensors of ``sizes`` bytes (each checked here)."""
+        placement = self._dev.pool.placement
+        return [(n, *placement(n, _STORAGE)) for n in sizes]
+
     def _take_many(self, requests: list[tuple[int, int, bool]], prefer: list[Any] | None) -> list[Block]:
         """Blocks for a replay's temporaries in one step (``BufferPool.acquire_many``); appended to ``blocks``."""
         start = len(self.blocks)
@@ -134,9 +139,7 @@ class GPUContext:
             total += (a.nbytes + 3) & ~3
         if total > ring.chunk_bytes:
             return [self.upload(a) for a in arrays]
-        pool = self._dev.pool
-        requests = [(a.nbytes, *pool.placement(a.nbytes, _STORAGE)) for a in arrays]
-        blocks = self._take_many(requests, prefer)
+        blocks = self._take_many(self._pool_requests([a.nbytes for a in arrays]), prefer)
         out: list[Tensor] = []
         items: list[tuple[np.ndarray, Any, int]] = []
         for a, b in zip(arrays, blocks):
