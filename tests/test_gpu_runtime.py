@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -576,13 +577,13 @@ async def test_cpu_value_read_by_several_gpu_stages_is_uploaded_once(rt: hetero.
                          +--------------------+
     """
     uploads: list[tuple[int, ...]] = []
-    real = hetero.GPUContext.upload
+    real = hetero.GPUContext._upload_many  # how the scheduler uploads a stage's argument arrays
 
-    def counting(self: hetero.GPUContext, array: np.ndarray) -> Tensor:
-        uploads.append(np.asarray(array).shape)
-        return real(self, array)
+    def counting(self: hetero.GPUContext, arrays: list[np.ndarray], prefer: Any = None) -> list[Tensor]:
+        uploads.extend(a.shape for a in arrays)
+        return real(self, arrays, prefer)
 
-    monkeypatch.setattr(hetero.GPUContext, "upload", counting)
+    monkeypatch.setattr(hetero.GPUContext, "_upload_many", counting)
 
     def total(gpu: hetero.GPUContext, m: Tensor, a: Tensor, b: Tensor, c: Tensor, fail: bool) -> Tensor:
         if fail:
