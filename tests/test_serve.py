@@ -230,6 +230,54 @@ async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> No
 
 
 @pytest.mark.anyio
+async def test_direct_route_answers_as_the_starlette_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    # server.app answers POST /v1/embeddings without Starlette; server.routes is the Starlette app
+    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4, precapture=False)
+    starlette_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.routes), base_url="http://test")
+    requests: list[tuple[str, str, Any]] = [
+        ("POST", "/v1/embeddings", {"input": TEXTS[:3], "model": "tiny"}),
+        ("POST", "/embeddings", {"input": TEXTS[4], "encoding_format": "base64"}),
+        ("POST", "/v1/embeddings", b"{not json"),
+        ("POST", "/v1/embeddings", b'{"input": [123456789012345678901234567890]}'),  # past orjson's integers
+        ("POST", "/v1/embeddings", b'{"input": NaN}'),
+        ("POST", "/v1/embeddings", {"input": ["a"] * 5}),
+        ("GET", "/v1/embeddings", None),
+    ]
+
+    async def answers(c: Any) -> list[tuple[int, dict[str, str], bytes]]:
+        out = []
+        for method, path, payload in requests:
+            if isinstance(payload, bytes):
+                r = await c.request(method, path, content=payload)
+            else:
+                r = await c.request(method, path, json=payload)
+            keep = ("content-type", "content-length", "retry-after", "allow")
+            out.append((r.status_code, {k: v for k, v in r.headers.items() if k in keep}, r.content))
+        return out
+
+    async with client(server) as direct, starlette_client as routed:
+        cold = await direct.post("/v1/embeddings", json={"input": "a"})
+        assert cold.status_code == 503 and cold.headers["retry-after"] == "1"
+        assert (await answers(direct))[-1][0] == 405  # other methods still go through Starlette
+        async with server.running():
+            await server.wait_ready()
+            got, ref = await answers(direct), await answers(routed)
+        assert [s for s, _, _ in got] == [200, 200, 400, 400, 400, 413, 405]
+        assert got == ref
+        assert "token ids" in json.loads(got[3][2])["error"]["message"]
+        assert got[0][1]["content-type"] == "application/json"
+
+
+def test_base64_body_is_the_same_with_and_without_orjson() -> None:
+    emb = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    fast = json.loads(encode_embeddings(emb, "base64", "m", 7, fast=True))
+    plain = json.loads(encode_embeddings(emb, "base64", "m", 7, fast=False))
+    assert fast == plain
+    assert [d["index"] for d in fast["data"]] == [0, 1, 2]
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(fast["data"][2]["embedding"]), "<f4"), emb[2])
+
+
+@pytest.mark.anyio
 async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
     gate = threading.Event()
 
