@@ -95,7 +95,7 @@ def _import_serve() -> Any:
 
 
 class EmbeddingServer:
-    """The server's state and its Starlette ``app`` (see the module doc).
+    """The server's state and its ASGI ``app``: a direct embeddings route before the Starlette ``routes``.
 
     ``model``: a loaded Model, a model directory or ``"minilm"``. ``runtime``: a
     :class:`hetero.Runtime` to use (left open at the end); by default the server makes
