@@ -526,11 +526,11 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
         if running_loop() == "trio":
             from hypercorn.trio import serve as hserve_trio
 
-            await hserve_trio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await hserve_trio(server.app, config, shutdown_trigger=stop.wait)
         else:
             from hypercorn.asyncio import serve as hserve_asyncio
 
-            await hserve_asyncio(server.app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await hserve_asyncio(server.app, config, shutdown_trigger=stop.wait)
         watching.cancel()
 
 
