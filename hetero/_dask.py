@@ -9,11 +9,14 @@ Policy, in the words of the code below:
 - **One Runtime per worker.** :class:`HeteroPlugin` creates it (and its device) in
   ``setup``, runs it on an event loop of its own (an anyio blocking portal) and closes
   it in ``teardown``. Task threads hand their chunk to that loop and wait.
-- **A graph travels once per worker.** :class:`DaskRuntime` scatters each graph once
-  (to every worker that holds the resource) and tasks refer to it by that future; a
-  worker that joins later fetches it once from a peer. Graphs pickle by reference to
-  their stage functions; a :class:`~hetero.pipelines.minilm.Model` among their
-  constants pickles as its path and reloads on the worker, once per process.
+- **A graph is unpickled once per worker.** :class:`DaskRuntime` pickles each graph once
+  into a small cluster task of its own that returns those bytes; chunk tasks depend on
+  it, and each worker unpickles a graph's bytes once (a cache keyed by the task).
+  Scattered data would be lost for good with the one worker holding it (the scheduler's
+  memory manager keeps one replica), failing every chunk that needs it; a task's result
+  is computed again. Graphs pickle by reference to their stage functions; a
+  :class:`~hetero.pipelines.minilm.Model` among their constants pickles as its path and
+  reloads on the worker, once per process.
 - **Order and backpressure.** The client keeps a queue of chunk futures in input order.
   A chunk counts as in flight until its last result was yielded, so a slow consumer
   holds submission back. Each chunk asks for ``1 / tasks_per_worker`` of the resource:
@@ -50,12 +53,14 @@ import pickle
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.from_thread
+import cloudpickle
 from distributed import Client, Future, LocalCluster, WorkerPlugin, get_worker
 
 from ._argtypes import check_positive_int
@@ -70,6 +75,7 @@ __all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "P
            "WorkerStats", "dask_setup", "ensure_plugin"]
 
 PLUGIN_NAME = "hetero"
+_GRAPH_CACHE = 16  # graphs a worker keeps unpickled (least recently used dropped)
 
 
 class ClusterError(HeteroError):
@@ -149,6 +155,8 @@ class HeteroPlugin(WorkerPlugin):
         self._busy_ns = 0
         self._chunks = self._runs = 0
         self._setup_ns = time.perf_counter_ns()
+        self._graph_cache: collections.OrderedDict[str, Graph] = collections.OrderedDict()
+        self._graph_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"runtime_options": self.runtime_options}
@@ -195,6 +203,18 @@ class HeteroPlugin(WorkerPlugin):
             rt.close()
         if cm is not None:
             cm.__exit__(None, None, None)
+
+    def graph(self, token: str, payload: bytes) -> Graph:
+        """The graph pickled as ``payload`` by the graph task ``token``: unpickled once, then cached."""
+        with self._graph_lock:  # chunks of one graph start together: one of them unpickles it
+            graph = self._graph_cache.get(token)
+            if graph is None:
+                graph = self._graph_cache[token] = pickle.loads(payload)
+                while len(self._graph_cache) > _GRAPH_CACHE:
+                    self._graph_cache.popitem(last=False)
+            else:
+                self._graph_cache.move_to_end(token)
+            return graph
 
     def run_chunk(self, graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
         """Run ``inputs`` through ``graph`` on this worker's Runtime: ``(results, packed error or None)``."""
@@ -280,9 +300,15 @@ def _plugin(worker: Any) -> HeteroPlugin:
     return plugin
 
 
-def _run_chunk(graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
+def _graph_bytes(token: str, payload: bytes) -> tuple[str, bytes]:
+    """The graph task: its token and the pickled graph (a result dask computes again if lost)."""
+    return token, payload
+
+
+def _run_chunk(graph: tuple[str, bytes] | Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
     """The cluster task: a chunk of whole graph runs on the worker's Runtime."""
-    return _plugin(get_worker()).run_chunk(graph, inputs, max_in_flight)
+    plugin = _plugin(get_worker())
+    return plugin.run_chunk(graph if isinstance(graph, Graph) else plugin.graph(*graph), inputs, max_in_flight)
 
 
 def _worker_adapter(dask_worker: Any) -> WorkerAdapter:
@@ -353,8 +379,8 @@ class DaskRuntime:
     From asyncio or trio: ``async with DaskRuntime(client) as drt``, then ``await
     drt.run(g, **inputs)`` and ``async for r in drt.map(g, inputs)``. From synchronous
     code: ``with DaskRuntime(client) as drt``, then ``drt.run_sync(...)`` and ``for r in
-    drt.map_sync(...)``. Closing releases the graphs scattered to the workers; it does
-    not close the client.
+    drt.map_sync(...)``. Closing releases the graph tasks of its graphs; it does not
+    close the client.
     """
 
     def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = 16,
@@ -391,7 +417,7 @@ class DaskRuntime:
         self.close()
 
     def close(self) -> None:
-        """Release the graphs scattered to the workers. The client stays open."""
+        """Release the graph tasks of this runtime's graphs. The client stays open."""
         with self._lock:
             self._closed = True
             graphs, self._graphs = self._graphs, {}
@@ -431,14 +457,23 @@ class DaskRuntime:
         return dict(sorted(self.client.run(_worker_stats, workers=self.workers()).items()))
 
     def _graph_future(self, graph: Graph, workers: list[str]) -> Future:
-        """The future of ``graph`` scattered to ``workers``: once per graph and version (blocking)."""
+        """The future of ``graph``'s graph task (scattered to ``workers`` if it does not pickle): one
+        per graph and version (blocking)."""
         with self._lock:
             self._check_open()
             hit = self._graphs.get(id(graph))
             if hit is not None and hit[0] is graph and hit[1] == graph.version:
                 return hit[2]
         graph.plan()  # a malformed graph fails here, not on every worker
-        fut = self.client.scatter(graph, workers=workers, broadcast=True, hash=False)
+        try:
+            payload = cloudpickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)  # __main__'s functions by value
+        except Exception:  # noqa: BLE001 - a closure over a lock, say: fine for workers in this process
+            # Scattered as itself, which only workers in the client's process can take (for the others dask
+            # says it cannot serialize it); such data dies with the worker that holds it.
+            fut = self.client.scatter(graph, workers=workers, broadcast=True, hash=False)
+        else:
+            token = f"hetero-graph-{uuid.uuid4().hex}"
+            fut = self.client.submit(_graph_bytes, token, payload, key=token, pure=False)
         with self._lock:
             old = self._graphs.get(id(graph))
             self._graphs[id(graph)] = (graph, graph.version, fut)

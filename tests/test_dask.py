@@ -393,6 +393,18 @@ def die_once(x: np.ndarray, marker: str) -> np.ndarray:
     return x
 
 
+def test_a_graph_outlives_the_workers_that_held_it(proc_client: Client) -> None:
+    """Every worker holding the graph's data restarts between two maps (its memory is gone): the
+    next map still runs, since the graph is a task's result that dask computes again."""
+    g = make_graph()
+    with DaskRuntime(proc_client, chunk_size=2) as drt:
+        assert [r[0][0] for r in drt.map_sync(g, inputs(6))] == [2.0 * i for i in range(6)]
+        (key, holders), = proc_client.who_has(drt._graphs[id(g)][2]).items()
+        assert holders
+        proc_client.restart_workers(list(holders))
+        assert [r[0][0] for r in drt.map_sync(g, inputs(6))] == [2.0 * i for i in range(6)]
+
+
 def test_killed_worker_chunks_are_retried_in_order(proc_client: Client, tmp_path: Path) -> None:
     marker = tmp_path / "killed"
     g = hetero.Graph("die")
