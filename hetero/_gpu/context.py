@@ -18,6 +18,7 @@ from .capture import Capturing
 from .device import Device, Kernel
 from .pool import Block, MemoryWait
 from .recorder import StageRecorder
+from .staging import pad4
 from .grid import DispatchInfo, grid_uniform
 from .tensor import Tensor, tensor_of
 from .wgsl import Binding, dtype_mismatch
@@ -39,6 +40,11 @@ class _Park(BaseException):
     def __init__(self, wait: MemoryWait) -> None:
         super().__init__(wait)
         self.wait = wait
+
+
+def _check_uploadable(a: np.ndarray) -> None:
+    if a.dtype.hasobject:
+        raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
 
 
 class GPUContext:
@@ -114,8 +120,7 @@ class GPUContext:
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
         a = np.asarray(array)
-        if a.dtype == object:
-            raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
+        _check_uploadable(a)
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
             self._write([(a, t.buffer, t.offset)])
@@ -134,9 +139,8 @@ class GPUContext:
         ring = self._dev.ring
         total = 0
         for a in arrays:
-            if a.dtype.hasobject:
-                raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
-            total += (a.nbytes + 3) & ~3
+            _check_uploadable(a)
+            total += pad4(a.nbytes)
         if total > ring.chunk_bytes:
             return [self.upload(a) for a in arrays]
         blocks = self._take_many(self._pool_requests([a.nbytes for a in arrays]), prefer)
@@ -151,14 +155,17 @@ class GPUContext:
                 self._capture.on_empty(t)
                 self._capture.on_upload(t, a)
         if items:
-            self._write(items)
+            self._write(items, total)
         return out
 
-    def _write(self, items: list[tuple[np.ndarray, Any, int]]) -> None:
-        """Record uploads of ``(array, buffer, offset)``: through one staging buffer where they fit one."""
+    def _write(self, items: list[tuple[np.ndarray, Any, int]], staged: int | None = None) -> None:
+        """Record uploads of ``(array, buffer, offset)``: through one staging buffer where they fit one
+        (``staged``: their bytes, each rounded up to 4, where the caller counted them)."""
         ring = self._dev.ring
         t0 = time.perf_counter_ns()
-        if len(items) == 1 or sum((a.nbytes + 3) & ~3 for a, _, _ in items) > ring.chunk_bytes:
+        if len(items) > 1 and staged is None:
+            staged = sum(pad4(a.nbytes) for a, _, _ in items)
+        if len(items) == 1 or staged is None or staged > ring.chunk_bytes:
             for a, buffer, offset in items:
                 self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
         else:

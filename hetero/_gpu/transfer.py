@@ -85,7 +85,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import wgpu
@@ -96,6 +96,12 @@ from .staging import (AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, Staging
 from ..errors import GPUError
 
 __all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "PREFAULT_MIN", "StagingRing", "Ticket"]
+
+
+def _check_plain(a: np.ndarray) -> None:
+    """Only arrays of plain values have bytes to upload."""
+    if a.dtype.hasobject:
+        raise TypeError(f"upload: cannot upload an array of Python objects (dtype {a.dtype}, shape {a.shape})")
 
 
 def _out_array(what: str, shape: int | Sequence[int], dtype: Any, nbytes: int,
@@ -278,8 +284,7 @@ class StagingRing:
         so ``dst_buffer`` needs room for that. Nothing is mapped when this returns.
         """
         a = np.asarray(array)
-        if a.dtype.hasobject:
-            raise TypeError(f"upload: cannot upload an array of Python objects (dtype {a.dtype})")
+        _check_plain(a)
         n = a.nbytes
         self._check_range("upload", "dst", dst_buffer, dst_offset, pad4(n))
         if n == 0:
@@ -288,7 +293,8 @@ class StagingRing:
         chunks = self._chunks(n)
         if len(chunks) > 1 and not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)  # a strided source spread over several buffers: compact it first
-        stagings = self._stage_up(a, chunks)
+        stagings = self._stage_up([pad4(length) for _, length in chunks],
+                                  lambda stagings: self.copies.fill(stagings, chunks, a))
         try:
             for s, (offset, length) in zip(stagings, chunks):
                 encoder.copy_buffer_to_buffer(s.buffer, 0, dst_buffer, dst_offset + offset, pad4(length))
@@ -307,8 +313,7 @@ class StagingRing:
         starts: list[int] = []
         total = nbytes = 0
         for a, buf, off in items:
-            if a.dtype.hasobject:
-                raise TypeError(f"upload: cannot upload an array of Python objects (dtype {a.dtype})")
+            _check_plain(a)
             self._check_range("upload", "dst", buf, off, pad4(a.nbytes))
             starts.append(total)
             total += pad4(a.nbytes)
@@ -319,9 +324,9 @@ class StagingRing:
         if total == 0:
             return Ticket(self, "up", 0, [])
         self.pool.grow_cap(total)
-        s = self.pool.acquire("up", total)
-        try:
-            view = self.copies.mapped(s, total)
+
+        def fill(stagings: list[Staging]) -> None:
+            view = self.copies.mapped(stagings[0], total)
             try:
                 for (a, _, _), start in zip(items, starts):
                     n = a.nbytes
@@ -330,12 +335,8 @@ class StagingRing:
                         view[start + n:start + pad4(n)] = 0  # the pad: zeros, not a previous transfer's bytes
             finally:
                 del view
-            s.buffer.unmap()  # the safety rule: unmapped before any copy reaches an encoder
-            if not s.idle:  # pragma: no cover - never record a mapped buffer
-                raise GPUError(f"upload: staging buffer is {s.buffer.map_state} after unmap; refusing to record it")
-        except BaseException:
-            self.pool.recycle([s], remap=False)  # never recorded: mapped or not, the pool takes it
-            raise
+
+        s, = self._stage_up([total], fill)
         try:
             for (a, buf, off), start in zip(items, starts):
                 if a.nbytes:
@@ -432,13 +433,13 @@ class StagingRing:
                 f"{what}: {n4} bytes at {side}_offset {offset} overrun the {buffer.size}-byte {side} buffer"
             )
 
-    def _stage_up(self, a: np.ndarray, chunks: list[tuple[int, int]]) -> list[Staging]:
-        """Upload buffers holding ``chunks`` of ``a``'s bytes, unmapped and so ready to record."""
+    def _stage_up(self, sizes: list[int], fill: Callable[[list[Staging]], None]) -> list[Staging]:
+        """Upload buffers of ``sizes`` bytes, filled by ``fill`` while mapped, then unmapped and so ready to record."""
         stagings: list[Staging] = []
         try:
-            for _, length in chunks:
-                stagings.append(self.pool.acquire("up", pad4(length)))
-            self.copies.fill(stagings, chunks, a)
+            for size in sizes:
+                stagings.append(self.pool.acquire("up", size))
+            fill(stagings)
             # The safety rule: unmap everything before any copy reaches an encoder.
             for s in stagings:
                 s.buffer.unmap()

@@ -162,6 +162,11 @@ _SMALL = MatmulConfig(32, 32, 8, 4, 4)
 _SKINNY = MatmulConfig(16, 64, 8, 4, 4)
 
 
+def _tiles(c: MatmulConfig, m: int, n: int, batch: int) -> int:
+    """Workgroups of ``c``'s tiles over a ``batch`` of ``m`` x ``n`` outputs."""
+    return batch * -(-m // c.bm) * -(-n // c.bn)
+
+
 def small_output_config(m: int, n: int, k: int, batch: int = 1,
                         limits: dict[str, int] | None = None) -> MatmulConfig | None:
     """The proposed GPU configuration for an output of too few tiles to fill a large GPU (None: not such an output).
@@ -178,7 +183,7 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
     beside today's default, the tuned best of :data:`SMALL_M_CANDIDATES` and torch.
     """
     def tiles(c: MatmulConfig) -> int:
-        return batch * -(-m // c.bm) * -(-n // c.bn)
+        return _tiles(c, m, n, batch)
 
     if m <= 0 or n <= 0 or batch <= 0 or tiles(_SMALL) >= SMALL_SPLIT_WORKGROUPS:
         return None
@@ -205,7 +210,7 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
     :func:`small_output_config`; off by default until the H200's figure decides.
     """
     def tiles(c: MatmulConfig) -> int:
-        return batch * -(-m // c.bm) * -(-n // c.bn)
+        return _tiles(c, m, n, batch)
 
     if adapter_type.upper() == "CPU":
         order = [_MID] if tiles(_MID) >= 4 else [_SMALL]
