@@ -467,10 +467,16 @@ class DaskRuntime:
         graph.plan()  # a malformed graph fails here, not on every worker
         try:
             payload = cloudpickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)  # __main__'s functions by value
-        except Exception:  # noqa: BLE001 - a closure over a lock, say: fine for workers in this process
-            # Scattered as itself, which only workers in the client's process can take (for the others dask
-            # says it cannot serialize it); such data dies with the worker that holds it.
-            fut = self.client.scatter(graph, workers=workers, broadcast=True, hash=False)
+        except Exception as e:  # noqa: BLE001 - a closure over a lock, say: fine for workers in this process
+            # Scattered as itself, which only workers in the client's process can take; such data dies with
+            # the worker that holds it.
+            try:
+                fut = self.client.scatter(graph, workers=workers, broadcast=True, hash=False)
+            except Exception as scattered:  # noqa: BLE001 - dask's serialization error names its own objects
+                raise GraphError(
+                    f"graph {graph.name!r} cannot travel to workers in other processes: it does not pickle "
+                    f"({type(e).__name__}: {e}); use module-level stage functions and picklable constants, "
+                    "or workers in this process") from scattered
         else:
             token = f"hetero-graph-{uuid.uuid4().hex}"
             fut = self.client.submit(_graph_bytes, token, payload, key=token, pure=False)

@@ -91,6 +91,7 @@ def inputs(n: int) -> Iterator[dict[str, np.ndarray]]:
 def client() -> Iterator[Client]:
     with LocalCluster(n_workers=2, processes=False, threads_per_worker=2, resources={"wgpu": 1},
                       dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.wait_for_workers(2, timeout=120)  # registered with the scheduler, not only started
         c.register_plugin(HeteroPlugin(cpu_threads=1))
         yield c
 
@@ -403,6 +404,15 @@ def test_a_graph_outlives_the_workers_that_held_it(proc_client: Client) -> None:
         assert holders
         proc_client.restart_workers(list(holders))
         assert [r[0][0] for r in drt.map_sync(g, inputs(6))] == [2.0 * i for i in range(6)]
+
+
+def test_a_graph_that_does_not_pickle_is_refused_for_worker_processes(proc_client: Client) -> None:
+    g = hetero.Graph("locked")
+    g.output(g.cpu(check, g.input("y"), 0.0, threading.Lock()))
+    with DaskRuntime(proc_client) as drt, pytest.raises(hetero.GraphError) as info:
+        drt.run_sync(g, y=np.ones(2, np.float32))
+    assert str(info.value).startswith("graph 'locked' cannot travel to workers in other processes: it does not "
+                                      "pickle (TypeError: cannot pickle '_thread.lock' object)")
 
 
 def test_killed_worker_chunks_are_retried_in_order(proc_client: Client, tmp_path: Path) -> None:
