@@ -9,6 +9,7 @@ warm-up pass on each runtime; the cluster's embeddings must match the local ones
 - ``local``: ``embed(texts, runtime=Runtime())`` in this process (the reference);
 - ``dask-1``: ``embed(texts, runtime=DaskRuntime(client))`` on a LocalWGPUCluster of one
   worker process on the same adapter; ``ratio`` = dask-1 / local sentences per second;
+  once per ``--chunk-size`` x ``--worker-in-flight`` pair given (comma-separated lists);
 - ``dask-2``: two worker processes sharing that one adapter (each its own Runtime and
   device): does splitting the Python host work (tokenizing, recording) across
   processes help? ``ratio`` against dask-1;
@@ -40,6 +41,16 @@ TINY = dict(vocab_size=2000, hidden_size=32, intermediate_size=64, num_hidden_la
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _timed(fn: Any) -> float:
@@ -81,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000, help="sentences (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=128, help="sentences per batch (default: %(default)s)")
-    ap.add_argument("--chunk-size", type=int, default=16, help="batches per cluster task (default: %(default)s)")
+    ap.add_argument("--chunk-size", type=_ints, default=[16],
+                    help="batches per cluster task; a comma-separated list sweeps dask-1 (default: 16)")
+    ap.add_argument("--worker-in-flight", type=_ints, default=[4],
+                    help="runs in flight in each chunk on the worker; a list sweeps dask-1 (default: 4)")
     ap.add_argument("--max-in-flight", type=int, default=4, help="chunks in flight per worker (default: %(default)s)")
     ap.add_argument("--model", default="random", help="random | tiny | minilm | a model directory")
     ap.add_argument("--overhead-chunks", type=int, default=200, help="chunks for the overhead figure")
@@ -113,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         adapters = list_adapters()
         label = adapter_labels(adapters)[[a.summary for a in adapters].index(dev.summary["summary"])]
         emit(**adapter_fields(dev), selector=label, sentences=len(texts), mean_words=round(words, 1),
-             batch=args.batch, chunk_size=args.chunk_size, model=str(args.model))
+             batch=args.batch, chunk_size=args.chunk_size[0], worker_in_flight=args.worker_in_flight[0],
+             model=str(args.model))
         out: dict[str, Any] = {}
         local_s = _timed(lambda: out.update(local=embed(texts, model=model, batch_size=args.batch, runtime=rt)))
         local_rate = len(texts) / local_s
@@ -137,27 +152,31 @@ def main(argv: list[str] | None = None) -> int:
         with LocalWGPUCluster(workers, adapter=label) as cluster, Client(cluster) as client:
             client.register_plugin(HeteroPlugin())
             warm_workers(client, model, warm, args.batch)
-            with DaskRuntime(client, chunk_size=args.chunk_size) as drt:
-                s = _timed(lambda: out.update(dask=embed(texts, model=model, batch_size=args.batch, runtime=drt,
-                                                         max_in_flight=args.max_in_flight)))
+            sweep = [(c, w) for c in args.chunk_size for w in args.worker_in_flight] if workers == 1 \
+                else [(args.chunk_size[0], args.worker_in_flight[0])]
+            for chunk_size, in_flight in sweep:
+                with DaskRuntime(client, chunk_size=chunk_size, worker_in_flight=in_flight) as drt:
+                    s = _timed(lambda: out.update(dask=embed(texts, model=model, batch_size=args.batch, runtime=drt,
+                                                             max_in_flight=args.max_in_flight)))
                 diff = float(np.abs(out["dask"] - out["local"]).max())
                 if not diff < 1e-4:
                     raise SystemExit(f"bench dask: embeddings on the cluster differ from local ones by {diff}")
-                rates[workers] = len(texts) / s
+                rate = len(texts) / s
+                rates[workers] = max(rates.get(workers, 0.0), rate)
                 ref = local_rate if workers == 1 else rates[1]
-                emit(figure=f"dask-{workers}", workers=workers, s=round(s, 3),
-                     sentences_per_s=round(rates[workers], 1), ratio=round(rates[workers] / ref, 3),
-                     against="local" if workers == 1 else "dask-1", max_abs_diff=diff)
-                if workers == 1:
-                    one = DaskRuntime(client, chunk_size=1)
-                    with one:
-                        one.run_sync(g, x=0)
-                        run_ms = _timed(lambda: [one.run_sync(g, x=i) for i in range(n_over)]) / n_over * 1e3
-                        chunk_ms = _timed(lambda: list(one.map_sync(g, ({"x": i} for i in range(n_over)),
-                                                                    max_in_flight=args.max_in_flight))) \
-                            / n_over * 1e3
-                    emit(figure="chunk overhead", run_ms=round(run_ms, 3), chunk_ms=round(chunk_ms, 3),
-                         local_run_ms=round(local_run_ms, 3), chunks=n_over)
+                emit(figure=f"dask-{workers}", workers=workers, chunk_size=chunk_size, worker_in_flight=in_flight,
+                     s=round(s, 3), sentences_per_s=round(rate, 1), ratio=round(rate / ref, 3),
+                     against="local" if workers == 1 else "dask-1 (best)", max_abs_diff=diff)
+            if workers == 1:
+                one = DaskRuntime(client, chunk_size=1)
+                with one:
+                    one.run_sync(g, x=0)
+                    run_ms = _timed(lambda: [one.run_sync(g, x=i) for i in range(n_over)]) / n_over * 1e3
+                    chunk_ms = _timed(lambda: list(one.map_sync(g, ({"x": i} for i in range(n_over)),
+                                                                max_in_flight=args.max_in_flight))) \
+                        / n_over * 1e3
+                emit(figure="chunk overhead", run_ms=round(run_ms, 3), chunk_ms=round(chunk_ms, 3),
+                     local_run_ms=round(local_run_ms, 3), chunks=n_over)
     tmp.cleanup()
     return 0
 
