@@ -1,6 +1,7 @@
 """Sentence embeddings on a dask cluster (hetero.dask) against local embed(), same model, same run.
 
-    python -m bench dask [--n 100000] [--batch 128] [--chunk-size 16] [--model random|tiny|minilm|DIR]
+    python -m bench dask [--n 100000] [--batch 128] [--chunk-size 32] [--worker-in-flight 8]
+                          [--model random|tiny|minilm|DIR]
 
 Every figure embeds the same real sentences (stdlib docstrings, bench._corpus) after a
 warm-up pass on each runtime; the cluster's embeddings must match the local ones
@@ -9,7 +10,8 @@ warm-up pass on each runtime; the cluster's embeddings must match the local ones
 - ``local``: ``embed(texts, runtime=Runtime())`` in this process (the reference);
 - ``dask-1``: ``embed(texts, runtime=DaskRuntime(client))`` on a LocalWGPUCluster of one
   worker process on the same adapter; ``ratio`` = dask-1 / local sentences per second;
-  once per ``--chunk-size`` x ``--worker-in-flight`` pair given (comma-separated lists);
+  once per ``--chunk-size`` x ``--worker-in-flight`` pair given (comma-separated lists;
+  default: DaskRuntime's defaults);
 - ``dask-2``: two worker processes sharing that one adapter (each its own Runtime and
   device): does splitting the Python host work (tokenizing, recording) across
   processes help? ``ratio`` against dask-1;
@@ -92,15 +94,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000, help="sentences (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=128, help="sentences per batch (default: %(default)s)")
-    ap.add_argument("--chunk-size", type=_ints, default=[16],
-                    help="batches per cluster task; a comma-separated list sweeps dask-1 (default: 16)")
-    ap.add_argument("--worker-in-flight", type=_ints, default=[4],
-                    help="runs in flight in each chunk on the worker; a list sweeps dask-1 (default: 4)")
+    ap.add_argument("--chunk-size", type=_ints, default=None,
+                    help="batches per cluster task; a comma-separated list sweeps dask-1 (default: DaskRuntime's)")
+    ap.add_argument("--worker-in-flight", type=_ints, default=None,
+                    help="runs in flight in each chunk on the worker; a list sweeps dask-1 (default: DaskRuntime's)")
     ap.add_argument("--max-in-flight", type=int, default=4, help="chunks in flight per worker (default: %(default)s)")
     ap.add_argument("--model", default="random", help="random | tiny | minilm | a model directory")
     ap.add_argument("--overhead-chunks", type=int, default=200, help="chunks for the overhead figure")
     ap.add_argument("--no-two-workers", action="store_true", help="skip the two-worker figure")
     args = ap.parse_args(argv)
+    from hetero.dask import DEFAULT_CHUNK_SIZE, DEFAULT_WORKER_IN_FLIGHT
+
+    args.chunk_size = args.chunk_size or [DEFAULT_CHUNK_SIZE]
+    args.worker_in_flight = args.worker_in_flight or [DEFAULT_WORKER_IN_FLIGHT]
 
     import numpy as np
     from distributed import Client

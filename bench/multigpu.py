@@ -1,7 +1,7 @@
 """Sentence embeddings scaled out over several GPUs: one dask worker per GPU against one worker on one GPU.
 
     python -m bench multigpu [--n 1000000] [--ref-n 200000] [--gpus N] [--workers W] [--adapter PATTERN]
-                             [--model random|tiny|minilm|DIR] [--batch 128] [--chunk-size 16]
+                             [--model random|tiny|minilm|DIR] [--batch 128] [--chunk-size 32]
                              [--max-in-flight 4] [--budget-s 480]
 
 In order, each phase printing its seconds (``phase`` lines, ``elapsed_s`` since the start):
@@ -78,12 +78,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="HETERO_ADAPTER pattern of the GPUs (default: LocalWGPUCluster.default_pattern())")
     ap.add_argument("--model", default="random", help="random | tiny | minilm | a model directory")
     ap.add_argument("--batch", type=int, default=128, help="sentences per batch (default: %(default)s)")
-    ap.add_argument("--chunk-size", type=int, default=16, help="batches per cluster task (default: %(default)s)")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="batches per cluster task (default: DaskRuntime's, hetero.dask.DEFAULT_CHUNK_SIZE)")
     ap.add_argument("--max-in-flight", type=int, default=4, help="chunks in flight per worker (default: %(default)s)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="each worker Runtime's cpu_threads")
     ap.add_argument("--budget-s", type=float, default=480.0, help="seconds for the whole program (default: %(default)s)")
     ap.add_argument("--interval-ms", type=int, default=200, help="nvidia-smi sampling interval (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.chunk_size is None:
+        from hetero.dask import DEFAULT_CHUNK_SIZE
+        args.chunk_size = DEFAULT_CHUNK_SIZE
     for name in ("n", "ref_n", "batch", "chunk_size", "max_in_flight"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import itertools
 import os
@@ -54,7 +55,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -319,6 +320,10 @@ def _worker_stats(dask_worker: Any) -> WorkerStats:
     return _plugin(dask_worker).stats()
 
 
+def _on_worker(fn: Callable[[Runtime], Any], dask_worker: Any) -> Any:
+    return fn(_plugin(dask_worker)._require())
+
+
 async def dask_setup(worker: Any) -> None:
     """``dask worker ... --preload hetero.dask`` registers a :class:`HeteroPlugin` with default options."""
     await worker.plugin_add(HeteroPlugin())
@@ -366,6 +371,14 @@ def _unpack_error(packed: tuple[str, Any, str | None, BaseException | None]) -> 
 
 
 # -- client side ------------------------------------------------------------------------------------------------
+DEFAULT_CHUNK_SIZE = 32
+"""Graph runs per cluster task (:class:`DaskRuntime`). Each task costs a scheduler round trip
+and ends with a tail in which its last runs leave the worker's GPU part idle: longer chunks
+amortize both; shorter ones balance the last chunks of a map across workers."""
+DEFAULT_WORKER_IN_FLIGHT = 8
+"""Runs in flight inside one chunk on its worker (the worker's ``rt.map``): enough to keep
+the GPU fed while the host records the next runs."""
+
 class DaskRuntime:
     """Runs graphs on a dask.distributed cluster, keeping :class:`hetero.Runtime`'s contract.
 
@@ -383,8 +396,8 @@ class DaskRuntime:
     close the client.
     """
 
-    def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = 16,
-                 worker_in_flight: int = 4, tasks_per_worker: int = 2) -> None:
+    def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 worker_in_flight: int = DEFAULT_WORKER_IN_FLIGHT, tasks_per_worker: int = 2) -> None:
         if not isinstance(client, Client):
             raise HeteroError(f"DaskRuntime needs a distributed.Client, got {type(client).__name__}")
         if client.asynchronous:
@@ -455,6 +468,17 @@ class DaskRuntime:
     def worker_stats(self) -> dict[str, WorkerStats]:
         """Each worker's :class:`WorkerStats`, by worker address (blocking, as :meth:`adapters`)."""
         return dict(sorted(self.client.run(_worker_stats, workers=self.workers()).items()))
+
+    def on_workers(self, fn: Callable[[Runtime], Any]) -> dict[str, Any]:
+        """``fn(runtime)`` on each worker's :class:`hetero.Runtime`, by worker address (blocking, as
+        :meth:`adapters`).
+
+        ``fn`` travels to the workers (a module-level function pickles by reference) and runs
+        in the worker's process, outside its event loop; an exception it raises is raised here.
+        For questions a pipeline asks of the runtime that will run it, e.g. its adapter or
+        placement.
+        """
+        return dict(sorted(self.client.run(functools.partial(_on_worker, fn), workers=self.workers()).items()))
 
     def _graph_future(self, graph: Graph, workers: list[str]) -> Future:
         """The future of ``graph``'s graph task (scattered to ``workers`` if it does not pickle): one

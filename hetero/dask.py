@@ -8,8 +8,8 @@ on a worker started from the command line (``dask_setup``). See docs/dask.md.
 
 from __future__ import annotations
 
-from ._dask import (ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, PLUGIN_NAME, WorkerAdapter, WorkerStats,
+from ._dask import (DEFAULT_CHUNK_SIZE, DEFAULT_WORKER_IN_FLIGHT, ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, PLUGIN_NAME, WorkerAdapter, WorkerStats,
                     dask_setup, ensure_plugin)
 
-__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter",
+__all__ = ["DEFAULT_CHUNK_SIZE", "DEFAULT_WORKER_IN_FLIGHT", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter",
            "WorkerStats", "dask_setup", "ensure_plugin"]

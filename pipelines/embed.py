@@ -429,11 +429,13 @@ def offers_cpu(runtime: object) -> bool:
     On a real GPU the graph is GPU stages only: placement prices each stage's own
     transfers, not the fence round trip that a CPU stage inside a chain of GPU stages
     costs, and measured on the H200 it moved small batches' embeddings and pooling to
-    the CPU at several times the latency (BENCHMARKS.md). A runtime that is not a
-    ``hetero.Runtime`` (a Dask cluster's) gets the GPU graph.
+    the CPU at several times the latency (BENCHMARKS.md). On a ``hetero.dask.DaskRuntime``
+    the question goes to every worker's Runtime (blocking: one round trip), and the graph
+    carries the twins when each of them would; any other runtime gets the GPU graph.
     """
     if not isinstance(runtime, hetero.Runtime):
-        return False
+        on_workers = getattr(runtime, "on_workers", None)  # a DaskRuntime (hetero.dask needs distributed)
+        return callable(on_workers) and all(on_workers(offers_cpu).values())
     mode = runtime.options.placement
     if mode != "auto":
         return mode == "cpu"

@@ -249,6 +249,29 @@ async def test_embed_on_a_dask_runtime(client: Client, model_dir: Path) -> None:
             lambda: embed(TEXTS, model=model, batch_size=4, runtime=drt)), local, atol=1e-5)
 
 
+def _placement(rt: hetero.Runtime) -> str:
+    return rt.options.placement
+
+
+def _refuse(rt: hetero.Runtime) -> None:
+    raise ValueError(f"refused on {rt.device().summary['name']}")
+
+
+def test_on_workers_asks_each_workers_runtime_and_embed_follows_their_answers(client: Client) -> None:
+    """embed() on a DaskRuntime carries the CPU twins exactly when every worker's Runtime would
+    (on lavapipe, where the suite runs without a GPU: yes, as a local Runtime there)."""
+    from hetero.pipelines.embed import offers_cpu
+
+    with DaskRuntime(client) as drt:
+        workers = drt.workers()
+        assert drt.on_workers(_placement) == {w: "auto" for w in workers}
+        each = drt.on_workers(offers_cpu)
+        assert each == {w: a.type.strip().lower() == "cpu" for w, a in drt.adapters().items()}
+        assert offers_cpu(drt) is all(each.values())
+        with pytest.raises(ValueError, match="^refused on "):
+            drt.on_workers(_refuse)
+
+
 def test_model_pickles_by_path(model_dir: Path) -> None:
     model = get_model(model_dir)
     data = pickle.dumps(model)
