@@ -31,9 +31,10 @@ stores it, for every M of ``--ms`` and every layer of ``--linears`` (qkv 1152x38
 attn_out 384x384, inter 1536x384 without bias, out 384x1536; N x K). Per shape it times,
 in the same process and the same way as above (K calls per submission):
 
-* ``default``: today's :func:`hetero.kernels.matmul.default_config` for this adapter;
+* ``default``: :func:`hetero.kernels.matmul.default_config` for this adapter without
+  the K split (``small_split=False``, the GPU default before the rule below chose it);
 * ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule that
-  ``HETERO_MATMUL_SMALL_SPLIT=1`` turns on;
+  ``default_config`` applies on GPUs (``HETERO_MATMUL_SMALL_SPLIT=0`` turns it off);
 * ``tuned``: the winner of :func:`hetero.kernels.matmul.tune` over
   :data:`~hetero.kernels.matmul.SMALL_M_CANDIDATES` (plus the two above), tuned here and
   not saved (``--max-candidates`` takes the first few only, for a quick run);
@@ -47,12 +48,12 @@ markdown table: microseconds per call, ``default/proposed`` and ``default/tuned`
 new configuration is faster), ``torch/<winner>`` (> 1: hetero faster) and the winner; and
 per M the sum over the layers (one encoder layer's linear time).
 
-What decides making the proposal the default on GPUs: on a large GPU (the H200), the
+What decided making the proposal the default on GPUs: on a large GPU (the H200), the
 per-M sum ``default/proposed`` at least 1.25 at M = 20 and 32 (one sentence) and at
 least 1.0 at every M, and no single shape below 0.9; where ``tuned`` beats ``proposed``
 by 1.2x or more on most shapes, the rule follows the tuned winners first. Then an
 end-to-end check: ``bench embed``'s one-sentence latency with and without
-``HETERO_MATMUL_SMALL_SPLIT=1``, paired runs.
+``HETERO_MATMUL_SMALL_SPLIT=0``, paired runs.
 """
 
 from __future__ import annotations
