@@ -1,7 +1,7 @@
 """Sentence embeddings scaled out over several GPUs: one dask worker per GPU against one worker on one GPU.
 
     python -m bench multigpu [--n 1000000] [--ref-n 200000] [--gpus N] [--workers W] [--adapter PATTERN]
-                             [--model random|tiny|minilm|DIR] [--batch 128] [--chunk-size 32]
+                             [--model random|tiny|minilm|DIR] [--batch 128] [--chunk-size 16]
                              [--max-in-flight 4] [--budget-s 480]
 
 In order, each phase printing its seconds (``phase`` lines, ``elapsed_s`` since the start):

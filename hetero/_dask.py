@@ -371,13 +371,14 @@ def _unpack_error(packed: tuple[str, Any, str | None, BaseException | None]) -> 
 
 
 # -- client side ------------------------------------------------------------------------------------------------
-DEFAULT_CHUNK_SIZE = 32
+DEFAULT_CHUNK_SIZE = 16
 """Graph runs per cluster task (:class:`DaskRuntime`). Each task costs a scheduler round trip
-and ends with a tail in which its last runs leave the worker's GPU part idle: longer chunks
-amortize both; shorter ones balance the last chunks of a map across workers."""
-DEFAULT_WORKER_IN_FLIGHT = 8
-"""Runs in flight inside one chunk on its worker (the worker's ``rt.map``): enough to keep
-the GPU fed while the host records the next runs."""
+(~5 ms while tasks overlap) and ends with a tail in which its last runs leave the worker's
+GPU part idle: longer chunks amortize both; shorter ones balance the last chunks of a map
+across workers."""
+DEFAULT_WORKER_IN_FLIGHT = 4
+"""Runs in flight inside one chunk on its worker (the worker's ``rt.map``), as ``rt.map``'s
+own default: enough to keep the GPU fed while the host records the next runs."""
 
 class DaskRuntime:
     """Runs graphs on a dask.distributed cluster, keeping :class:`hetero.Runtime`'s contract.
@@ -387,7 +388,8 @@ class DaskRuntime:
     wgpu=1``, or :class:`LocalWGPUCluster`). ``chunk_size`` graph runs make one cluster
     task; ``worker_in_flight`` of them run at once on the worker (its ``rt.map``);
     ``tasks_per_worker`` chunks run at once on a worker that declares one unit of the
-    resource.
+    resource. ``workers`` (addresses) keeps the chunks on those of the workers: they go
+    elsewhere only while none of them is alive (a lost worker's chunks are still retried).
 
     From asyncio or trio: ``async with DaskRuntime(client) as drt``, then ``await
     drt.run(g, **inputs)`` and ``async for r in drt.map(g, inputs)``. From synchronous
@@ -397,7 +399,8 @@ class DaskRuntime:
     """
 
     def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 worker_in_flight: int = DEFAULT_WORKER_IN_FLIGHT, tasks_per_worker: int = 2) -> None:
+                 worker_in_flight: int = DEFAULT_WORKER_IN_FLIGHT, tasks_per_worker: int = 2,
+                 workers: Sequence[str] | None = None) -> None:
         if not isinstance(client, Client):
             raise HeteroError(f"DaskRuntime needs a distributed.Client, got {type(client).__name__}")
         if client.asynchronous:
@@ -410,6 +413,10 @@ class DaskRuntime:
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.worker_in_flight = check_positive_int("worker_in_flight", worker_in_flight)
         self.tasks_per_worker = check_positive_int("tasks_per_worker", tasks_per_worker)
+        if workers is not None and (isinstance(workers, str) or not all(isinstance(w, str) for w in workers)
+                                    or not workers):
+            raise ValueError(f"workers must be a non-empty sequence of worker addresses, got {workers!r}")
+        self.only: tuple[str, ...] | None = None if workers is None else tuple(workers)
         self._graphs: dict[int, tuple[Graph, int, Future]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -443,7 +450,8 @@ class DaskRuntime:
 
     # -- the cluster ----------------------------------------------------------------
     def workers(self) -> list[str]:
-        """Addresses of the workers that declare the resource; raises :class:`ClusterError` if none (blocking)."""
+        """Addresses of the workers that declare the resource (those of ``workers=`` only, when given); raises
+        :class:`ClusterError` if none (blocking)."""
         self._check_open()
         info = self.client.scheduler_info(n_workers=-1)
         workers: dict[str, Any] = dict(info.get("workers") or {})
@@ -454,6 +462,12 @@ class DaskRuntime:
                 f"no worker of the cluster at {info.get('address', '?')} declares the resource {self.resource!r} "
                 f"(workers and their resources: {seen}); start workers with 'dask worker ADDRESS --resources "
                 f"{self.resource}=1 --preload hetero.dask' or use hetero.dask.LocalWGPUCluster")
+        if self.only is not None:
+            chosen = [addr for addr in have if addr in self.only]
+            if not chosen:
+                raise ClusterError(f"none of the workers given ({', '.join(self.only)}) declares the resource "
+                                   f"{self.resource!r}; those that do: {', '.join(have)}")
+            return chosen
         return have
 
     def adapters(self) -> dict[str, WorkerAdapter]:
@@ -474,9 +488,9 @@ class DaskRuntime:
         :meth:`adapters`).
 
         ``fn`` travels to the workers (a module-level function pickles by reference) and runs
-        in the worker's process, outside its event loop; an exception it raises is raised here.
-        For questions a pipeline asks of the runtime that will run it, e.g. its adapter or
-        placement.
+        on the worker's event-loop thread (``client.run``), so it must be quick: questions a
+        pipeline asks of the runtime that will run it (its adapter, its placement), not graph
+        runs. An exception it raises is raised here.
         """
         return dict(sorted(self.client.run(functools.partial(_on_worker, fn), workers=self.workers()).items()))
 
@@ -520,7 +534,9 @@ class DaskRuntime:
 
     def _submit(self, gfut: Future, chunk: list[Any]) -> Future:
         return self.client.submit(_run_chunk, gfut, chunk, self.worker_in_flight, pure=False,
-                                  resources={self.resource: 1.0 / self.tasks_per_worker})
+                                  resources={self.resource: 1.0 / self.tasks_per_worker},
+                                  workers=None if self.only is None else list(self.only),
+                                  allow_other_workers=self.only is not None)
 
     @staticmethod
     def _chunk_result(graph: Graph, fut: Future) -> tuple[list[Any], Any]:

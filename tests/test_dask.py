@@ -272,6 +272,23 @@ def test_on_workers_asks_each_workers_runtime_and_embed_follows_their_answers(cl
             drt.on_workers(_refuse)
 
 
+def test_workers_keeps_the_chunks_on_the_workers_given(client: Client) -> None:
+    g = make_graph()
+    with DaskRuntime(client) as everyone:
+        first, second = everyone.workers()
+        before = everyone.worker_stats()
+        with DaskRuntime(client, chunk_size=1, workers=[second]) as drt:
+            assert drt.workers() == [second]
+            assert [r[0][0] for r in drt.map_sync(g, inputs(6), max_in_flight=3)] == [2.0 * i for i in range(6)]
+        after = everyone.worker_stats()
+    assert (after[first].chunks - before[first].chunks, after[second].chunks - before[second].chunks) == (0, 6)
+    with pytest.raises(ClusterError, match=r"none of the workers given \(tcp://nowhere:1\) declares"):
+        DaskRuntime(client, workers=["tcp://nowhere:1"]).workers()
+    for bad in ("tcp://a:1", [], [1]):
+        with pytest.raises(ValueError, match="workers must be a non-empty sequence of worker addresses"):
+            DaskRuntime(client, workers=bad)  # type: ignore[arg-type]
+
+
 def test_model_pickles_by_path(model_dir: Path) -> None:
     model = get_model(model_dir)
     data = pickle.dumps(model)
