@@ -120,19 +120,16 @@ def test_small_split_parts_and_workgroups() -> None:
         assert (s - 1) * kc < k <= s * kc
 
 
-def test_small_output_rule_is_the_gpu_default_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_output_rule_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu, small = "DiscreteGPU", MatmulConfig(32, 32, 8, 4, 4)
-    assert MM.default_config(gpu, 20, 384) == small  # without K there is nothing to split
-    proposed = MM.default_config(gpu, 20, 384, k=384)
+    assert MM.default_config(gpu, 20, 384) == small
+    assert MM.default_config(gpu, 20, 384, k=384) == small  # opt-in
+    proposed = MM.default_config(gpu, 20, 384, k=384, small_split=True)
     assert proposed == MatmulConfig(32, 32, 8, 4, 4, split_k=6, split_min=SMALL_SPLIT_MIN)
     assert proposed.name == "32x32x8/4x4/db/sk6/p64"
-    assert MM.default_config(gpu, 20, 384, k=384, small_split=True) == proposed
-    assert MM.default_config(gpu, 20, 384, k=384, small_split=False) == small
-    monkeypatch.setenv(SMALL_SPLIT_ENV, "0")
-    assert MM.default_config(gpu, 20, 384, k=384) == small
-    assert MM.default_config(gpu, 20, 384, k=384, small_split=True) == proposed
     monkeypatch.setenv(SMALL_SPLIT_ENV, "1")
     assert MM.default_config(gpu, 20, 384, k=384) == proposed
+    assert MM.default_config(gpu, 20, 384, k=384, small_split=False) == small
     # CPU adapters keep their measured defaults; without K (matmul_int8) nothing changes
     assert MM.default_config("CPU", 20, 384, k=384) == MM.default_config("CPU", 20, 384)
     assert MM.default_config(gpu, 20, 384) == small
@@ -175,9 +172,8 @@ def test_choose_config_passes_k_to_the_rule(shared_rt: hetero.Runtime, monkeypat
     """On lavapipe (a CPU adapter) the switch changes nothing; the rule sees K through choose_config."""
     dev = shared_rt.device()
     gpu = MockGPU(dev)
-    monkeypatch.setenv(SMALL_SPLIT_ENV, "0")
     before = MM.choose_config(gpu, 20, 384, 384)
-    monkeypatch.delenv(SMALL_SPLIT_ENV)
+    monkeypatch.setenv(SMALL_SPLIT_ENV, "1")
     if dev.summary["type"].upper() == "CPU":
         assert MM.choose_config(gpu, 20, 384, 384) == before
     else:

@@ -154,7 +154,7 @@ SMALL_SPLIT_MAX = 16
 SKINNY_M = 16
 """Outputs of at most this many rows take 16-row tiles: a 32-row tile would compute half zeros or more."""
 SMALL_SPLIT_ENV = "HETERO_MATMUL_SMALL_SPLIT"
-"""Set to ``0`` to keep :func:`default_config` from applying :func:`small_output_config` on GPUs."""
+"""Set to ``1`` to make :func:`default_config` apply :func:`small_output_config` on GPUs."""
 
 _BIG = MatmulConfig(128, 128, 8, 8, 8)
 _MID = MatmulConfig(64, 64, 8, 8, 8)
@@ -169,7 +169,7 @@ def _tiles(c: MatmulConfig, m: int, n: int, batch: int) -> int:
 
 def small_output_config(m: int, n: int, k: int, batch: int = 1,
                         limits: dict[str, int] | None = None) -> MatmulConfig | None:
-    """The GPU configuration for an output of too few tiles to fill a large GPU (None: not such an output).
+    """The proposed GPU configuration for an output of too few tiles to fill a large GPU (None: not such an output).
 
     When 32x32 tiles give fewer than :data:`SMALL_SPLIT_WORKGROUPS` workgroups (MiniLM's
     linear layers for a few sentences: M = 1..128 rows, N = 384..1536), the tile is
@@ -177,10 +177,11 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
     ``S = min(SMALL_SPLIT_MAX, ceil(SMALL_SPLIT_WORKGROUPS / tiles), K // SMALL_SPLIT_MIN)``
     parts. None when S < 2 (K too short to split: the default tiles stay).
 
-    :func:`default_config` applies it on GPUs unless told not to (``small_split=False`` or
-    ``HETERO_MATMUL_SMALL_SPLIT=0``): ``python -m bench matmul --small-m`` decides by the
-    rule in its docstring, timing it beside unsplit tiles, the tuned best of
-    :data:`SMALL_M_CANDIDATES` and torch (BENCHMARKS.md, "Small outputs").
+    Opt-in: :func:`default_config` applies it only when asked (``small_split=True`` or
+    ``HETERO_MATMUL_SMALL_SPLIT=1``). Its kernels are faster on a large GPU (``python -m
+    bench matmul --small-m``), but its second dispatch doubles the host time of the op,
+    and outputs this small come from runs that wait on the host, not on the GPU
+    (BENCHMARKS.md, "Small outputs").
     """
     def tiles(c: MatmulConfig) -> int:
         return _tiles(c, m, n, batch)
@@ -205,8 +206,9 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
     tiles of 8x8 blocks when the output holds at least four of them, else 32x32 tiles
     (the fastest on lavapipe: BENCHMARKS.md, "Kernel defaults on lavapipe").
 
-    On GPUs, given ``k``, outputs too small to fill the GPU take :func:`small_output_config`
-    unless ``small_split`` is false (default: true unless ``HETERO_MATMUL_SMALL_SPLIT=0``).
+    On GPUs, given ``k`` and with ``small_split`` true (default: the environment variable
+    ``HETERO_MATMUL_SMALL_SPLIT=1``), outputs too small to fill the GPU take
+    :func:`small_output_config` (off by default: see there).
     """
     def tiles(c: MatmulConfig) -> int:
         return _tiles(c, m, n, batch)
@@ -215,7 +217,7 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
         order = [_MID] if tiles(_MID) >= 4 else [_SMALL]
     else:
         if k is not None and tiles(_SMALL) < SMALL_SPLIT_WORKGROUPS and (
-                small_split if small_split is not None else os.environ.get(SMALL_SPLIT_ENV, "1").strip() != "0"):
+                small_split if small_split is not None else os.environ.get(SMALL_SPLIT_ENV) == "1"):
             proposed = small_output_config(m, n, k, batch, limits)
             if proposed is not None:
                 return proposed
