@@ -479,6 +479,33 @@ class Run:
                     ready.append(c)
         return ready
 
+    def complete(self, i: int, value: Any, gpu_consumers: tuple[int, ...],
+                 cpu_consumers: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """Stage ``i`` computed ``value`` on the host: store it (both sides), release its
+        consumers and count it done, under one lock; return the GPU and CPU consumers now
+        ready. The run finishes here when this was its last stage, which it cannot be while
+        a consumer is ready."""
+        ready_gpu: list[int] = []
+        ready_cpu: list[int] = []
+        remaining = self.remaining
+        with self.lock:
+            if not self.forgotten:
+                self.values[i] = value
+                self.dev_values[i] = value
+            for c in gpu_consumers:
+                remaining[c] -= 1
+                if remaining[c] == 0:
+                    ready_gpu.append(c)
+            for c in cpu_consumers:
+                remaining[c] -= 1
+                if remaining[c] == 0:
+                    ready_cpu.append(c)
+            self.unfinished -= 1
+            last = self.unfinished == 0
+        if last:
+            self._finish()
+        return ready_gpu, ready_cpu
+
     def stage_done(self) -> None:
         with self.lock:
             self.unfinished -= 1
@@ -727,13 +754,10 @@ class Scheduler:
                     self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args=_span_args(run, i))
                 if not st.simple and not run.end_timed(st):
                     return
-                run.set_value(i, host=value, dev=value)
+                ready, ready_cpu = run.complete(i, value, st.gpu_consumers, st.cpu_consumers)
                 value = None
-                ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
-                ready_cpu = run.release(st.cpu_consumers) if st.cpu_consumers else []
                 if ready:
                     self.dispatch(run, ready)
-                run.stage_done()
                 if not ready_cpu:
                     return
                 # Consumers come sorted by priority: continue with the first on this thread.
@@ -816,13 +840,9 @@ class Scheduler:
         tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
         if not st.simple and not run.end_timed(st):
             return
-        run.set_value(i, host=value, dev=value)
-        ready = run.release(st.gpu_consumers) if st.gpu_consumers else []
-        if st.cpu_consumers:
-            ready += run.release(st.cpu_consumers)
-        if ready:
-            self.dispatch(run, ready)
-        run.stage_done()
+        ready, ready_cpu = run.complete(i, value, st.gpu_consumers, st.cpu_consumers)
+        if ready or ready_cpu:
+            self.dispatch(run, ready + ready_cpu)
 
     # -- GPU stages -----------------------------------------------------------------
     def run_gpu(self, run: Run, i: int) -> None:

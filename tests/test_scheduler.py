@@ -755,15 +755,15 @@ async def test_a_defect_after_a_cpu_stage_fails_the_run(rt: hetero.Runtime, monk
     stage instead of leaving it waiting forever; later runs complete."""
     from hetero._scheduler import Run
 
-    set_value = Run.set_value
+    complete = Run.complete
     faults = [RuntimeError("injected fault")]
 
-    def faulty(self: Run, i: int, **kw: object) -> None:
+    def faulty(self: Run, *args: Any) -> tuple[list[int], list[int]]:
         if faults:
             raise faults.pop()
-        set_value(self, i, **kw)
+        return complete(self, *args)
 
-    monkeypatch.setattr(Run, "set_value", faulty)
+    monkeypatch.setattr(Run, "complete", faulty)
     g = hetero.Graph("fault-cpu")
     g.output(g.cpu(operator.neg, g.cpu(operator.add, g.input("x"), 1, name="inc"), name="neg"))
     with anyio.fail_after(WAIT):
