@@ -413,10 +413,10 @@ class DaskRuntime:
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.worker_in_flight = check_positive_int("worker_in_flight", worker_in_flight)
         self.tasks_per_worker = check_positive_int("tasks_per_worker", tasks_per_worker)
-        if workers is not None and (isinstance(workers, str) or not all(isinstance(w, str) for w in workers)
-                                    or not workers):
+        if workers is not None and (isinstance(workers, str) or not workers
+                                    or not all(isinstance(w, str) for w in workers)):
             raise ValueError(f"workers must be a non-empty sequence of worker addresses, got {workers!r}")
-        self.only: tuple[str, ...] | None = None if workers is None else tuple(workers)
+        self._only: tuple[str, ...] | None = None if workers is None else tuple(workers)
         self._graphs: dict[int, tuple[Graph, int, Future]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -462,10 +462,10 @@ class DaskRuntime:
                 f"no worker of the cluster at {info.get('address', '?')} declares the resource {self.resource!r} "
                 f"(workers and their resources: {seen}); start workers with 'dask worker ADDRESS --resources "
                 f"{self.resource}=1 --preload hetero.dask' or use hetero.dask.LocalWGPUCluster")
-        if self.only is not None:
-            chosen = [addr for addr in have if addr in self.only]
+        if self._only is not None:
+            chosen = [addr for addr in have if addr in self._only]
             if not chosen:
-                raise ClusterError(f"none of the workers given ({', '.join(self.only)}) declares the resource "
+                raise ClusterError(f"none of the workers given ({', '.join(self._only)}) declares the resource "
                                    f"{self.resource!r}; those that do: {', '.join(have)}")
             return chosen
         return have
@@ -477,11 +477,11 @@ class DaskRuntime:
         :class:`HeteroPlugin`. From async code, call it in a thread
         (``await anyio.to_thread.run_sync(drt.adapters)``).
         """
-        return dict(sorted(self.client.run(_worker_adapter, workers=self.workers()).items()))
+        return self._each(_worker_adapter)
 
     def worker_stats(self) -> dict[str, WorkerStats]:
         """Each worker's :class:`WorkerStats`, by worker address (blocking, as :meth:`adapters`)."""
-        return dict(sorted(self.client.run(_worker_stats, workers=self.workers()).items()))
+        return self._each(_worker_stats)
 
     def on_workers(self, fn: Callable[[Runtime], Any]) -> dict[str, Any]:
         """``fn(runtime)`` on each worker's :class:`hetero.Runtime`, by worker address (blocking, as
@@ -492,7 +492,11 @@ class DaskRuntime:
         pipeline asks of the runtime that will run it (its adapter, its placement), not graph
         runs. An exception it raises is raised here.
         """
-        return dict(sorted(self.client.run(functools.partial(_on_worker, fn), workers=self.workers()).items()))
+        return self._each(functools.partial(_on_worker, fn))
+
+    def _each(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """``fn(dask_worker=...)`` on each worker that declares the resource, by address (``client.run``)."""
+        return dict(sorted(self.client.run(fn, workers=self.workers()).items()))
 
     def _graph_future(self, graph: Graph, workers: list[str]) -> Future:
         """The future of ``graph``'s graph task (scattered to ``workers`` if it does not pickle): one
@@ -535,8 +539,8 @@ class DaskRuntime:
     def _submit(self, gfut: Future, chunk: list[Any]) -> Future:
         return self.client.submit(_run_chunk, gfut, chunk, self.worker_in_flight, pure=False,
                                   resources={self.resource: 1.0 / self.tasks_per_worker},
-                                  workers=None if self.only is None else list(self.only),
-                                  allow_other_workers=self.only is not None)
+                                  workers=None if self._only is None else list(self._only),
+                                  allow_other_workers=self._only is not None)
 
     @staticmethod
     def _chunk_result(graph: Graph, fut: Future) -> tuple[list[Any], Any]:

@@ -470,13 +470,17 @@ class Run:
 
     def release(self, consumers: tuple[int, ...]) -> list[int]:
         """One dependency of each consumer completed; return those now ready."""
-        ready = []
-        remaining = self.remaining
         with self.lock:
-            for c in consumers:
-                remaining[c] -= 1
-                if remaining[c] == 0:
-                    ready.append(c)
+            return self._count_down(consumers)
+
+    def _count_down(self, consumers: tuple[int, ...]) -> list[int]:
+        """One dependency of each consumer completed (the lock held); those now ready."""
+        remaining = self.remaining
+        ready = []
+        for c in consumers:
+            remaining[c] -= 1
+            if remaining[c] == 0:
+                ready.append(c)
         return ready
 
     def complete(self, i: int, value: Any, gpu_consumers: tuple[int, ...],
@@ -485,21 +489,12 @@ class Run:
         consumers and count it done, under one lock; return the GPU and CPU consumers now
         ready. The run finishes here when this was its last stage, which it cannot be while
         a consumer is ready."""
-        ready_gpu: list[int] = []
-        ready_cpu: list[int] = []
-        remaining = self.remaining
         with self.lock:
             if not self.forgotten:
                 self.values[i] = value
                 self.dev_values[i] = value
-            for c in gpu_consumers:
-                remaining[c] -= 1
-                if remaining[c] == 0:
-                    ready_gpu.append(c)
-            for c in cpu_consumers:
-                remaining[c] -= 1
-                if remaining[c] == 0:
-                    ready_cpu.append(c)
+            ready_gpu = self._count_down(gpu_consumers)
+            ready_cpu = self._count_down(cpu_consumers)
             self.unfinished -= 1
             last = self.unfinished == 0
         if last:
