@@ -51,6 +51,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
 from bench._common import best_of, emitter
@@ -73,6 +74,26 @@ def random_model(directory: Path, texts: list[str], **sizes: int) -> Path:
     write_random_model(directory, seed=0, **sizes)
     corpus_tokenizer(directory, texts)
     return directory
+
+
+async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.Namespace) -> list[float]:
+    """Seconds per ``EmbeddingService.aembed([s])``, one sentence at a time (the server's path without
+    HTTP), after one call per sentence shape of the first 50 sentences (their shapes captured)."""
+    from hetero.pipelines.embed import EmbeddingService
+
+    svc = EmbeddingService(rt, model, int8=args.int8, max_batch_tokens=args.max_batch_tokens)
+    try:
+        for s in texts[:50]:
+            await svc.aembed([s])
+        times = []
+        for i in range(args.single):
+            s = texts[(i * 7919) % len(texts)]
+            t0 = time.perf_counter()
+            await svc.aembed([s])
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        await svc.aclose()
 
 
 # -- the load processes ------------------------------------------------------------------------------------
@@ -229,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             embed([s], model=model, runtime=rt, int8=args.int8)
             single.append(time.perf_counter() - t0)
         single_s = float(np.median(single[10:]))
+        service_one = anyio.run(service_latency, rt, model, texts, args)
         adapter = rt.device().summary["summary"]
     finally:
         rt.close()
@@ -237,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
          sentences_per_s=round(bulk_rate, 1), adapter=adapter)
     emit(impl="embed([s])", **common, calls=args.single, p50_ms=round(single_s * 1e3, 3),
          p90_ms=round(float(np.percentile(single[10:], 90)) * 1e3, 3))
+    emit(impl="service aembed([s])", what="the server's batcher path in process, without HTTP", **common,
+         calls=args.single, p50_ms=round(float(np.median(service_one)) * 1e3, 3),
+         p90_ms=round(float(np.percentile(service_one, 90)) * 1e3, 3),
+         p50_over_embed_one=round(float(np.median(service_one)) / single_s, 3))
 
     # -- the server --------------------------------------------------------------------------------------
     with socket.socket() as s:

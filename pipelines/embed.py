@@ -73,10 +73,10 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
-           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "cpu_weights", "embed", "embed_batches",
-           "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight", "mean_pool_l2_cpu",
+           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids", "cpu_weights", "embed",
+           "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight", "mean_pool_l2_cpu",
            "pad_bucketed", "pad_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
-           "service_graph", "service_shapes", "size_bucket", "split_by_length", "tokenize"]
+           "service_graph", "service_shapes", "size_bucket", "split_by_length", "token_ids", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
 # "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):
@@ -703,6 +703,22 @@ def split_by_length(lengths: Sequence[int], overhead: int = RUN_OVERHEAD_TOKENS)
     return groups
 
 
+def token_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text (truncated at the model's ``max_seq_length``), int32."""
+    items = _check_texts(texts)
+    tok = model.tokenizer
+    if len(items) == 1:
+        return [np.asarray(tok.encode(items[0]).ids, np.int32)]
+    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(items)]
+
+
+async def atoken_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
+    """:func:`token_ids`, on a worker thread for more than :data:`LOOP_TOKENIZE_MAX` texts."""
+    if len(texts) <= LOOP_TOKENIZE_MAX:
+        return token_ids(model, texts)
+    return await anyio.to_thread.run_sync(token_ids, model, texts)
+
+
 class EmbeddingService:
     """Embeddings for many concurrent callers: each sentence is one item of a :class:`hetero.Batcher`.
 
@@ -744,18 +760,12 @@ class EmbeddingService:
         return service_shapes(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size)
 
     def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Token ids of each text (truncated at the model's ``max_seq_length``), int32."""
-        items = _check_texts(texts)
-        tok = self.model.tokenizer
-        if len(items) == 1:
-            return [np.asarray(tok.encode(items[0]).ids, np.int32)]
-        return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(items)]
+        """:func:`token_ids` of ``texts`` with this service's model."""
+        return token_ids(self.model, texts)
 
     async def atokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """:meth:`tokenize`, on a worker thread for more than :data:`LOOP_TOKENIZE_MAX` texts."""
-        if len(texts) <= LOOP_TOKENIZE_MAX:
-            return self.tokenize(texts)
-        return await anyio.to_thread.run_sync(self.tokenize, texts)
+        """:func:`atoken_ids` of ``texts`` with this service's model."""
+        return await atoken_ids(self.model, texts)
 
     async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings ``[len(ids), hidden]`` of tokenized sentences, each one item of the batcher."""

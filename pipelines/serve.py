@@ -43,12 +43,14 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero.errors import DeviceLostError, HeteroError, OverloadedError
+from hetero.errors import HeteroError
 from hetero.lowlevel import running_loop
 
 from .cli import positive_int
-from .embed import EmbeddingService, service_shapes
+from .embed import EmbeddingService, atoken_ids
 from .minilm import Model
+from .serve_engine import EmbeddingEngine, EngineClient, EngineError
+from .serve_metrics import ServeMetrics, import_serve
 
 _orjson: Any
 try:  # optional: serializes float32 rows ~20x faster than the standard library (the "float" format)
@@ -84,30 +86,23 @@ class RequestError(Exception):
         self.code = code
 
 
-def _import_serve() -> Any:
-    try:
-        import prometheus_client
-        import starlette  # noqa: F401
-    except ImportError as e:
-        raise HeteroError(f"hetero serve needs the optional extra 'serve' ({e.name} is not installed): "
-                          "pip install 'hetero[serve]'") from e
-    return prometheus_client
-
-
 class EmbeddingServer:
     """The server's state and its ASGI ``app``: a direct embeddings route before the Starlette ``routes``.
 
     ``model``: a loaded Model, a model directory or ``"minilm"``. ``runtime``: a
     :class:`hetero.Runtime` to use (left open at the end); by default the server makes
-    one when it starts and closes it when it stops. ``running()`` starts (warm-up in the
-    background) and stops it; the app's lifespan uses it.
+    one when it starts and closes it when it stops. ``engine``: the link to an engine
+    process (:class:`~hetero.pipelines.serve_engine.EngineClient`) that embeds for this
+    server, which then only parses, tokenizes and answers (``--workers``); by default the
+    engine runs in this process. ``running()`` starts (warm-up in the background) and stops it;
+    the app's lifespan uses it.
     """
 
     def __init__(self, model: Model | str | os.PathLike[str] = "minilm", *, runtime: hetero.Runtime | None = None,
                  model_name: str | None = None, int8: bool = False, max_batch_tokens: int = 16384,
                  max_client_batch_size: int = 2048, max_queued: int = 4096, max_in_flight: int = 2,
-                 precapture: bool = True) -> None:
-        prom = _import_serve()
+                 precapture: bool = True, engine: EngineClient | None = None) -> None:
+        import_serve()
         from starlette.applications import Starlette
         from starlette.routing import Route
 
@@ -127,54 +122,29 @@ class EmbeddingServer:
         self.max_queued = max_queued
         self.max_in_flight = max_in_flight
         self.precapture = bool(precapture)
-        self._own_runtime = runtime is None
-        self.runtime: hetero.Runtime | None = runtime
-        self.service: EmbeddingService | None = None
-        self.ready = False
-        self.lost: str | None = None  # why the device is gone
-        self.warmup_error: str | None = None
         self.draining = False
-        self.adapter: str | None = None
         self.active = 0  # requests being served
         self._idle: anyio.Event | None = None
         self._stop: anyio.Event | None = None
-
-        # With several worker processes (PROMETHEUS_MULTIPROC_DIR set before prometheus_client was
-        # imported), every worker writes its samples to files there and /metrics sums them all;
-        # the gauges are then refreshed by each worker (livesum), not read at scrape time.
-        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        reg = self.registry = prom.CollectorRegistry()
-        self.m_requests = prom.Counter("hetero_embed_requests", "Embedding requests by HTTP status code",
-                                       ["code"], registry=reg)
-        self.m_inputs = prom.Counter("hetero_embed_inputs", "Sentences embedded", registry=reg)
-        self.m_batches = prom.Counter("hetero_embed_batches", "Batches formed by the batcher", registry=reg)
-        self.m_duration = prom.Histogram(
-            "hetero_embed_request_duration_seconds", "Time to serve an embedding request", registry=reg,
-            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
-        self.m_batch_size = prom.Histogram(
-            "hetero_embed_batch_size", "Sentences per batch formed", registry=reg,
-            buckets=tuple(float(1 << k) for k in range(13)))
-        self.m_queue = prom.Gauge("hetero_embed_queue_inputs", "Sentences waiting for a batch", registry=reg,
-                                  multiprocess_mode="livesum")
-        self.m_memory = prom.Gauge("hetero_gpu_memory_in_use_bytes", "Device memory in use by the buffer pool",
-                                   registry=reg, multiprocess_mode="livesum")
-        if self.multiprocess:
-            from prometheus_client import multiprocess
-
-            self.exposed = prom.CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.exposed)
+        self.metrics = ServeMetrics(lambda: self.backend.queued, self._memory_in_use)
+        self.backend: EmbeddingEngine | EngineClient
+        if engine is not None:
+            if runtime is not None:
+                raise HeteroError("EmbeddingServer: give runtime= or engine=, not both (the engine process owns "
+                                  "the runtime)")
+            self.backend = engine
         else:
-            self.exposed = reg
-            self.m_queue.set_function(self._queued)
-            self.m_memory.set_function(self._memory_in_use)
-        self._prom = prom
+            self.backend = EmbeddingEngine(
+                self.model, runtime=runtime, int8=self.int8, max_batch_tokens=max_batch_tokens,
+                max_queued=max_queued, max_in_flight=max_in_flight, precapture=self.precapture,
+                on_batch=self.metrics.on_batch, gauges=self.metrics.set_gauges if self.metrics.multiprocess else None)
 
         self.routes = Starlette(routes=[
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/info", self.info, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
         ], lifespan=self._lifespan)
 
     async def app(self, scope: Any, receive: Any, send: Any) -> None:
@@ -201,32 +171,52 @@ class EmbeddingServer:
             return
         await self.routes(scope, receive, send)
 
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def runtime(self) -> hetero.Runtime | None:
+        """The in-process engine's Runtime (None with an engine process)."""
+        return self.backend.runtime if isinstance(self.backend, EmbeddingEngine) else None
+
+    @property
+    def service(self) -> EmbeddingService | None:
+        """The in-process engine's batcher service (None with an engine process, or before ``running()``)."""
+        return self.backend.service if isinstance(self.backend, EmbeddingEngine) else None
+
+    @property
+    def ready(self) -> bool:
+        return self.backend.ready
+
+    @property
+    def lost(self) -> str | None:
+        """Why the device (or the engine process) is gone; None while it works."""
+        return self.backend.lost
+
+    @property
+    def warmup_error(self) -> str | None:
+        return self.backend.warmup_error
+
+    @property
+    def adapter(self) -> str | None:
+        return self.backend.adapter
+
     # -- lifecycle ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[EmbeddingServer]:
-        """Start (warm-up in the background: /health says when it is done); on exit, :meth:`stop`."""
-        if self.runtime is None:
-            self.runtime = hetero.Runtime(capture_cache=self.capture_entries())
-        self.service = EmbeddingService(self.runtime, self.model, int8=self.int8,
-                                        max_batch_tokens=self.max_batch_tokens, max_queued=self.max_queued,
-                                        max_in_flight=self.max_in_flight, on_batch=self._on_batch)
+        """Start (warm-up in the background: /health says when it is done); on exit, :meth:`stop`,
+        then close the batcher (and the own runtime)."""
         self._idle = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._warmup)
-            if self.multiprocess:
-                tg.start_soon(self._refresh_gauges)
+        async with self.backend.running():
             try:
                 yield self
             finally:
-                tg.cancel_scope.cancel()  # a warm-up still running stops here
                 with anyio.CancelScope(shield=True):
                     await self.stop()
 
     def capture_entries(self) -> int:
         """The own runtime's ``capture_cache``: every GPU stage at every padded shape, twice over."""
-        shapes = service_shapes(self.model.config.max_seq_length, self.max_batch_tokens,
-                                max(1, self.max_batch_tokens // 2))
-        return max(1024, 2 * len(shapes) * (self.model.config.num_hidden_layers + 2))
+        if isinstance(self.backend, EmbeddingEngine):
+            return self.backend.capture_entries()
+        return 0
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -235,34 +225,14 @@ class EmbeddingServer:
 
     async def wait_ready(self) -> None:
         """Wait until warm-up ended (ready, or failed: see ``warmup_error``)."""
-        while not self.ready and self.warmup_error is None:
+        while not self.ready and self.warmup_error is None and self.lost is None:
             await anyio.sleep(0.01)
 
-    async def _warmup(self) -> None:
-        assert self.service is not None and self.runtime is not None
-        try:
-            await self.service.warmup(self.precapture)
-            rt = self.runtime
-            self.adapter = await anyio.to_thread.run_sync(lambda: str(rt.device().summary["summary"]))
-            self.ready = True
-        except HeteroError as e:
-            if self.draining:
-                return  # stopped while warming up
-            self.warmup_error = str(e)
-            if isinstance(e, DeviceLostError):
-                self.lost = str(e)
-            print(f"hetero serve: warm-up failed: {e}", file=sys.stderr, flush=True)
-
     async def stop(self) -> None:
-        """New requests get 503; wait for the requests in flight; close the batcher (and the own runtime)."""
+        """New requests get 503; wait for the requests in flight (``running()`` then closes the engine)."""
         self.draining = True
         if self.active and self._idle is not None:
             await self._idle.wait()
-        if self.service is not None:
-            await self.service.aclose()
-        if self._own_runtime and self.runtime is not None:
-            rt = self.runtime
-            await anyio.to_thread.run_sync(rt.close)
 
     def shutdown(self) -> None:
         """Begin a graceful shutdown: new requests get 503; the listener stops once those in flight finish."""
@@ -274,29 +244,15 @@ class EmbeddingServer:
             self._stop = anyio.Event()
         return self._stop
 
-    def _queued(self) -> int:
-        return self.service.batcher.queued if self.service is not None else 0
-
     def _memory_in_use(self) -> int:
-        return self.runtime.memory_stats().in_use_bytes if self.runtime is not None else 0
-
-    async def _refresh_gauges(self) -> None:
-        """Worker processes: write the gauges to the shared metric files a few times a second."""
-        while True:
-            self.m_queue.set(self._queued())
-            self.m_memory.set(self._memory_in_use())
-            await anyio.sleep(0.25)
-
-    def _on_batch(self, items: int, cost: int) -> None:
-        self.m_batches.inc()
-        self.m_batch_size.observe(items)
+        return self.backend.memory_in_use() if isinstance(self.backend, EmbeddingEngine) else 0
 
     # -- routes -----------------------------------------------------------------------------------
     def _unavailable(self) -> str | None:
         if self.draining:
             return "the server is shutting down; retry on another instance"
         if self.lost is not None:
-            return f"the GPU device was lost ({self.lost}); restart the server"
+            return f"{self.lost}; restart the server"
         if self.warmup_error is not None:
             return f"the server failed to warm up: {self.warmup_error}"
         if not self.ready:
@@ -323,10 +279,10 @@ class EmbeddingServer:
             "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
         })
 
-    async def metrics(self, request: Any) -> Any:
+    async def metrics_route(self, request: Any) -> Any:
         from starlette.responses import Response
 
-        return Response(self._prom.generate_latest(self.exposed), media_type=self._prom.CONTENT_TYPE_LATEST)
+        return Response(self.metrics.render(), media_type=self.metrics.prom.CONTENT_TYPE_LATEST)
 
     async def embeddings(self, request: Any) -> Any:
         """The embeddings route as a Starlette endpoint (``app`` answers it without Starlette)."""
@@ -358,8 +314,8 @@ class EmbeddingServer:
                 raise
         finally:
             self.active -= 1
-            self.m_requests.labels(code=str(status)).inc()
-            self.m_duration.observe(time.perf_counter() - t0)
+            self.metrics.requests.labels(code=str(status)).inc()
+            self.metrics.duration.observe(time.perf_counter() - t0)
             if self.active == 0 and self.draining and self._idle is not None:
                 self._idle.set()
 
@@ -418,20 +374,13 @@ class EmbeddingServer:
         return texts, fmt
 
     async def _embed(self, texts: list[str], fmt: str) -> bytes:
-        assert self.service is not None
-        ids = await self.service.atokenize(texts)
+        ids = await atoken_ids(self.model, texts)
         try:
-            emb = await self.service.embed_ids(ids)
-        except OverloadedError as e:
-            raise RequestError(429, f"the server is overloaded: {e}", type_="rate_limit_error",
-                               code="overloaded") from None
-        except DeviceLostError as e:
-            self.lost = str(e)
-            raise RequestError(503, f"the GPU device was lost: {e}", type_="server_error",
-                               code="device_lost") from None
-        except HeteroError as e:
-            raise RequestError(500, f"embedding failed: {e}", type_="server_error", code="internal_error") from None
-        self.m_inputs.inc(len(texts))
+            emb = await self.backend.embed_ids(ids)
+        except EngineError as e:
+            raise RequestError(e.status, e.message, type_="rate_limit_error" if e.status == 429 else "server_error",
+                               code=e.code) from None
+        self.metrics.inputs.inc(len(texts))
         return encode_embeddings(emb, fmt, self.model_name, sum(len(x) for x in ids))
 
 
@@ -544,69 +493,107 @@ def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, ba
                                   reuse_port=reuse_port), backend=backend)
 
 
-def _worker_main(options: dict[str, Any], host: str, port: int, backend: str) -> None:
-    serve(EmbeddingServer(**options), host, port, backend, reuse_port=True)
+def _front_main(options: dict[str, Any], host: str, port: int, backend: str, address_file: str, secret: bytes
+                ) -> None:
+    serve(EmbeddingServer(**options, engine=EngineClient(address_file, secret)), host, port, backend, reuse_port=True)
+
+
+def _engine_main(options: dict[str, Any], address_file: str, secret: bytes, backend: str) -> None:
+    from .embed import get_model
+
+    model = get_model(options.get("model", "minilm"))
+    metrics = ServeMetrics(lambda: 0, lambda: 0)
+    engine = EmbeddingEngine(model, int8=options.get("int8", False),
+                             **{k: options[k] for k in ("max_batch_tokens", "max_queued", "max_in_flight", "precapture")
+                                if k in options},
+                             on_batch=metrics.on_batch, gauges=metrics.set_gauges)
+
+    # Ctrl-C reaches the whole process group: the fronts drain, and the parent sends this
+    # process SIGTERM once they are done.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    async def main() -> None:
+        async with engine.running(), anyio.create_task_group() as tg:
+            await tg.start(engine.serve_fronts, address_file, secret)
+            with anyio.open_signal_receiver(signal.SIGTERM) as received:
+                async for _ in received:
+                    break  # the fronts have drained (the parent stops them first): close
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend=backend)
 
 
 def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, workers: int,
                   ready: Callable[[str], None] | None = None) -> int:
-    """Serve with ``workers`` processes, each an :class:`EmbeddingServer` (its own Runtime and device)
-    listening on one port (SO_REUSEPORT: the kernel spreads connections over them).
+    """Serve with ``workers`` HTTP front processes listening on one port (SO_REUSEPORT: the kernel
+    spreads connections over them) and one engine process that embeds for all of them.
 
-    ``options`` are EmbeddingServer's keyword arguments (picklable: the model as a path).
-    /metrics sums every worker's counters, histograms and gauges; /health and /info answer for
-    the worker that took the connection. SIGTERM or SIGINT shut every worker down gracefully.
-    Returns 0, or 1 if a worker exited on its own.
+    The fronts parse requests, tokenize and encode answers; the engine owns the Runtime and
+    the batcher, so the sentences of every front share its GPU batches
+    (:mod:`hetero.pipelines.serve_engine`). ``options`` are EmbeddingServer's keyword
+    arguments (picklable: the model as a path). /metrics sums every process's counters,
+    histograms and gauges; /health and /info answer for the front that took the connection.
+    SIGTERM or SIGINT shut down gracefully: the fronts finish their requests in flight, then
+    the engine stops. Returns 0, or 1 if a process exited on its own.
     """
     import multiprocessing
+    import secrets
     import shutil
     import tempfile
 
     probe = listen_socket(host, port, reuse_port=True, listen=False)  # a port that is taken fails here
     port = probe.getsockname()[1]
-    metrics_dir = tempfile.mkdtemp(prefix="hetero-serve-metrics-")
+    private = tempfile.mkdtemp(prefix="hetero-serve-")  # mode 0700: the engine's address and the metric files
+    metrics_dir = os.path.join(private, "metrics")
+    os.mkdir(metrics_dir)
+    address_file = os.path.join(private, "engine.port")
+    secret = secrets.token_bytes(32)
     saved_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the workers before they import it
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the processes before they import it
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, args=(options, host, port, backend), name=f"hetero-serve-{i}")
-             for i in range(workers)]
+    engine = ctx.Process(target=_engine_main, args=(options, address_file, secret, backend),
+                         name="hetero-serve-engine")
+    fronts = [ctx.Process(target=_front_main, args=(options, host, port, backend, address_file, secret),
+                          name=f"hetero-serve-{i}") for i in range(workers)]
     stopping = False
 
-    def forward(signum: int, frame: Any) -> None:
+    def stop_fronts(signum: int, frame: Any) -> None:
         nonlocal stopping
         stopping = True
-        for proc in procs:
-            if proc.pid is not None and proc.exitcode is None:
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        _signal_all(fronts)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, stop_fronts) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        for i, proc in enumerate(procs):
+        for i, proc in enumerate([engine, *fronts]):
             try:
                 proc.start()
             except Exception as e:
-                # The workers started before it would serve on alone: stop them first.
-                forward(signal.SIGTERM, None)
-                _reap(procs[:i], graceful_timeout=_WORKER_STOP_S)
-                raise HeteroError(f"cannot start worker process {proc.name} ({i + 1} of {workers}): "
-                                  f"{type(e).__name__}: {e}; stopped the {i} worker{'s' if i != 1 else ''} "
-                                  "started before it") from e
+                # The processes started before it would serve on alone: stop them first.
+                started = fronts[:i - 1]
+                _signal_all(started)
+                _reap(started, graceful_timeout=_WORKER_STOP_S)
+                if i:
+                    _signal_all([engine])
+                    _reap([engine], graceful_timeout=_WORKER_STOP_S)
+                what = "the engine process" if i == 0 else f"worker process {proc.name} ({i} of {workers})"
+                stopped = "" if i == 0 else f"; stopped the engine and the {i - 1} worker{'s' if i != 2 else ''} " \
+                    "started before it"
+                raise HeteroError(f"cannot start {what}: {type(e).__name__}: {e}{stopped}") from e
         probe.close()
         if ready is not None:
             shown = f"[{host}]" if ":" in host else host
             ready(f"http://{shown}:{port}")
-        while any(proc.exitcode is None for proc in procs):
-            for proc in procs:
-                proc.join(0.2)
+        while any(proc.exitcode is None for proc in fronts):
+            for proc in [*fronts, engine]:
+                proc.join(0.1)
                 if proc.exitcode is not None and not stopping:
-                    print(f"hetero serve: worker {proc.name} exited with status {proc.exitcode}; stopping the others",
+                    print(f"hetero serve: {proc.name} exited with status {proc.exitcode}; stopping the others",
                           file=sys.stderr, flush=True)
                     status = 1
-                    forward(signal.SIGTERM, None)
+                    stop_fronts(signal.SIGTERM, None)
+        _signal_all([engine])  # every front has finished its requests: the engine may close
+        _reap([engine], graceful_timeout=_WORKER_STOP_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -615,8 +602,18 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved_env
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     return status
+
+
+def _signal_all(procs: list[Any]) -> None:
+    """SIGTERM to each of ``procs`` still running."""
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 # How long a worker may take to shut down gracefully after SIGTERM before it is killed.
@@ -662,8 +659,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=positive_int, default=4096, metavar="N",
                    help="sentences waiting for a batch before requests get 429 (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
-                   help="server processes on the port, each with its own runtime and batcher; /metrics sums "
-                   "them (default: %(default)s)")
+                   help="HTTP front processes on the port (parsing, tokenizing, answering); with more than one, "
+                   "they share one engine process that owns the GPU and batches the sentences of all of them; "
+                   "/metrics sums them (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
     p.add_argument("--no-precapture", dest="precapture", action="store_false",
@@ -693,7 +691,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     workers = int(getattr(args, "workers", 1))
 
     def ready(url: str) -> None:
-        procs = f", {workers} worker processes" if workers > 1 else ""
+        procs = f", {workers} front processes and an engine process" if workers > 1 else ""
         print(f"hetero serve: {server.model_name} ({server.model.dim}-d) on {url} ({args.backend}{procs}); "
               "warming up, GET /health says when ready", file=out, flush=True)
 

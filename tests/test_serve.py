@@ -356,8 +356,11 @@ def test_serve_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "max_seq_length" in capsys.readouterr().err
 
 
-def test_worker_processes_and_sigterm(tmp_path: Path) -> None:
-    """``hetero serve --workers 2`` in a subprocess: both serve, /metrics sums them, SIGTERM stops all."""
+def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime) -> None:
+    """``hetero serve --workers 2`` in a subprocess: both fronts serve embed()'s vectors through the one
+    engine process, /metrics sums the fronts' requests and the engine's batches, SIGTERM stops all."""
+    from hetero.pipelines.embed import embed
+
     import os
     import signal
     import socket
@@ -386,13 +389,19 @@ def test_worker_processes_and_sigterm(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        ref = embed(TEXTS[:2], model=str(d), runtime=shared_rt)
         for _ in range(8):
             r = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=30)
             assert r.status_code == 200, r.text
+            got = np.array([row["embedding"] for row in r.json()["data"]], np.float32)
+            np.testing.assert_allclose(got, ref, atol=1e-5)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         ok = re_float(metrics, r'^hetero_embed_requests_total\{code="200"\} (\S+)$')
         assert ok >= 8  # the sum over both workers
         assert re_float(metrics, r"^hetero_embed_inputs_total (\S+)$") >= 16
+        # The engine process formed the batches: every sentence served went through one.
+        assert re_float(metrics, r"^hetero_embed_batch_size_sum (\S+)$") >= 16
+        assert re_float(metrics, r"^hetero_embed_batches_total (\S+)$") >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         log.seek(0)
@@ -432,8 +441,9 @@ def test_workers_on_a_taken_port_leave_nothing_behind(tmp_path: Path, monkeypatc
 
 
 def test_a_worker_that_cannot_start_stops_those_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The second of three workers fails to start (the OS refuses the process): the first, already
-    started, is stopped, the third never starts, and the error names the worker and the cause."""
+    """The second of three workers fails to start (the OS refuses the process): the engine and the
+    first worker, already started, are stopped, the third never starts, and the error names the
+    worker and the cause."""
     import multiprocessing
     import os
     import tempfile
@@ -457,10 +467,10 @@ def test_a_worker_that_cannot_start_stops_those_started(tmp_path: Path, monkeypa
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     try:
         with pytest.raises(hetero.HeteroError, match=r"^cannot start worker process hetero-serve-1 \(2 of 3\): "
-                           r"OSError: \[Errno 12\] Cannot allocate memory; stopped the 1 worker started "
-                           r"before it$"):
+                           r"OSError: \[Errno 12\] Cannot allocate memory; stopped the engine and the 1 worker "
+                           r"started before it$"):
             serve_workers(dict(model=str(d), max_batch_tokens=256, precapture=False), "127.0.0.1", 0, "asyncio", 3)
-        assert tried == ["hetero-serve-0", "hetero-serve-1"]
+        assert tried == ["hetero-serve-engine", "hetero-serve-0", "hetero-serve-1"]
         assert [p.name for p in multiprocessing.active_children() if p.name.startswith("hetero-serve-")] == []
     finally:
         for p in multiprocessing.active_children():  # what a failure above left running
