@@ -109,13 +109,16 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
 
     async def main() -> list[tuple[float, float, int]]:
         results: list[tuple[float, float, int]] = []
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-            t0 = time.monotonic() + (start_wall - time.time())
+        t0 = time.monotonic() + (start_wall - time.time())
+        # One connection per client, each its own httpx client: a shared pool checks every
+        # pooled connection for expiry (two syscalls each) on every request, which made the load
+        # processes, not the server, the bottleneck at 256 clients.
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
-            async def one_client(k: int) -> None:
-                rng = np.random.default_rng(seed * 1_000_003 + k)
-                t = float(rng.exponential(clients / rate))
+        async def one_client(k: int) -> None:
+            rng = np.random.default_rng(seed * 1_000_003 + k)
+            t = float(rng.exponential(clients / rate))
+            async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
                 while t < duration:
                     delay = t0 + t - time.monotonic()
                     if delay > 0:
@@ -130,9 +133,9 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
                     results.append((t, time.monotonic() - (t0 + t), status))
                     t += float(rng.exponential(clients / rate))
 
-            async with anyio.create_task_group() as tg:
-                for k in range(clients):
-                    tg.start_soon(one_client, k)
+        async with anyio.create_task_group() as tg:
+            for k in range(clients):
+                tg.start_soon(one_client, k)
         return results
 
     return anyio.run(main)
