@@ -296,7 +296,7 @@ class Run:
         """
         n = len(self.plan.stages)
         with self.lock:
-            self.forgotten = True
+            self.forgotten = True  # first: stage_args reads the lists without the lock
             self.values, self.dev_values, self.uploaded = [None] * n, [None] * n, {}
 
     def set_value(self, i: int, *, host: Any = _KEEP, dev: Any = _KEEP) -> None:
@@ -310,11 +310,15 @@ class Run:
                     self.dev_values[i] = dev
 
     def stage_args(self, st: StagePlan) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """A CPU stage's arguments; None once the run's caller is gone."""
-        with self.lock:
-            if self.forgotten:
-                return None
-            values = self.values
+        """A CPU stage's arguments; None once the run's caller is gone.
+
+        Reads without the lock: the list is read before ``forgotten``, which
+        ``forget_values`` sets before it swaps the lists, so a list read while the
+        flag is still clear is the run's own.
+        """
+        values = self.values
+        if self.forgotten:
+            return None
         return self.args_for(st, values)
 
     def _check_timeouts(self) -> float:
