@@ -8,7 +8,7 @@ values must come back to the host, and critical-path priorities.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -54,6 +54,22 @@ class StagePlan:
     # Plan.variants (kind "cpu" or "gpu"). Placed on the GPU it is planned like a GPU stage
     # (mixed consumers count as GPU consumers; a CPU-placed one downloads what it reads).
     mixed: bool = False
+    # Derived from the fields above (and again by dataclasses.replace), for the workers:
+    # the positional arguments with the constants in place, and where the stage values
+    # and graph inputs go.
+    arg_consts: tuple[Any, ...] = field(init=False)
+    arg_nodes: tuple[tuple[int, int], ...] = field(init=False)
+    arg_inputs: tuple[tuple[int, str], ...] = field(init=False)
+    # A CPU stage of the thread pool with nothing to watch or place: no timeout, not a
+    # process stage, not a placed mixed stage.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        init = object.__setattr__
+        init(self, "arg_consts", tuple(ref if kind == ARG_CONST else None for kind, ref in self.args))
+        init(self, "arg_nodes", tuple((p, ref) for p, (kind, ref) in enumerate(self.args) if kind == ARG_NODE))
+        init(self, "arg_inputs", tuple((p, ref) for p, (kind, ref) in enumerate(self.args) if kind == ARG_INPUT))
+        init(self, "plain", self.kind == "cpu" and self.simple and not self.process and not self.mixed)
 
 
 class Plan:

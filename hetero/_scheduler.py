@@ -461,9 +461,12 @@ class Run:
 
     def args_for(self, st: StagePlan, values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         inputs = self.inputs
-        args = tuple(
-            values[ref] if kind == ARG_NODE else (ref if kind == ARG_CONST else inputs[ref]) for kind, ref in st.args
-        )
+        filled = [*st.arg_consts]
+        for p, ref in st.arg_nodes:
+            filled[p] = values[ref]
+        for p, name in st.arg_inputs:
+            filled[p] = inputs[name]
+        args = tuple(filled)
         if not st.kwargs:
             return args, {}
         kwargs = {
@@ -497,8 +500,8 @@ class Run:
             if not self.forgotten:
                 self.values[i] = value
                 self.dev_values[i] = value
-            ready_gpu = self._count_down(gpu_consumers)
-            ready_cpu = self._count_down(cpu_consumers)
+            ready_gpu = self._count_down(gpu_consumers) if gpu_consumers else []
+            ready_cpu = self._count_down(cpu_consumers) if cpu_consumers else []
             self.unfinished -= 1
             last = self.unfinished == 0
         if last:
@@ -701,40 +704,47 @@ class Scheduler:
         """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready."""
         stages = run.stages
         tl = run.tl
+        queued, started, recorded, completed = tl.queued, tl.started, tl.recorded, tl.completed
+        perf_ns = time.perf_counter_ns
         value: Any = None
         try:
             while True:
                 if run.stopped:
                     return
                 st = stages[i]
-                if st.process:
+                plain = st.plain  # nothing below but the function, its retries and the timeline
+                if not plain and st.process:
                     self.run_process(run, i)
                     return
                 attempt = 0
-                tl.started[i] = time.perf_counter_ns()
-                if not st.simple:
-                    run.begin_timed(st)
+                started[i] = perf_ns()
                 host_args = None
-                if st.mixed:  # placed on the CPU: device values come to the host first
-                    try:
-                        host_args = self._host_args(run, st)
-                    except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
-                        if not st.simple:
-                            run.timed_started.pop(i, None)
-                        run.fail(st, e)
-                        return
-                    if host_args is None:
-                        return  # stopped, and its caller is gone
                 t_fn = 0
+                if not plain:
+                    if not st.simple:
+                        run.begin_timed(st)
+                    if st.mixed:  # placed on the CPU: device values come to the host first
+                        try:
+                            host_args = self._host_args(run, st)
+                        except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
+                            if not st.simple:
+                                run.timed_started.pop(i, None)
+                            run.fail(st, e)
+                            return
+                        if host_args is None:
+                            return  # stopped, and its caller is gone
                 while True:
                     attempt += 1
                     try:
                         # Locals here outlive a failure (in the traceback of the error the caller
                         # gets): they hold the stage's own arguments, never the run's other values.
-                        got = host_args if host_args is not None else run.stage_args(st)
-                        if got is None:
-                            return  # stopped, and its caller is gone
-                        t_fn = time.perf_counter_ns()
+                        if host_args is None:
+                            got = run.stage_args(st)
+                            if got is None:
+                                return  # stopped, and its caller is gone
+                        else:
+                            got = host_args
+                            t_fn = perf_ns()  # a placed stage is charged its function's time
                         value = st.fn(*got[0], **got[1])
                         break
                     except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
@@ -744,14 +754,14 @@ class Scheduler:
                             run.fail(st, e, attempt)
                             return
                 got = host_args = None
-                tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
-                if st.mixed:
+                done = recorded[i] = completed[i] = perf_ns()
+                if not plain and st.mixed:
                     for d in st.gpu_deps:  # downloaded: the device values may go
                         run.drop_hold(d)
-                    self.placement_done(run, i, (tl.completed[i] - t_fn) / 1e9)
+                    self.placement_done(run, i, (done - t_fn) / 1e9)
                 if self.tracer is not None:
-                    self.tracer.span(st.name, "cpu", tl.started[i], tl.completed[i], args=_span_args(run, i))
-                if not st.simple and not run.end_timed(st):
+                    self.tracer.span(st.name, "cpu", started[i], done, args=_span_args(run, i))
+                if not plain and not st.simple and not run.end_timed(st):
                     return
                 ready, ready_cpu = run.complete(i, value, st.gpu_consumers, st.cpu_consumers)
                 value = None
@@ -761,7 +771,7 @@ class Scheduler:
                     return
                 # Consumers come sorted by priority: continue with the first on this thread.
                 i = ready_cpu[0]
-                tl.queued[i] = tl.completed[st.index]
+                queued[i] = done
                 if len(ready_cpu) > 1:
                     self.dispatch(run, ready_cpu[1:])
         except BaseException as e:  # noqa: BLE001 - a defect here must fail the run, not hang it
