@@ -161,6 +161,13 @@ class Plan:
                 reads.setdefault(reader, []).append(i)
         self.shared_reads: dict[int, tuple[int, ...]] = {r: tuple(sorted(v)) for r, v in reads.items()}
         self.stages: tuple[StagePlan, ...] = tuple(stages)
+        # What each run starts from (Run copies them): the dependencies each stage waits
+        # for, and the holds on each value's device memory (a GPU value: one per GPU
+        # consumer still to be enqueued, one for its download, one while it is recorded; a
+        # shared upload: one per reader).
+        self.n_deps: tuple[int, ...] = tuple(s.n_deps for s in stages)
+        self.holds: tuple[int, ...] = tuple(len(s.gpu_consumers) + s.fence + 1 if s.kind != "cpu"
+                                            else self.shared_uploads.get(s.index, 0) for s in stages)
         self.order: tuple[int, ...] = tuple(order)
         self.roots: tuple[int, ...] = tuple(sorted((i for i in order if not deps[i]), key=lambda i: -priority[i]))
         self.outputs: tuple[ArgSpec, ...] = tuple(_arg(v) for v in graph.outputs)

@@ -187,17 +187,15 @@ class Run:
         self.open_placements: dict[int, Placement] = {}  # placed and not finished: their queue-wait charge
         self.values: list[Any] = [None] * n  # host-side values (what CPU stages and the caller see)
         self.dev_values: list[Any] = [None] * n  # what GPU stages see (Tensors stay Tensors)
-        self.remaining = [s.n_deps for s in plan.stages]
+        self.remaining = list(plan.n_deps)
         self.unfinished = n
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self.stopped = False  # failed, cancelled or done: start nothing more
         self.done = False
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
-        # Device memory: a GPU value's blocks are held while holds[i] > 0 (one per GPU
-        # consumer still to be enqueued, one for its download, one while it is recorded).
-        self.holds = [len(s.gpu_consumers) + s.fence + 1 if s.kind != "cpu" else plan.shared_uploads.get(s.index, 0)
-                      for s in plan.stages]
+        # Device memory: a GPU value's blocks are held while holds[i] > 0 (see Plan.holds).
+        self.holds = list(plan.holds)
         # CPU values uploaded once for all their GPU readers (plan.shared_uploads): the
         # device-side structure, held (holds[i], one per reader) like a GPU value.
         self.uploaded: dict[int, Any] = {}
