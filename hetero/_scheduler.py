@@ -112,7 +112,10 @@ class WorkerPool:
         self._on_start = on_start  # called once, before the threads start
         self._busy = 0
         self._heap: list[tuple[Any, int, Callable[[], None]]] = []
-        self._cv = threading.Condition(threading.Lock())
+        # Held directly (``with self._lock``) where nothing waits: the same as holding the
+        # condition, without its Python-level __enter__ and __exit__.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._arrival = itertools.count()
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -126,14 +129,14 @@ class WorkerPool:
             self._threads.append(t)
 
     def submit(self, key: Any, job: Callable[[], None]) -> None:
-        with self._cv:
+        with self._lock:
             if not self._threads:
                 self._start()
             heapq.heappush(self._heap, (key, next(self._arrival), job))
             self._cv.notify()
 
     def submit_many(self, items: list[tuple[Any, Callable[[], None]]]) -> None:
-        with self._cv:
+        with self._lock:
             if not self._threads:
                 self._start()
             for key, job in items:
@@ -141,20 +144,21 @@ class WorkerPool:
             self._cv.notify(len(items))
 
     def _work(self) -> None:
-        heap, cv, on_idle = self._heap, self._cv, self._on_idle
+        heap, lock, cv, on_idle = self._heap, self._lock, self._cv, self._on_idle
+        heappop = heapq.heappop
         while True:
-            with cv:
+            with lock:
                 while not heap:
                     if self._closed:
                         return
                     cv.wait()
-                job = heapq.heappop(heap)[2]
+                job = heappop(heap)[2]
                 self._busy += 1
             try:
                 job()  # jobs catch their own errors
             except BaseException:  # pragma: no cover - a defect: keep the thread serving the queue
                 log.exception("%s: a job failed", self.name)
-            with cv:
+            with lock:
                 self._busy -= 1
                 idle = not self._busy and not heap
             if idle and on_idle is not None:
@@ -568,13 +572,16 @@ class Scheduler:
 
     def dispatch(self, run: Run, ready: list[int]) -> None:
         """Queue ready stages on the pool of their kind (a mixed stage: where it is placed now)."""
-        stages = run.stages
+        stages, seq, run_cpu = run.stages, run.seq, self.run_cpu
         cpu_jobs, gpu_jobs = [], []
         queued, now = run.tl.queued, time.perf_counter_ns()
         for i in ready:
             queued[i] = now
             st = stages[i]
-            key = (run.seq, -st.priority)
+            key = (seq, -st.priority)
+            if st.plain:
+                cpu_jobs.append((key, _bind(run_cpu, run, i)))
+                continue
             if st.kind == "mixed":
                 placed = self._place(run, st)
                 if placed is None:  # the device is not open yet: a GPU worker opens it, then places
@@ -584,7 +591,7 @@ class Scheduler:
             if st.process:
                 cpu_jobs.append((key, _bind(self.run_process, run, i)))
             elif st.kind == "cpu":
-                cpu_jobs.append((key, _bind(self.run_cpu, run, i)))
+                cpu_jobs.append((key, _bind(run_cpu, run, i)))
             else:
                 gpu_jobs.append((key, _bind(self.run_gpu, run, i)))
         if cpu_jobs:
