@@ -98,11 +98,12 @@ async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.
 
 # -- the load processes ------------------------------------------------------------------------------------
 def load_process(url: str, texts: list[str], clients: int, rate: float, duration: float, start_wall: float,
-                 seed: int, timeout: float) -> list[tuple[float, float, int]]:
+                 seed: int, timeout: float) -> tuple[list[tuple[float, float, int]], float]:
     """Run ``clients`` Poisson clients (``rate`` requests/s in all) from ``start_wall`` for ``duration`` s.
 
     Returns ``(scheduled offset s, latency s from the scheduled time, HTTP status)`` per request
-    (status 0: a transport error).
+    (status 0: a transport error), and this process's CPU seconds per wall second while it ran
+    (near 1.0: the load process, not the server, limits the rate).
     """
     import anyio
     import httpx
@@ -138,7 +139,10 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
                 tg.start_soon(one_client, k)
         return results
 
-    return anyio.run(main)
+    lead = max(0.0, start_wall - time.time())  # waited before the first request, not counted
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    rows = anyio.run(main)
+    return rows, (time.process_time() - cpu0) / max(time.monotonic() - wall0 - lead, 1e-9)
 
 
 def batch_histogram(metrics: str) -> dict[str, float]:
@@ -161,15 +165,16 @@ def histogram_delta(before: dict[str, float], after: dict[str, float]) -> dict[s
     return out
 
 
-def process_tree_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) used so far by ``pid`` and its live child processes, all their threads,
-    and by their main threads alone (a server's event loops); Linux /proc, else zeros."""
+def process_tree_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """CPU seconds (user + system) used so far by ``pid`` and each of its live child processes, all
+    their threads, and by their main threads alone (a server's event loops), by process id; Linux
+    /proc, else empty."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = loops = 0.0
+    out: dict[int, tuple[float, float]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return 0.0, 0.0
+        return out
     for name in entries:
         if not name.isdigit():
             continue
@@ -183,9 +188,8 @@ def process_tree_cpu(pid: int) -> tuple[float, float]:
                 main = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-        loops += (int(main[11]) + int(main[12])) / tick
-    return total, loops
+        out[int(name)] = ((int(fields[11]) + int(fields[12])) / tick, (int(main[11]) + int(main[12])) / tick)
+    return out
 
 
 def percentile(xs: np.ndarray, q: float) -> float | None:
@@ -310,13 +314,19 @@ def main(argv: list[str] | None = None) -> int:
                 shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
                 total = args.warmup + args.duration
                 before = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
-                (cpu0, loop0), wall0 = process_tree_cpu(server.pid), time.monotonic()
+                tree0, wall0 = process_tree_cpu(server.pid), time.monotonic()
                 start_wall = time.time() + 2.0
                 futures = [pool.submit(worker, url, texts, c, rate * c / clients, total, start_wall,
                                        li * 1000 + k, args.timeout) for k, c in enumerate(shares)]
-                rows = [r for f in futures for r in f.result()]
-                cpu1, loop1 = process_tree_cpu(server.pid)
-                cpu_s, loop_s, wall_s = cpu1 - cpu0, loop1 - loop0, time.monotonic() - wall0 - 2.0
+                done = [f.result() for f in futures]
+                rows = [r for part, _ in done for r in part]
+                tree1 = process_tree_cpu(server.pid)
+                wall_s = time.monotonic() - wall0 - 2.0
+                used = {p: (c - tree0.get(p, (0.0, 0.0))[0], lp - tree0.get(p, (0.0, 0.0))[1])
+                        for p, (c, lp) in tree1.items()}
+                cpu_s, loop_s = sum(c for c, _ in used.values()), sum(lp for _, lp in used.values())
+                per_wall = sorted(((c / wall_s, lp / wall_s) for c, lp in used.values() if c > 0), reverse=True) \
+                    if wall_s > 0 else []
                 after = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
                 sched = np.array([r[0] for r in rows])
                 lat = np.array([r[1] for r in rows])
@@ -343,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                         "server_cpu_ms_per_request": round(cpu_s / max(len(rows), 1) * 1e3, 3),
                         # of which the event loops' threads (HTTP, JSON, tokenizing, the batcher)
                         "server_loop_cpu_ms_per_request": round(loop_s / max(len(rows), 1) * 1e3, 3),
-                        "server_cpu_per_wall_s": round(cpu_s / wall_s, 2) if wall_s > 0 else None}
+                        "server_cpu_per_wall_s": round(cpu_s / wall_s, 2) if wall_s > 0 else None,
+                        # each server process (busiest first): CPU per wall second, all threads / main thread
+                        "server_processes_cpu_per_wall_s": [[round(c, 2), round(lp, 2)] for c, lp in per_wall],
+                        # each load process: CPU per wall second (near 1.0: the load side limits the rate)
+                        "load_cpu_per_wall_s": sorted((round(x, 2) for _, x in done), reverse=True)}
                 emit(**line, **common)
                 summary[clients] = line
     finally:
