@@ -28,13 +28,17 @@ def padded_cost(costs: Sequence[int]) -> int:
 
 
 class _Item:
-    __slots__ = ("inputs", "cost", "arrived", "event", "result", "error", "done")
+    __slots__ = ("inputs", "cost", "arrived", "event", "result", "error", "done", "on_done", "index")
 
-    def __init__(self, inputs: dict[str, Any], cost: int) -> None:
+    def __init__(self, inputs: dict[str, Any], cost: int,
+                 on_done: Callable[[int, Any, BaseException | None], None] | None = None, index: int = 0) -> None:
         self.inputs = inputs
         self.cost = cost
         self.arrived = time.monotonic()
-        self.event = anyio.Event()
+        # A caller waiting in a task waits on the event; a submitter gets on_done(index, ...) instead.
+        self.event = anyio.Event() if on_done is None else None
+        self.on_done = on_done
+        self.index = index
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
@@ -148,6 +152,7 @@ class Batcher:
         results: list[Any] = []
         try:
             for item in admitted:
+                assert item.event is not None
                 await item.event.wait()
         finally:
             self._forget(admitted)
@@ -156,6 +161,20 @@ class Batcher:
                 raise item.error
             results.append(item.result)
         return results
+
+    def submit(self, items: Sequence[Mapping[str, Any]],
+               on_done: Callable[[int, Any, BaseException | None], None]) -> None:
+        """Submit several items without waiting for them, from the batcher's event loop.
+
+        ``on_done(i, result, error)`` is called on the event loop once item ``i`` (its index
+        in ``items``) has finished: with its share of the batch's outputs, or with the error
+        that failed its batch. Admission is as for :meth:`gather`: all items or none, and
+        :class:`~hetero.OverloadedError` at once when the queue is full. Submitted items
+        cannot be withdrawn; they run even if their result is no longer wanted. For servers
+        that answer many requests from one task (no task per item); an exception raised by
+        ``on_done`` is ignored.
+        """
+        self._admit(list(items), on_done)
 
     async def aclose(self) -> None:
         """Stop taking items; let queued items and running batches finish; stop the dispatching task."""
@@ -172,12 +191,13 @@ class Batcher:
         await self.aclose()
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, inputs: list[Any]) -> list[_Item]:
+    def _admit(self, inputs: list[Any],
+               on_done: Callable[[int, Any, BaseException | None], None] | None = None) -> list[_Item]:
         if self._closing or self._closed:
             raise RuntimeClosedError("this batcher is closed; create a new one with rt.batcher(...)")
         self.runtime._check_open()
         items = []
-        for x in inputs:
+        for i, x in enumerate(inputs):
             if not isinstance(x, Mapping):
                 raise InputError(f"batcher items must be dicts of graph inputs, got {type(x).__name__}")
             self._plan.check_inputs(x)
@@ -186,7 +206,7 @@ class Batcher:
                 c = self.cost(x)
                 if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
                     raise HeteroError(f"batcher: cost() must return an integer >= 0, got {c!r}")
-            items.append(_Item(dict(x), int(c)))
+            items.append(_Item(dict(x), int(c), on_done, i))
         if len(self._queue) + len(items) > self.max_queued:
             raise OverloadedError(
                 f"the batcher of graph {self.graph.name!r} is overloaded: {len(self._queue)} items queued, "
@@ -197,6 +217,7 @@ class Batcher:
         return items
 
     async def _await(self, item: _Item) -> Any:
+        assert item.event is not None
         try:
             await item.event.wait()
         finally:
@@ -405,4 +426,10 @@ class Batcher:
         item.done = True
         item.result = result
         item.error = error
-        item.event.set()
+        if item.event is not None:
+            item.event.set()
+        elif item.on_done is not None:
+            try:
+                item.on_done(item.index, result, error)
+            except Exception:
+                pass  # a submitter's failure must not fail the batch for the others

@@ -776,6 +776,30 @@ class EmbeddingService:
             return np.zeros((0, self.model.dim), np.float32)
         return np.stack(rows)
 
+    def submit_ids(self, ids: Sequence[np.ndarray], on_done: Callable[[np.ndarray | None, BaseException | None], None]
+                   ) -> None:
+        """:meth:`embed_ids` without waiting, from the event loop: ``on_done(rows, None)`` once every
+        sentence is embedded, or ``on_done(None, error)`` with the first error once all have
+        finished (:meth:`hetero.Batcher.submit`: an OverloadedError is raised at once)."""
+        n = len(ids)
+        if n == 0:
+            on_done(np.zeros((0, self.model.dim), np.float32), None)
+            return
+        rows = np.empty((n, self.model.dim), np.float32)
+        state: list[Any] = [n, None]  # sentences left, first error
+
+        def one(i: int, row: Any, error: BaseException | None) -> None:
+            if error is not None:
+                if state[1] is None:
+                    state[1] = error
+            else:
+                rows[i] = row
+            state[0] -= 1
+            if state[0] == 0:
+                on_done(None, state[1]) if state[1] is not None else on_done(rows, None)
+
+        self.batcher.submit([{"ids": x} for x in ids], one)
+
     async def aembed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of ``texts`` ``[len(texts), hidden]``, in order, through the batcher."""
         return await self.embed_ids(await self.atokenize(texts))

@@ -74,6 +74,7 @@ class _Link:
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
+        self.closed = False
         self._out = bytearray()
         self._wake = anyio.Event()
 
@@ -214,15 +215,23 @@ class EmbeddingEngine:
         assert self.service is not None, "EmbeddingEngine.embed_ids outside running()"
         try:
             return await self.service.embed_ids(ids)
-        except OverloadedError as e:
-            raise EngineError(429, f"the server is overloaded: {e}", "overloaded") from None
-        except DeviceLostError as e:
+        except HeteroError as e:
+            raise self._engine_error(e) from None
+
+    def _engine_error(self, e: BaseException) -> EngineError:
+        """The HTTP status and code that answer an embedding's error."""
+        if isinstance(e, EngineError):
+            return e
+        if isinstance(e, OverloadedError):
+            return EngineError(429, f"the server is overloaded: {e}", "overloaded")
+        if isinstance(e, DeviceLostError):
             if self.lost is None:
                 self.lost = f"the GPU device was lost ({e})"
                 self._tell_links()
-            raise EngineError(503, f"the GPU device was lost: {e}", "device_lost") from None
-        except HeteroError as e:
-            raise EngineError(500, f"embedding failed: {e}", "internal_error") from None
+            return EngineError(503, f"the GPU device was lost: {e}", "device_lost")
+        if isinstance(e, HeteroError):
+            return EngineError(500, f"embedding failed: {e}", "internal_error")
+        return EngineError(500, f"embedding failed: {type(e).__name__}: {e}", "internal_error")
 
     # -- the engine process's side of the links -------------------------------------------------
     async def serve_fronts(self, address_file: str, secret: bytes, *,
@@ -253,28 +262,40 @@ class EmbeddingEngine:
                 async for kind, body in frames:
                     if kind != _EMBED:
                         raise HeteroError(f"engine: a front sent a frame of unknown kind {kind}")
-                    rid, n = struct.unpack_from("<QI", body)
-                    lengths = np.frombuffer(body, np.uint32, n, 12)
-                    flat = np.frombuffer(body, np.int32, offset=12 + 4 * n)
-                    ids = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64)) if n else []
-                    tg.start_soon(self._embed_for, link, rid, ids)
-                tg.cancel_scope.cancel()  # the front left: its items are dropped
+                    self._submit(link, body)
+                tg.cancel_scope.cancel()  # the front left: stop its writer
         except Exception as e:  # one front's bad link never stops the engine serving the others
             print(f"hetero serve: engine: dropped a front's link: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
         finally:
+            link.closed = True  # the sentences it sent run on; their answers go nowhere
             self._links.discard(link)
 
-    async def _embed_for(self, link: _Link, rid: int, ids: list[np.ndarray]) -> None:
+    def _submit(self, link: _Link, body: bytes) -> None:
+        """One EMBED frame's sentences into the batcher; the answer goes back on ``link`` when all are done."""
+        assert self.service is not None
+        rid, n = struct.unpack_from("<QI", body)
+        if n == 1:
+            ids = [np.frombuffer(body, np.int32, offset=16)]
+        else:
+            lengths = np.frombuffer(body, np.uint32, n, 12)
+            flat = np.frombuffer(body, np.int32, offset=12 + 4 * n)
+            ids = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64)) if n else []
+
+        def done(rows: np.ndarray | None, error: BaseException | None) -> None:
+            if link.closed:
+                return
+            if rows is None:
+                e = self._engine_error(error or HeteroError("no rows"))
+                link.send(_ERROR, _ID.pack(rid), json.dumps({"status": e.status, "message": e.message,
+                                                             "code": e.code}).encode())
+            else:
+                link.send(_RESULT, _RESULT_HEAD.pack(rid, rows.shape[0], rows.shape[1]), rows.tobytes())
+
         try:
-            rows = np.ascontiguousarray(await self.embed_ids(ids), np.float32)
-        except Exception as exc:
-            e = exc if isinstance(exc, EngineError) else \
-                EngineError(500, f"embedding failed: {type(exc).__name__}: {exc}", "internal_error")
-            link.send(_ERROR, _ID.pack(rid), json.dumps({"status": e.status, "message": e.message,
-                                                         "code": e.code}).encode())
-            return
-        link.send(_RESULT, _RESULT_HEAD.pack(rid, rows.shape[0], rows.shape[1]), rows.tobytes())
+            self.service.submit_ids(ids, done)
+        except Exception as e:  # refused at once (overloaded, closing)
+            done(None, e)
 
     def _tell_links(self) -> None:
         body = _status_body(self)

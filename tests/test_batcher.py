@@ -201,6 +201,45 @@ async def test_overload_raises_at_once(rt: hetero.Runtime) -> None:
     assert results == {i: 2 * i for i in range(4)}
 
 
+async def test_submit_calls_back_per_item_without_tasks(rt: hetero.Runtime) -> None:
+    """submit(): every item's result (or its batch's error) reaches on_done on the loop, once; admission
+    is all or none; a failing on_done does not disturb the other items."""
+    seen: list[list[int]] = []
+    gate = threading.Event()
+    b = rt.batcher(doubling_graph(seen, delay=0.01, gate=gate), max_batch_size=3, max_in_flight=1, max_queued=8)
+    calls: list[tuple[str, int, object]] = []
+    loop_thread = threading.get_ident()
+
+    def on_done(tag: str) -> object:
+        def done(i: int, result: object, error: BaseException | None) -> None:
+            assert threading.get_ident() == loop_thread
+            calls.append((tag, i, error if error is not None else result))
+            if tag == "c":
+                raise RuntimeError("a submitter's bug")
+        return done
+
+    b.submit([{"x": 0}], on_done("a"))  # holds the gate: the next items queue behind it
+    while not seen:
+        await anyio.sleep(0.001)
+    b.submit([{"x": 1}, {"x": -1}, {"x": 2}], on_done("b"))  # one batch of three, poisoned
+    b.submit([{"x": 3}, {"x": 4}], on_done("c"))
+    with pytest.raises(hetero.OverloadedError, match="max_queued=8"):
+        b.submit([{"x": k} for k in range(10, 14)], on_done("d"))  # 5 queued + 4 > 8: none admitted
+    with pytest.raises(hetero.InputError):
+        b.submit([{"x": 5}, {"y": 6}], on_done("e"))  # a bad item: none admitted
+    assert b.queued == 5
+    gate.set()
+    with anyio.fail_after(30):
+        while len(calls) < 6:
+            await anyio.sleep(0.005)
+    await b.aclose()
+    by = {(tag, i): v for tag, i, v in calls}
+    assert len(calls) == 6 and by[("a", 0)] == 0 and by[("c", 0)] == 6 and by[("c", 1)] == 8
+    for i in range(3):
+        assert isinstance(by[("b", i)], hetero.StageError)
+    assert sorted(x for batch in seen for x in batch) == [-1, 0, 1, 2, 3, 4]
+
+
 async def test_several_outputs_and_lists(rt: hetero.Runtime) -> None:
     def work(xs: list[str], ys: list[int]) -> tuple[list[str], np.ndarray]:
         return [x.upper() for x in xs], np.stack([np.full(3, y) for y in ys])
