@@ -1,7 +1,8 @@
 """``hetero serve`` under open-loop load: throughput and latency beside in-process bulk ``embed()``.
 
     python -m bench serve [--model minilm|random|tiny|DIR] [--concurrency 1,16,256] [--duration 10]
-                          [--load 0.85] [--backend asyncio|trio] [--workers 1] [--int8] [--processes N]
+                          [--load 0.85] [--backend asyncio|trio] [--workers 1] [--engines 1] [--int8]
+                          [--processes N]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     p.add_argument("--int8", action="store_true")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
-    p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (server processes)")
+    p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (HTTP front processes)")
+    p.add_argument("--engines", type=int, default=1, help="hetero serve --engines (engine processes behind them)")
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
     common = {"model": args.model, "int8": args.int8, "backend": args.backend, "workers": args.workers,
+              "engines": args.engines,
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
 
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
            "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-queued", "65536", "--workers", str(args.workers)] + (["--int8"] if args.int8 else [])
+           "--max-queued", "65536", "--workers", str(args.workers), "--engines", str(args.engines)] + \
+        (["--int8"] if args.int8 else [])
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -524,36 +524,42 @@ def _engine_main(options: dict[str, Any], address_file: str, secret: bytes, back
 
 
 def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, workers: int,
-                  ready: Callable[[str], None] | None = None) -> int:
+                  ready: Callable[[str], None] | None = None, *, engines: int = 1) -> int:
     """Serve with ``workers`` HTTP front processes listening on one port (SO_REUSEPORT: the kernel
-    spreads connections over them) and one engine process that embeds for all of them.
+    spreads connections over them) and ``engines`` engine processes that embed for them.
 
-    The fronts parse requests, tokenize and encode answers; the engine owns the Runtime and
-    the batcher, so the sentences of every front share its GPU batches
-    (:mod:`hetero.pipelines.serve_engine`). ``options`` are EmbeddingServer's keyword
-    arguments (picklable: the model as a path). /metrics sums every process's counters,
-    histograms and gauges; /health and /info answer for the front that took the connection.
-    SIGTERM or SIGINT shut down gracefully: the fronts finish their requests in flight, then
-    the engine stops. Returns 0, or 1 if a process exited on its own.
+    The fronts parse requests, tokenize and encode answers; an engine owns a Runtime (a
+    device of its own) and the batcher, so the sentences of every front it serves share its
+    GPU batches (:mod:`hetero.pipelines.serve_engine`). Front ``i`` uses engine ``i %
+    engines``: one engine's host work is bound by one interpreter lock, several share the GPU.
+    ``options`` are EmbeddingServer's keyword arguments (picklable: the model as a path).
+    /metrics sums every process's counters, histograms and gauges; /health and /info answer
+    for the front that took the connection. SIGTERM or SIGINT shut down gracefully: the fronts
+    finish their requests in flight, then the engines stop. Returns 0, or 1 if a process
+    exited on its own.
     """
     import multiprocessing
     import secrets
     import shutil
     import tempfile
 
+    if isinstance(engines, bool) or not isinstance(engines, int) or not 1 <= engines <= workers:
+        raise HeteroError(f"--engines must be an integer from 1 to --workers ({workers}), got {engines!r}: each "
+                          "engine serves at least one front")
     probe = listen_socket(host, port, reuse_port=True, listen=False)  # a port that is taken fails here
     port = probe.getsockname()[1]
-    private = tempfile.mkdtemp(prefix="hetero-serve-")  # mode 0700: the engine's address and the metric files
+    private = tempfile.mkdtemp(prefix="hetero-serve-")  # mode 0700: the engines' addresses and the metric files
     metrics_dir = os.path.join(private, "metrics")
     os.mkdir(metrics_dir)
-    address_file = os.path.join(private, "engine.port")
+    addresses = [os.path.join(private, f"engine-{k}.port") for k in range(engines)]
     secret = secrets.token_bytes(32)
     saved_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the processes before they import it
     ctx = multiprocessing.get_context("spawn")
-    engine = ctx.Process(target=_engine_main, args=(options, address_file, secret, backend),
-                         name="hetero-serve-engine")
-    fronts = [ctx.Process(target=_front_main, args=(options, host, port, backend, address_file, secret),
+    engine_procs = [ctx.Process(target=_engine_main, args=(options, addresses[k], secret, backend),
+                                name="hetero-serve-engine" + (f"-{k}" if engines > 1 else ""))
+                    for k in range(engines)]
+    fronts = [ctx.Process(target=_front_main, args=(options, host, port, backend, addresses[i % engines], secret),
                           name=f"hetero-serve-{i}") for i in range(workers)]
     stopping = False
 
@@ -565,35 +571,38 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
     previous = {sig: signal.signal(sig, stop_fronts) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        for i, proc in enumerate([engine, *fronts]):
+        for i, proc in enumerate([*engine_procs, *fronts]):
             try:
                 proc.start()
             except Exception as e:
-                # The processes started before it would serve on alone: stop them first.
-                started = fronts[:i - 1]
-                _signal_all(started)
-                _reap(started, graceful_timeout=_WORKER_STOP_S)
+                # The processes started before it would serve on alone: stop them, fronts first.
+                started_fronts = fronts[:max(0, i - engines)]
+                for group in (started_fronts, engine_procs[:i]):
+                    _signal_all(group)
+                    _reap(group, graceful_timeout=_WORKER_STOP_S)
+                what = f"engine process {proc.name}" if i < engines else \
+                    f"worker process {proc.name} ({i - engines + 1} of {workers})"
+                stopped = ""
                 if i:
-                    _signal_all([engine])
-                    _reap([engine], graceful_timeout=_WORKER_STOP_S)
-                what = "the engine process" if i == 0 else f"worker process {proc.name} ({i} of {workers})"
-                stopped = "" if i == 0 else f"; stopped the engine and the {i - 1} worker{'s' if i != 2 else ''} " \
-                    "started before it"
+                    n_fronts, n_engines = len(started_fronts), min(i, engines)
+                    them = [("the engine" if n_engines == 1 else f"the {n_engines} engines") if n_engines else "",
+                            f"the {n_fronts} worker{'s' if n_fronts != 1 else ''}" if n_fronts else ""]
+                    stopped = f"; stopped {' and '.join(t for t in them if t)} started before it"
                 raise HeteroError(f"cannot start {what}: {type(e).__name__}: {e}{stopped}") from e
         probe.close()
         if ready is not None:
             shown = f"[{host}]" if ":" in host else host
             ready(f"http://{shown}:{port}")
         while any(proc.exitcode is None for proc in fronts):
-            for proc in [*fronts, engine]:
+            for proc in [*fronts, *engine_procs]:
                 proc.join(0.1)
                 if proc.exitcode is not None and not stopping:
                     print(f"hetero serve: {proc.name} exited with status {proc.exitcode}; stopping the others",
                           file=sys.stderr, flush=True)
                     status = 1
                     stop_fronts(signal.SIGTERM, None)
-        _signal_all([engine])  # every front has finished its requests: the engine may close
-        _reap([engine], graceful_timeout=_WORKER_STOP_S)
+        _signal_all(engine_procs)  # every front has finished its requests: the engines may close
+        _reap(engine_procs, graceful_timeout=_WORKER_STOP_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -662,6 +671,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="HTTP front processes on the port (parsing, tokenizing, answering); with more than one, "
                    "they share one engine process that owns the GPU and batches the sentences of all of them; "
                    "/metrics sums them (default: %(default)s)")
+    p.add_argument("--engines", type=positive_int, default=1, metavar="K",
+                   help="engine processes behind the --workers fronts (front i uses engine i mod K), each with "
+                   "a device of its own on the GPU: one engine's host work is bound by one interpreter lock "
+                   "(default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
     p.add_argument("--no-precapture", dest="precapture", action="store_false",
@@ -687,16 +700,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     options: dict[str, Any] = dict(model=args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
                                    max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
                                    precapture=bool(getattr(args, "precapture", True)))
-    server = EmbeddingServer(**options)  # loads the model: a bad --model or limit fails here, once
     workers = int(getattr(args, "workers", 1))
+    engines = int(getattr(args, "engines", 1))
+    if engines > 1 and workers < engines:
+        raise HeteroError(f"--engines {engines} needs at least as many --workers (each engine serves at least one "
+                          f"front), got --workers {workers}")
+    server = EmbeddingServer(**options)  # loads the model: a bad --model or limit fails here, once
 
     def ready(url: str) -> None:
-        procs = f", {workers} front processes and an engine process" if workers > 1 else ""
+        procs = f", {workers} front processes and " + ("an engine process" if engines == 1 else
+                                                         f"{engines} engine processes") if workers > 1 else ""
         print(f"hetero serve: {server.model_name} ({server.model.dim}-d) on {url} ({args.backend}{procs}); "
               "warming up, GET /health says when ready", file=out, flush=True)
 
     if workers > 1:
-        status = serve_workers(options, args.host, args.port, args.backend, workers, ready=ready)
+        status = serve_workers(options, args.host, args.port, args.backend, workers, ready=ready, engines=engines)
     else:
         serve(server, args.host, args.port, args.backend, ready=ready)
         status = 0

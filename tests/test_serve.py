@@ -357,8 +357,9 @@ def test_serve_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime) -> None:
-    """``hetero serve --workers 2`` in a subprocess: both fronts serve embed()'s vectors through the one
-    engine process, /metrics sums the fronts' requests and the engine's batches, SIGTERM stops all."""
+    """``hetero serve --workers 3 --engines 2`` in a subprocess: every front serves embed()'s vectors
+    (two of them through one engine, the third through the other), /metrics sums the fronts'
+    requests and the engines' batches, SIGTERM stops all."""
     from hetero.pipelines.embed import embed
 
     import os
@@ -375,13 +376,13 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
-                             "--workers", "2", "--max-batch-tokens", "256", "--no-precapture"],
+                             "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
         deadline = time.monotonic() + 120
         pids: set[int] = set()
-        while len(pids) < 2:  # every worker warmed up (new connections land on either)
+        while len(pids) < 3:  # every front's engine warmed up (new connections land on any front)
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
@@ -390,7 +391,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
                 pass
             time.sleep(0.1)
         ref = embed(TEXTS[:2], model=str(d), runtime=shared_rt)
-        for _ in range(8):
+        for _ in range(8):  # new connections: spread over the fronts
             r = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=30)
             assert r.status_code == 200, r.text
             got = np.array([row["embedding"] for row in r.json()["data"]], np.float32)
@@ -414,6 +415,16 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
             pass
         proc.wait()
         log.close()
+
+
+def test_engines_need_as_many_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetero.pipelines.serve import serve_workers
+
+    with pytest.raises(hetero.HeteroError, match=r"^--engines must be an integer from 1 to --workers \(2\), got 3"):
+        serve_workers({}, "127.0.0.1", 0, "asyncio", 2, engines=3)
+    d = write_random_model(tmp_path / "m", seed=8, **TINY)
+    assert cli_main(["serve", "--model", str(d), "--workers", "2", "--engines", "3"]) == 1
+    assert "--engines 3 needs at least as many --workers" in capsys.readouterr().err
 
 
 def test_workers_on_a_taken_port_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
