@@ -154,8 +154,12 @@ def test_lru_bounds_and_forget(shared_rt: hetero.Runtime) -> None:
 
 
 def test_calibration_timestamps_are_sampled() -> None:
-    cost = CostModel()
+    now = [100.0]
+    cost = CostModel(clock=lambda: now[0])
     timed = [cost.should_time("k") for _ in range(200)]
-    assert timed[:8] == [True] * 8 and sum(timed) == 8 + 3  # then dispatches 64, 128 and 192
-    assert timed[64] and timed[128] and not timed[65]
-    assert cost.should_time("other")
+    assert timed[:9] == [True] * 9 and sum(timed) == 9  # the first 8, then the first after them
+    now[0] += 0.5
+    assert not cost.should_time("k")  # within a second of the last sample
+    now[0] += 0.6
+    assert cost.should_time("k") and not cost.should_time("k")  # a second on: one more sample
+    assert cost.should_time("other")  # per kernel

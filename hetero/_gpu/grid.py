@@ -38,6 +38,8 @@ from __future__ import annotations
 import re
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,8 @@ GRID_NAMES = ("hetero_workgroup_id", "hetero_num_workgroups", "hetero_grid")
 # Until a kernel was measured, assume 2 µs of GPU time per workgroup: heavier than most
 # kernels, so the first submissions are smaller than needed rather than too long.
 DEFAULT_NS_PER_WORKGROUP = 2000.0
+# A calibrated kernel is timed again at most once per this many seconds (CostModel.should_time).
+RESAMPLE_S = 1.0
 
 
 def with_prelude(wgsl: str) -> str:
@@ -100,22 +104,32 @@ class DispatchInfo:
 class CostModel:
     """Nanoseconds per workgroup, per kernel, and the GPU time one submission may hold; thread-safe."""
 
-    def __init__(self, budget_ns: float = 100e6) -> None:
+    def __init__(self, budget_ns: float = 100e6, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.budget_ns = budget_ns  # the runtime's gpu_budget_ms: splitting and the recorder keep under it
         self._ns: dict[Any, float] = {}
         self._source: dict[Any, str] = {}
         self._timed: dict[Any, int] = {}  # dispatches of each kernel seen by should_time
+        self._next_sample: dict[Any, float] = {}  # when each calibrated kernel is timed again
+        self._clock = clock
         self._lock = threading.Lock()
 
     def should_time(self, key: Any) -> bool:
-        """Whether to wrap this dispatch of ``key`` in GPU timestamps: its first 8, then one in 64.
+        """Whether to wrap this dispatch of ``key`` in GPU timestamps: its first 8, then one a second.
 
-        Each timed submission costs a query resolve and a readback after its fence, so
-        a calibrated kernel is only re-measured now and then (to follow clock changes).
+        Each timed submission costs a query resolve and a readback after its fence, so a
+        calibrated kernel is re-measured only now and then (to follow clock changes), by
+        time rather than by count: a graph that dispatches many kernels per run would
+        otherwise time one of them in nearly every run.
         """
         n = self._timed.get(key, 0)
-        self._timed[key] = n + 1  # a lost update under a race only shifts the sampling
-        return n < 8 or n % 64 == 0
+        if n < 8:
+            self._timed[key] = n + 1  # a lost update under a race only shifts the sampling
+            return True
+        now = self._clock()
+        if now < self._next_sample.get(key, 0.0):
+            return False
+        self._next_sample[key] = now + RESAMPLE_S
+        return True
 
     def ns_per_workgroup(self, key: Any) -> float:
         return self._ns.get(key, DEFAULT_NS_PER_WORKGROUP)
