@@ -57,6 +57,9 @@ _ID = struct.Struct("<Q")
 _RESULT_HEAD = struct.Struct("<QII")
 _EMBED, _RESULT, _ERROR, _STATUS, _HELLO = 1, 2, 3, 4, 5
 _RECEIVE_BYTES = 1 << 20
+# The longest frame either side accepts: a request of --max-client-batch-size sentences of
+# max_seq_length tokens, or its rows, stays far below it.
+_MAX_FRAME = 1 << 30
 
 
 class EngineError(HeteroError):
@@ -93,9 +96,14 @@ class _Link:
                 data, self._out = self._out, bytearray()
                 await self.stream.send(bytes(data))
 
-    async def frames(self) -> AsyncIterator[tuple[int, bytes]]:
-        """``(kind, body)`` of each frame received, until the other side closes (then it returns)."""
+    async def frames(self, first_limit: int = _MAX_FRAME) -> AsyncIterator[tuple[int, bytes]]:
+        """``(kind, body)`` of each frame received, until the other side closes (then it returns).
+
+        A frame longer than ``_MAX_FRAME`` bytes (the first one: ``first_limit``) is a
+        HeteroError: the link is broken or not one of this server's.
+        """
         buf = bytearray()
+        limit = first_limit
         while True:
             try:
                 buf += await self.stream.receive(_RECEIVE_BYTES)
@@ -104,6 +112,9 @@ class _Link:
             pos = 0
             while len(buf) - pos >= _HEADER.size:
                 size, kind = _HEADER.unpack_from(buf, pos)
+                if size > limit:
+                    raise HeteroError(f"engine link: a frame of {size} bytes, more than the {limit} allowed")
+                limit = _MAX_FRAME
                 end = pos + _HEADER.size + size
                 if end > len(buf):
                     break
@@ -252,7 +263,7 @@ class EmbeddingEngine:
         link = _Link(stream)
         try:
             async with stream, anyio.create_task_group() as tg:
-                frames = link.frames()
+                frames = link.frames(first_limit=len(secret))
                 first = await anext(frames, None)
                 if first is None or first[0] != _HELLO or not hmac.compare_digest(first[1], secret):
                     return  # not one of this server's fronts

@@ -178,3 +178,21 @@ async def test_a_connection_without_the_secret_is_closed(tiny: Model, shared_rt:
                     await anyio.sleep(0.01)
             assert stranger.lost == "the embedding engine process stopped" and not stranger.ready
         assert engine._links == set()
+
+
+@pytest.mark.anyio
+async def test_a_stranger_announcing_a_huge_frame_is_dropped_at_once(tiny: Model, shared_rt: hetero.Runtime,
+                                                                     sock_path: str) -> None:
+    import struct
+
+    engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
+    async with engine_serving(engine, sock_path):
+        port = int(Path(sock_path).read_text())
+        async with await anyio.connect_tcp("127.0.0.1", port) as stranger:
+            await stranger.send(struct.pack("<IB", 1 << 31, 5))  # "a 2 GiB hello follows"
+            with anyio.fail_after(30), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await stranger.receive()  # closed by the engine without reading on
+        front = EngineClient(sock_path, SECRET)
+        async with front.running():
+            await ready(front)
+            assert (await front.embed_ids(token_ids(tiny, TEXTS[:1]))).shape == (1, tiny.dim)
