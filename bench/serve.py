@@ -77,22 +77,27 @@ def random_model(directory: Path, texts: list[str], **sizes: int) -> Path:
     return directory
 
 
-async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.Namespace) -> list[float]:
+async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.Namespace,
+                          gap: float) -> tuple[list[float], list[float]]:
     """Seconds per ``EmbeddingService.aembed([s])``, one sentence at a time (the server's path without
-    HTTP), after one call per sentence shape of the first 50 sentences (their shapes captured)."""
+    HTTP), after one call per sentence shape of the first 50 sentences (their shapes captured):
+    back to back, then with ``gap`` seconds idle before each call (one client's pace)."""
     from hetero.pipelines.embed import EmbeddingService
 
     svc = EmbeddingService(rt, model, int8=args.int8, max_batch_tokens=args.max_batch_tokens)
     try:
         for s in texts[:50]:
             await svc.aembed([s])
-        times = []
-        for i in range(args.single):
-            s = texts[(i * 7919) % len(texts)]
-            t0 = time.perf_counter()
-            await svc.aembed([s])
-            times.append(time.perf_counter() - t0)
-        return times
+        out: tuple[list[float], list[float]] = ([], [])
+        for times, pause in zip(out, (0.0, gap)):
+            for i in range(args.single):
+                s = texts[(i * 7919) % len(texts)]
+                if pause:
+                    await anyio.sleep(pause)
+                t0 = time.perf_counter()
+                await svc.aembed([s])
+                times.append(time.perf_counter() - t0)
+        return out
     finally:
         await svc.aclose()
 
@@ -260,7 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             embed([s], model=model, runtime=rt, int8=args.int8)
             single.append(time.perf_counter() - t0)
         single_s = float(np.median(single[10:]))
-        service_one = anyio.run(service_latency, rt, model, texts, args)
+        # One client's pace: the mean gap between its requests at the default one-client rate.
+        gap = 1.0 / (rates[levels.index(1)] if rates is not None and 1 in levels else 0.2 / single_s)
+        paced = []
+        for i in range(args.single):
+            s = texts[(i * 7919) % len(texts)]
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            embed([s], model=model, runtime=rt, int8=args.int8)
+            paced.append(time.perf_counter() - t0)
+        service_one, service_paced = anyio.run(service_latency, rt, model, texts, args, gap)
         adapter = rt.device().summary["summary"]
     finally:
         rt.close()
@@ -273,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
          calls=args.single, p50_ms=round(float(np.median(service_one)) * 1e3, 3),
          p90_ms=round(float(np.percentile(service_one, 90)) * 1e3, 3),
          p50_over_embed_one=round(float(np.median(service_one)) / single_s, 3))
+    # The same two with the machine idle between calls, as between one client's requests: how
+    # much of one client's latency is waking idle threads rather than serving.
+    emit(impl="embed([s]) at one client's pace", gap_ms=round(gap * 1e3, 1), **common, calls=args.single,
+         p50_ms=round(float(np.median(paced)) * 1e3, 3), p50_over_embed_one=round(float(np.median(paced)) / single_s, 3))
+    emit(impl="service aembed([s]) at one client's pace", gap_ms=round(gap * 1e3, 1), **common,
+         calls=args.single, p50_ms=round(float(np.median(service_paced)) * 1e3, 3),
+         p50_over_embed_one=round(float(np.median(service_paced)) / single_s, 3))
 
     # -- the server --------------------------------------------------------------------------------------
     with socket.socket() as s:
