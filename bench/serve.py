@@ -6,8 +6,14 @@
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
-``--repeats``) and the median latency of ``embed([s])`` for one sentence at a time, on a
-Runtime of its own (closed before the server starts).
+``--repeats``), the median latency of ``embed([s])`` for one sentence at a time, and that of
+the server's batcher path without HTTP (``EmbeddingService.aembed([s])``), on a Runtime of
+its own (closed before the server starts).
+
+Both are timed again at one client's pace (idle between calls, as between one client's
+requests), to tell waking idle threads from serving. With a one-client level, the HTTP floor:
+the same load code against hypercorn answering a constant body at that pace; the last line
+then says how far above it the one-client p50 is (the server's own work).
 
 Then ``hetero serve`` runs in a subprocess and, for each concurrency C of the sweep, C
 httpx clients (spread over up to ``--processes`` load processes, so that the client side is
@@ -17,7 +23,9 @@ offered rate is ``--load`` times the bulk throughput, but at most ``C * 0.5 / la
 client is busy at most half the time at its own pace) and, for one client, ``0.2 / latency``
 (so a lone request rarely waits for the one before it). ``--rates`` sets them instead.
 Latency counts from each request's scheduled send time, not from when it was sent (no
-coordinated omission: a request delayed behind a slow one counts its wait). The first
+coordinated omission: a request delayed behind a slow one counts its wait); load processes
+with at most four clients wake each client 2 ms early and yield until its send time, since a
+timer alone fires up to a millisecond late. The first
 ``--warmup`` seconds of each level are not counted.
 
 One JSON line per reference, one per level (throughput, p50/p90/p99, 429s and other
@@ -103,6 +111,78 @@ async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.
 
 
 # -- the load processes ------------------------------------------------------------------------------------
+SPIN_S = 0.002  # how early a client of a lightly loaded load process wakes before its send time
+SPIN_CLIENTS = 4  # load processes with at most this many clients spin
+
+
+async def floor_app(scope: Any, receive: Any, send: Any) -> None:
+    """An ASGI app that answers every request with a constant body of an embedding's size (the HTTP floor)."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    while (await receive()).get("more_body", False):
+        pass
+    body = FLOOR_BODY
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+# A response of one 384-d base64 embedding's size.
+FLOOR_BODY = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":"' + b"A" * 2048 + b'"}]}'
+
+
+def floor_server(port: int, backend: str) -> None:
+    """Serve :func:`floor_app` with hypercorn on ``port`` until killed (a process of its own)."""
+    import anyio
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.errorlog = None  # no "Running on" line among the bench's output
+    if backend == "trio":
+        from hypercorn.trio import serve as hserve_trio
+
+        anyio.run(hserve_trio, floor_app, config, backend="trio")
+    else:
+        from hypercorn.asyncio import serve as hserve
+
+        anyio.run(hserve, floor_app, config)
+
+
+def http_floor(texts: list[str], rate: float, duration: float, backend: str) -> list[float]:
+    """One client's latencies (s) against :func:`floor_app` on hypercorn, as the load processes measure them."""
+    import httpx
+
+    from bench.serve import floor_server as target  # by module name: picklable from `python -m bench.serve` too
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = get_context("spawn").Process(target=target, args=(port, backend), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={}, timeout=5)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or not proc.is_alive():
+                    raise SystemExit("bench serve: the HTTP floor server did not start") from None
+                time.sleep(0.05)
+        rows, _ = load_process(f"http://127.0.0.1:{port}", texts, 1, rate, duration, time.time() + 0.5, 7, 10.0)
+    finally:
+        proc.kill()
+        proc.join()
+    return [lat for t, lat, status in rows if status == 200 and t >= 1.0]
+
+
 def load_process(url: str, texts: list[str], clients: int, rate: float, duration: float, start_wall: float,
                  seed: int, timeout: float) -> tuple[list[tuple[float, float, int]], float]:
     """Run ``clients`` Poisson clients (``rate`` requests/s in all) from ``start_wall`` for ``duration`` s.
@@ -122,14 +202,22 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
         # processes, not the server, the bottleneck at 256 clients.
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
+        # With few clients per process, each wakes up to SPIN_S early and yields until its
+        # scheduled time: a timer alone fires up to a millisecond late, which one client's latency
+        # (counted from the scheduled time) would carry. With many clients the spinning would cost
+        # the CPU their requests need.
+        spin = SPIN_S if clients <= SPIN_CLIENTS else 0.0
+
         async def one_client(k: int) -> None:
             rng = np.random.default_rng(seed * 1_000_003 + k)
             t = float(rng.exponential(clients / rate))
             async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
                 while t < duration:
                     delay = t0 + t - time.monotonic()
-                    if delay > 0:
-                        await anyio.sleep(delay)
+                    if delay > spin:
+                        await anyio.sleep(delay - spin)
+                    while time.monotonic() < t0 + t:
+                        await anyio.sleep(0)
                     body = {"input": texts[int(rng.integers(len(texts)))], "model": "bench",
                             "encoding_format": "base64"}
                     try:
@@ -295,6 +383,16 @@ def main(argv: list[str] | None = None) -> int:
          calls=args.single, p50_ms=round(float(np.median(service_paced)) * 1e3, 3),
          p50_over_embed_one=round(float(np.median(service_paced)) / single_s, 3))
 
+    floor_ms: float | None = None
+    if 1 in levels:
+        # The HTTP floor: the same one client against hypercorn answering a constant body, at the
+        # one-client level's pace. A served request's latency above it is the server's own work.
+        floor = http_floor(texts, 1.0 / gap, max(4.0, min(args.duration, 8.0)), args.backend)
+        floor_ms = round(float(np.median(floor)) * 1e3, 3) if floor else None
+        emit(impl="HTTP floor", what="one client against a constant answer from hypercorn, at the same pace",
+             **common, calls=len(floor), p50_ms=floor_ms,
+             p90_ms=round(float(np.percentile(floor, 90)) * 1e3, 3) if floor else None)
+
     # -- the server --------------------------------------------------------------------------------------
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -406,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     if one is not None:
         targets["c1_p50_over_embed_one"] = one["p50_over_embed_one"]
         targets["c1_p50_target_1.2x"] = bool(one["p50_over_embed_one"] is not None and one["p50_over_embed_one"] <= 1.2)
+        if floor_ms is not None and one["p50_ms"] is not None:
+            targets["c1_p50_above_http_floor_ms"] = round(one["p50_ms"] - floor_ms, 3)
     emit(targets=targets, bulk_sentences_per_s=round(bulk_rate, 1), embed_one_ms=round(single_s * 1e3, 3),
          **common)
     return 0
