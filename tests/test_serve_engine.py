@@ -196,3 +196,25 @@ async def test_a_stranger_announcing_a_huge_frame_is_dropped_at_once(tiny: Model
         async with front.running():
             await ready(front)
             assert (await front.embed_ids(token_ids(tiny, TEXTS[:1]))).shape == (1, tiny.dim)
+
+
+@pytest.mark.anyio
+async def test_a_failed_warm_up_reaches_the_fronts(tiny: Model, shared_rt: hetero.Runtime, sock_path: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's warm-up fails (the service's warm-up raises what a kernel that does not compile
+    would): the front learns why and never turns ready."""
+    from hetero.pipelines.embed import EmbeddingService
+
+    async def failing_warmup(self: EmbeddingService, precapture: bool = True) -> int:
+        raise hetero.HeteroError("stage 'layer0' failed to compile: out of registers")
+
+    monkeypatch.setattr(EmbeddingService, "warmup", failing_warmup)
+    engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
+    async with engine_serving(engine, sock_path):
+        front = EngineClient(sock_path, SECRET)
+        async with front.running():
+            with anyio.fail_after(30):
+                while front.warmup_error is None:
+                    await anyio.sleep(0.01)
+            assert front.warmup_error == "stage 'layer0' failed to compile: out of registers"
+            assert not front.ready and front.lost is None
