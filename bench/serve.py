@@ -85,6 +85,19 @@ def random_model(directory: Path, texts: list[str], **sizes: int) -> Path:
     return directory
 
 
+def one_at_a_time(call: Any, texts: list[str], n: int, gap: float = 0.0) -> list[float]:
+    """Seconds of each of ``n`` calls ``call(sentence)``, one at a time, ``gap`` seconds idle before each."""
+    times = []
+    for i in range(n):
+        s = texts[(i * 7919) % len(texts)]
+        if gap:
+            time.sleep(gap)
+        t0 = time.perf_counter()
+        call(s)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.Namespace,
                           gap: float) -> tuple[list[float], list[float]]:
     """Seconds per ``EmbeddingService.aembed([s])``, one sentence at a time (the server's path without
@@ -346,22 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # warm-up
         t_bulk = best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8),
                          args.repeats)
-        single = []
-        for i in range(args.single + 10):
-            s = texts[(i * 7919) % len(texts)]
-            t0 = time.perf_counter()
+        def embed_one(s: str) -> None:
             embed([s], model=model, runtime=rt, int8=args.int8)
-            single.append(time.perf_counter() - t0)
-        single_s = float(np.median(single[10:]))
+
+        single = one_at_a_time(embed_one, texts, args.single + 10)[10:]
+        single_s = float(np.median(single))
         # One client's pace: the mean gap between its requests at the default one-client rate.
         gap = 1.0 / (rates[levels.index(1)] if rates is not None and 1 in levels else 0.2 / single_s)
-        paced = []
-        for i in range(args.single):
-            s = texts[(i * 7919) % len(texts)]
-            time.sleep(gap)
-            t0 = time.perf_counter()
-            embed([s], model=model, runtime=rt, int8=args.int8)
-            paced.append(time.perf_counter() - t0)
+        paced = one_at_a_time(embed_one, texts, args.single, gap)
         service_one, service_paced = anyio.run(service_latency, rt, model, texts, args, gap)
         adapter = rt.device().summary["summary"]
     finally:
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(impl="embed() bulk", **common, batch=args.batch, seconds=round(t_bulk, 4),
          sentences_per_s=round(bulk_rate, 1), adapter=adapter)
     emit(impl="embed([s])", **common, calls=args.single, p50_ms=round(single_s * 1e3, 3),
-         p90_ms=round(float(np.percentile(single[10:], 90)) * 1e3, 3))
+         p90_ms=round(float(np.percentile(single, 90)) * 1e3, 3))
     emit(impl="service aembed([s])", what="the server's batcher path in process, without HTTP", **common,
          calls=args.single, p50_ms=round(float(np.median(service_one)) * 1e3, 3),
          p90_ms=round(float(np.percentile(service_one, 90)) * 1e3, 3),
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     # The same two with the machine idle between calls, as between one client's requests: how
     # much of one client's latency is waking idle threads rather than serving.
     emit(impl="embed([s]) at one client's pace", gap_ms=round(gap * 1e3, 1), **common, calls=args.single,
-         p50_ms=round(float(np.median(paced)) * 1e3, 3), p50_over_embed_one=round(float(np.median(paced)) / single_s, 3))
+         p50_ms=round(float(np.median(paced)) * 1e3, 3),
+         p50_over_embed_one=round(float(np.median(paced)) / single_s, 3))
     emit(impl="service aembed([s]) at one client's pace", gap_ms=round(gap * 1e3, 1), **common,
          calls=args.single, p50_ms=round(float(np.median(service_paced)) * 1e3, 3),
          p50_over_embed_one=round(float(np.median(service_paced)) / single_s, 3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
 
 __all__ = ["Batcher", "padded_cost"]
+
+log = logging.getLogger("hetero")
 
 
 def padded_cost(costs: Sequence[int]) -> int:
@@ -172,7 +175,7 @@ class Batcher:
         :class:`~hetero.OverloadedError` at once when the queue is full. Submitted items
         cannot be withdrawn; they run even if their result is no longer wanted. For servers
         that answer many requests from one task (no task per item); an exception raised by
-        ``on_done`` is ignored.
+        ``on_done`` is logged (logger ``"hetero"``) and affects nothing else.
         """
         self._admit(list(items), on_done)
 
@@ -431,5 +434,5 @@ class Batcher:
         elif item.on_done is not None:
             try:
                 item.on_done(item.index, result, error)
-            except Exception:
-                pass  # a submitter's failure must not fail the batch for the others
+            except Exception:  # a submitter's failure must not fail the batch for the others
+                log.exception("batcher: an on_done callback of Batcher.submit failed (item %d)", item.index)

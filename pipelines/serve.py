@@ -493,6 +493,10 @@ def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, ba
                                   reuse_port=reuse_port), backend=backend)
 
 
+# The EmbeddingServer options an engine process takes (the others are the fronts').
+_ENGINE_OPTIONS = ("int8", "max_batch_tokens", "max_queued", "max_in_flight", "precapture")
+
+
 def _front_main(options: dict[str, Any], host: str, port: int, backend: str, address_file: str, secret: bytes
                 ) -> None:
     serve(EmbeddingServer(**options, engine=EngineClient(address_file, secret)), host, port, backend, reuse_port=True)
@@ -501,11 +505,9 @@ def _front_main(options: dict[str, Any], host: str, port: int, backend: str, add
 def _engine_main(options: dict[str, Any], address_file: str, secret: bytes, backend: str) -> None:
     from .embed import get_model
 
-    model = get_model(options.get("model", "minilm"))
-    metrics = ServeMetrics(lambda: 0, lambda: 0)
-    engine = EmbeddingEngine(model, int8=options.get("int8", False),
-                             **{k: options[k] for k in ("max_batch_tokens", "max_queued", "max_in_flight", "precapture")
-                                if k in options},
+    metrics = ServeMetrics(lambda: 0, lambda: 0)  # several processes: the gauges are set, not read
+    engine = EmbeddingEngine(get_model(options.get("model", "minilm")),
+                             **{k: options[k] for k in _ENGINE_OPTIONS if k in options},
                              on_batch=metrics.on_batch, gauges=metrics.set_gauges)
 
     # Ctrl-C reaches the whole process group: the fronts drain, and the parent sends this

@@ -1,4 +1,4 @@
-"""The embedding engine behind ``hetero serve``: the GPU, the batcher and the warm-up, in-process or in a process of its own.
+"""The embedding engine behind ``hetero serve``: GPU, batcher and warm-up, in-process or in a process of its own.
 
 One :class:`EmbeddingEngine` owns the Runtime and the :class:`~hetero.pipelines.embed.EmbeddingService`
 batcher. ``hetero serve`` with one process calls it directly. With ``--workers N`` (N > 1) it
@@ -54,6 +54,7 @@ __all__ = ["EmbeddingEngine", "EngineClient", "EngineError"]
 
 _HEADER = struct.Struct("<IB")
 _ID = struct.Struct("<Q")
+_EMBED_HEAD = struct.Struct("<QI")  # request id, sentences; then the lengths and the token ids
 _RESULT_HEAD = struct.Struct("<QII")
 _EMBED, _RESULT, _ERROR, _STATUS, _HELLO = 1, 2, 3, 4, 5
 _RECEIVE_BYTES = 1 << 20
@@ -131,7 +132,7 @@ def _status_body(state: Any) -> bytes:
 class EmbeddingEngine:
     """The Runtime, the batcher and the warm-up of an embeddings server.
 
-    ``model``: a loaded Model, a model directory or ``"minilm"``. ``runtime``: a Runtime to
+    ``model``: a loaded Model (``hetero.pipelines.embed.get_model``). ``runtime``: a Runtime to
     use (left open); by default :meth:`running` makes one (with a capture cache for every
     padded shape) and closes it. ``on_batch(items, cost)`` is called for each batch formed.
     ``gauges(queued, memory_in_use)``, when given, is called a few times a second while
@@ -217,7 +218,7 @@ class EmbeddingEngine:
                 return  # stopped while warming up
             self.warmup_error = str(e)
             if isinstance(e, DeviceLostError):
-                self.lost = f"the GPU device was lost ({e})"
+                self._mark_lost(e)
             print(f"hetero serve: warm-up failed: {e}", file=sys.stderr, flush=True)
         self._tell_links()
 
@@ -236,13 +237,17 @@ class EmbeddingEngine:
         if isinstance(e, OverloadedError):
             return EngineError(429, f"the server is overloaded: {e}", "overloaded")
         if isinstance(e, DeviceLostError):
-            if self.lost is None:
-                self.lost = f"the GPU device was lost ({e})"
-                self._tell_links()
+            self._mark_lost(e)
             return EngineError(503, f"the GPU device was lost: {e}", "device_lost")
         if isinstance(e, HeteroError):
             return EngineError(500, f"embedding failed: {e}", "internal_error")
         return EngineError(500, f"embedding failed: {type(e).__name__}: {e}", "internal_error")
+
+    def _mark_lost(self, e: DeviceLostError) -> None:
+        """The device is gone: say so once, here and to every front."""
+        if self.lost is None:
+            self.lost = f"the GPU device was lost ({e})"
+            self._tell_links()
 
     # -- the engine process's side of the links -------------------------------------------------
     async def serve_fronts(self, address_file: str, secret: bytes, *,
@@ -285,19 +290,20 @@ class EmbeddingEngine:
     def _submit(self, link: _Link, body: bytes) -> None:
         """One EMBED frame's sentences into the batcher; the answer goes back on ``link`` when all are done."""
         assert self.service is not None
-        rid, n = struct.unpack_from("<QI", body)
+        rid, n = _EMBED_HEAD.unpack_from(body)
+        flat = np.frombuffer(body, np.int32, offset=_EMBED_HEAD.size + 4 * n)
         if n == 1:
-            ids = [np.frombuffer(body, np.int32, offset=16)]
+            ids = [flat]
         else:
-            lengths = np.frombuffer(body, np.uint32, n, 12)
-            flat = np.frombuffer(body, np.int32, offset=12 + 4 * n)
+            lengths = np.frombuffer(body, np.uint32, n, _EMBED_HEAD.size)
             ids = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64)) if n else []
 
         def done(rows: np.ndarray | None, error: BaseException | None) -> None:
             if link.closed:
                 return
             if rows is None:
-                e = self._engine_error(error or HeteroError("no rows"))
+                assert error is not None
+                e = self._engine_error(error)
                 link.send(_ERROR, _ID.pack(rid), json.dumps({"status": e.status, "message": e.message,
                                                              "code": e.code}).encode())
             else:
@@ -312,6 +318,17 @@ class EmbeddingEngine:
         body = _status_body(self)
         for link in self._links:
             link.send(_STATUS, body)
+
+
+class _Pending:
+    """A request a front sent: set once its rows or its error came back."""
+
+    __slots__ = ("event", "rows", "error")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.rows: np.ndarray | None = None
+        self.error: EngineError | None = None
 
 
 class EngineClient:
@@ -333,7 +350,7 @@ class EngineClient:
         self.adapter: str | None = None
         self._link: _Link | None = None
         self._next = 0
-        self._pending: dict[int, list[Any]] = {}  # id -> [event, rows, error]
+        self._pending: dict[int, _Pending] = {}  # requests sent, by id
 
     @property
     def queued(self) -> int:
@@ -401,27 +418,27 @@ class EngineClient:
     def _settle(self, rid: int, rows: np.ndarray | None, error: EngineError | None) -> None:
         entry = self._pending.pop(rid, None)
         if entry is not None:  # else its caller was cancelled
-            entry[1], entry[2] = rows, error
-            entry[0].set()
+            entry.rows, entry.error = rows, error
+            entry.event.set()
 
     async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings ``[len(ids), dim]`` from the engine; :class:`EngineError` with the status to answer if not."""
         link = self._link
         if link is None or self.lost is not None:
-            why = f"{self.lost}; restart the server" if self.lost else "the embedding engine is not connected yet; retry"
+            why = f"{self.lost}; restart the server" if self.lost else \
+                "the embedding engine is not connected yet; retry"
             raise EngineError(503, why, "unavailable")
         rid = self._next = self._next + 1
-        entry: list[Any] = [anyio.Event(), None, None]
-        self._pending[rid] = entry
+        entry = self._pending[rid] = _Pending()
         lengths = np.fromiter((len(x) for x in ids), np.uint32, len(ids))
         flat = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
-        link.send(_EMBED, struct.pack("<QI", rid, len(ids)), lengths.tobytes(), flat.tobytes())
+        link.send(_EMBED, _EMBED_HEAD.pack(rid, len(ids)), lengths.tobytes(), flat.tobytes())
         try:
-            await entry[0].wait()
+            await entry.event.wait()
         finally:
             self._pending.pop(rid, None)
-        if entry[2] is not None:
-            raise entry[2]
-        rows: np.ndarray = entry[1]
-        return rows
+        if entry.error is not None:
+            raise entry.error
+        assert entry.rows is not None
+        return entry.rows
 
