@@ -16,9 +16,14 @@ the same load code against hypercorn answering a constant body at that pace; the
 then says how far above it the one-client p50 is (the server's own work).
 
 Then ``hetero serve`` runs in a subprocess and, for each concurrency C of the sweep, C
-httpx clients (spread over up to ``--processes`` load processes, so that the client side is
+clients (spread over up to ``--processes`` load processes, so that the client side is
 not the bottleneck) send single-sentence ``POST /v1/embeddings`` requests
-(``encoding_format="base64"``, what the official clients send) with Poisson arrivals. The
+(``encoding_format="base64"``, what the official clients send) with Poisson arrivals, each
+on a keep-alive connection of its own. The clients are httpx's, or with ``--client raw``
+prepared requests written to a socket and answers read up to their ``Content-Length``
+(:class:`RawClient`): an httpx request costs its load process about as much CPU as the
+server's HTTP front spends on it, so at a few thousand requests/s the load processes, not
+the server, set the rate (``load_cpu_per_wall_s`` near 1.0 says so). The
 offered rate is ``--load`` times the bulk throughput, but at most ``C * 0.5 / latency`` (a
 client is busy at most half the time at its own pace) and, for one client, ``0.2 / latency``
 (so a lone request rarely waits for the one before it). ``--rates`` sets them instead.
@@ -46,7 +51,9 @@ vocabulary) into a temporary directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -168,7 +175,7 @@ def floor_server(port: int, backend: str) -> None:
         anyio.run(hserve, floor_app, config)
 
 
-def http_floor(texts: list[str], rate: float, duration: float, backend: str) -> list[float]:
+def http_floor(texts: list[str], rate: float, duration: float, backend: str, client: str) -> list[float]:
     """One client's latencies (s) against :func:`floor_app` on hypercorn, as the load processes measure them."""
     import httpx
 
@@ -189,23 +196,88 @@ def http_floor(texts: list[str], rate: float, duration: float, backend: str) -> 
                 if time.monotonic() > deadline or not proc.is_alive():
                     raise SystemExit("bench serve: the HTTP floor server did not start") from None
                 time.sleep(0.05)
-        rows, _ = load_process(f"http://127.0.0.1:{port}", texts, 1, rate, duration, time.time() + 0.5, 7, 10.0)
+        rows, _ = load_process(f"http://127.0.0.1:{port}", texts, 1, rate, duration, time.time() + 0.5, 7, 10.0,
+                               client)
     finally:
         proc.kill()
         proc.join()
     return [lat for t, lat, status in rows if status == 200 and t >= 1.0]
 
 
+class RawClient:
+    """One keep-alive HTTP/1.1 connection that POSTs prepared requests and reads status and body.
+
+    What ``--client raw`` uses instead of httpx: the requests are bytes made once per load
+    process, and a response is read up to its ``Content-Length`` (the server always sends
+    one), so a request costs the client a send and a receive or two. A connection the server
+    closes, or a failed request, is opened again for the next one.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._stream: Any = None
+        self._buf = b""
+
+    async def post(self, request: bytes) -> tuple[int, bytes]:
+        if self._stream is None:
+            self._stream = await anyio.connect_tcp(self.host, self.port)
+            self._buf = b""
+        try:
+            await self._stream.send(request)
+            buf = self._buf
+            while (end := buf.find(b"\r\n\r\n")) < 0:
+                buf += await self._stream.receive()
+            head = buf[:end].decode("latin-1").split("\r\n")
+            status = int(head[0].split(" ", 2)[1])
+            fields = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
+            if "content-length" not in fields:
+                raise ValueError(f"a response without Content-Length: {head[0]!r}")
+            need = end + 4 + int(fields["content-length"])
+            while len(buf) < need:
+                buf += await self._stream.receive()
+            body, self._buf = buf[end + 4:need], buf[need:]
+            if fields.get("connection", "").lower() == "close":
+                await self.aclose()
+            return status, body
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        stream, self._stream, self._buf = self._stream, None, b""
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+def raw_request(host: str, text: str) -> bytes:
+    """The bytes of one ``POST /v1/embeddings`` for ``text`` (base64, as the load's httpx clients send)."""
+    body = json.dumps({"input": text, "model": "bench", "encoding_format": "base64"}).encode()
+    return (f"POST /v1/embeddings HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def check_embedding(body: bytes) -> None:
+    """Refuse a 200 body that is not one base64 embedding (each raw client checks its first)."""
+    data = json.loads(body)["data"]
+    if len(data) != 1 or not isinstance(data[0]["embedding"], str) or not data[0]["embedding"]:
+        raise ValueError(f"bench serve: not one base64 embedding: {body[:200]!r}")
+
+
 def load_process(url: str, texts: list[str], clients: int, rate: float, duration: float, start_wall: float,
-                 seed: int, timeout: float) -> tuple[list[tuple[float, float, int]], float]:
+                 seed: int, timeout: float, client: str = "httpx") -> tuple[list[tuple[float, float, int]], float]:
     """Run ``clients`` Poisson clients (``rate`` requests/s in all) from ``start_wall`` for ``duration`` s.
 
-    Returns ``(scheduled offset s, latency s from the scheduled time, HTTP status)`` per request
-    (status 0: a transport error), and this process's CPU seconds per wall second while it ran
-    (near 1.0: the load process, not the server, limits the rate).
+    ``client``: ``httpx`` (an ``httpx.AsyncClient`` per client) or ``raw`` (a :class:`RawClient`
+    per client). Returns ``(scheduled offset s, latency s from the scheduled time, HTTP
+    status)`` per request (status 0: a transport error), and this process's CPU seconds per
+    wall second while it ran (near 1.0: the load process, not the server, limits the rate).
     """
     import anyio
     import httpx
+
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    requests = [raw_request(host, t) for t in texts] if client == "raw" else []
 
     async def main() -> list[tuple[float, float, int]]:
         results: list[tuple[float, float, int]] = []
@@ -224,22 +296,39 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
         async def one_client(k: int) -> None:
             rng = np.random.default_rng(seed * 1_000_003 + k)
             t = float(rng.exponential(clients / rate))
-            async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+            raw = RawClient(host, int(port)) if client == "raw" else None
+            checked = False
+            http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) if raw is None else None
+            async with http if http is not None else contextlib.nullcontext():
                 while t < duration:
                     delay = t0 + t - time.monotonic()
                     if delay > spin:
                         await anyio.sleep(delay - spin)
                     while time.monotonic() < t0 + t:
                         await anyio.sleep(0)
-                    body = {"input": texts[int(rng.integers(len(texts)))], "model": "bench",
-                            "encoding_format": "base64"}
-                    try:
-                        r = await client.post("/v1/embeddings", json=body)
-                        status = r.status_code
-                    except httpx.HTTPError:
-                        status = 0
+                    i = int(rng.integers(len(texts)))
+                    if raw is not None:
+                        try:
+                            with anyio.fail_after(timeout):
+                                status, body = await raw.post(requests[i])
+                        except (OSError, TimeoutError, ValueError, anyio.EndOfStream,
+                                anyio.BrokenResourceError):
+                            status = 0
+                        if status == 200 and not checked:
+                            check_embedding(body)
+                            checked = True
+                    else:
+                        assert http is not None
+                        try:
+                            r = await http.post("/v1/embeddings", json={"input": texts[i], "model": "bench",
+                                                                        "encoding_format": "base64"})
+                            status = r.status_code
+                        except httpx.HTTPError:
+                            status = 0
                     results.append((t, time.monotonic() - (t0 + t), status))
                     t += float(rng.exponential(clients / rate))
+            if raw is not None:
+                await raw.aclose()
 
         async with anyio.create_task_group() as tg:
             for k in range(clients):
@@ -326,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
+    p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                   help="the load's HTTP client: httpx, or prepared requests on raw keep-alive connections, "
+                        "which costs the load processes a fraction of the CPU (default: %(default)s)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x]
     rates = [float(x) for x in args.rates.split(",")] if args.rates else None
@@ -348,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "workers": args.workers,
+    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client, "workers": args.workers,
               "engines": args.engines,
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
@@ -393,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in levels:
         # The HTTP floor: the same one client against hypercorn answering a constant body, at the
         # one-client level's pace. A served request's latency above it is the server's own work.
-        floor = http_floor(texts, 1.0 / gap, max(4.0, min(args.duration, 8.0)), args.backend)
+        floor = http_floor(texts, 1.0 / gap, max(4.0, min(args.duration, 8.0)), args.backend, args.client)
         floor_ms = round(float(np.median(floor)) * 1e3, 3) if floor else None
         emit(impl="HTTP floor", what="one client against a constant answer from hypercorn, at the same pace",
              **common, calls=len(floor), p50_ms=floor_ms,
@@ -446,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 tree0, wall0 = process_tree_cpu(server.pid), time.monotonic()
                 start_wall = time.time() + 2.0
                 futures = [pool.submit(worker, url, texts, c, rate * c / clients, total, start_wall,
-                                       li * 1000 + k, args.timeout) for k, c in enumerate(shares)]
+                                       li * 1000 + k, args.timeout, args.client) for k, c in enumerate(shares)]
                 done = [f.result() for f in futures]
                 rows = [r for part, _ in done for r in part]
                 tree1 = process_tree_cpu(server.pid)

@@ -29,6 +29,8 @@ pytest.importorskip("prometheus_client")
 from hetero.pipelines.serve import EmbeddingServer, encode_embeddings, serve_async  # noqa: E402
 from hetero.pipelines.serve_engine import EmbeddingEngine, EngineClient, EngineError  # noqa: E402
 
+from bench.serve import RawClient, check_embedding, raw_request  # noqa: E402
+
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=40, max_seq_length=24)
 # Real text: sentences from the standard library's documentation.
@@ -344,6 +346,24 @@ async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime)
                 assert r.status_code == 200
                 vecs = np.array([d["embedding"] for d in r.json()["data"]], np.float32)
             np.testing.assert_allclose(vecs, await aembed(TEXTS[:3], model=tiny, runtime=shared_rt), atol=1e-5)
+            # bench serve's raw load client: two requests and an error on one keep-alive connection
+            host, port = urls[0].split("//", 1)[1].rsplit(":", 1)
+            raw = RawClient(host, int(port))
+            try:
+                for text in TEXTS[3:5]:
+                    status, body = await raw.post(raw_request(host, text))
+                    assert status == 200
+                    check_embedding(body)
+                    vec = np.frombuffer(base64.b64decode(json.loads(body)["data"][0]["embedding"]), "<f4")
+                    np.testing.assert_allclose(vec, (await aembed([text], model=tiny, runtime=shared_rt))[0],
+                                               atol=1e-5)
+                status, body = await raw.post(b"POST /v1/embeddings HTTP/1.1\r\nhost: t\r\n"
+                                              b"content-length: 2\r\n\r\n{}")
+                assert status == 400 and json.loads(body)["error"]["message"]
+                with pytest.raises(ValueError, match="not one base64 embedding"):
+                    check_embedding(body.replace(b'"error"', b'"data"'))
+            finally:
+                await raw.aclose()
             server.shutdown()
     assert server.draining
 
