@@ -642,6 +642,61 @@ def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: he
     assert dev.submissions == before + 1
 
 
+def test_idle_flush_lets_the_recorder_go_before_it_submits(shared_rt: hetero.Runtime,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fence thread's idle flush holds the recorder only to finish the encoder: the next stage
+    records while it submits, and is submitted after it."""
+    from hetero._gpu.recorder import SharedRecorder
+
+    dev = shared_rt.device()
+    rec = SharedRecorder(dev, max_stages=32)
+    sub = dev.submission
+    x = np.arange(64, dtype=np.float32)
+    submitting, go = threading.Event(), threading.Event()
+    order: list[str] = []
+    real_submit = sub.submit
+
+    def slow_submit(command_buffers: list[Any]) -> int:
+        if not order:
+            submitting.set()
+            assert go.wait(10)
+        order.append("first" if not order else "second")
+        return real_submit(command_buffers)
+
+    monkeypatch.setattr(sub, "submit", slow_submit)
+    contexts: list[hetero.GPUContext] = []
+    done = [threading.Event(), threading.Event()]
+
+    def stage(i: int, flush: bool) -> None:
+        with rec.lock:
+            ctx = hetero.GPUContext(dev, f"handoff-{i}", recorder=rec)
+            out = scale(ctx, ctx.upload(x), float(i + 2))
+            ctx.stage_download(out, False)
+            contexts.append(ctx)
+            rec.commit(done[i].set, lambda err: None, flush=flush)
+
+    stage(0, flush=False)
+    flusher = threading.Thread(target=rec.flush_if_free)
+    flusher.start()
+    assert submitting.wait(10)
+    assert rec.lock.acquire(timeout=10)  # the recorder is free while the first encoder is submitted
+    rec.lock.release()
+    second = threading.Thread(target=stage, args=(1, True))
+    second.start()
+    second.join(timeout=0.2)
+    assert second.is_alive()  # recorded, and waiting to be submitted after the first
+    go.set()
+    flusher.join(timeout=10)
+    second.join(timeout=10)
+    assert not flusher.is_alive() and not second.is_alive()
+    assert order == ["first", "second"]
+    assert done[0].wait(10) and done[1].wait(10)
+    for i, ctx in enumerate(contexts):
+        np.testing.assert_allclose(ctx.read_downloads()[id(ctx.downloads[0][1])], x * (i + 2))
+        ctx.settle(ran=True)
+        ctx.release_blocks()
+
+
 def test_fence_spin_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from hetero._gpu import submission
 

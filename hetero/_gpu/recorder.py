@@ -301,16 +301,28 @@ class SharedRecorder(_Budget):
 
     def flush_if_free(self) -> None:
         """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
-        being recorded right now (its commit will find the GPU idle and submit)."""
+        being recorded right now (its commit will find the GPU idle and submit).
+
+        The recorder is held only to finish the encoder: the submission's lock is taken
+        before the recorder is let go (so whatever is recorded next is enqueued after this),
+        and the submission itself (a few hundred microseconds of host time on a large GPU)
+        runs while the recording thread records the next stage.
+        """
         if not self.lock.acquire(blocking=False):
             return
         try:
             if self._encoder is not None and self._stages > 0:
-                self._finish(flush=True)
-        finally:
-            self.lock.release()
+                self._finish(flush=True, handoff=self.lock)
+                return  # _finish let the lock go
+        except BaseException:
+            if self.lock._is_owned():  # type: ignore[attr-defined]
+                self.lock.release()
+            raise
+        self.lock.release()
 
-    def _finish(self, *, flush: bool) -> None:
+    def _finish(self, *, flush: bool, handoff: Any = None) -> None:
+        """Finish the open encoder and enqueue it. ``handoff``: the recorder's lock, held once by
+        this thread, which is released (always) as soon as the submission's lock is held."""
         if self._pass is not None:
             try:
                 self._pass.end()
@@ -324,14 +336,24 @@ class SharedRecorder(_Budget):
         encoder, done, errors, submitted = self._encoder, self._done, self._errors, self._submitted
         self._encoder, self._done, self._errors, self._submitted, self._stages = None, [], [], [], 0
         if encoder is None:
+            if handoff is not None:
+                handoff.release()
             for cb in done:
                 cb()
             return
         try:
             command_buffer = encoder.finish()
-            self._dev.enqueue(command_buffer, _chain(([calibrate] if calibrate else []) + done), flush=flush,
-                              on_submit=_chain_submitted(submitted))
+            callbacks = _chain(([calibrate] if calibrate else []) + done)
+            if handoff is None:
+                self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted))
+            else:
+                with self._dev.submission.ordered(handoff):
+                    handoff = None
+                    self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
+                                      locked=True)
         except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
+            if handoff is not None:
+                handoff.release()
             err = RuntimeError(
                 f"the command encoder shared by {len(errors)} stage(s) failed: {type(e).__name__}: {e}"
             )

@@ -24,6 +24,7 @@ and nothing reaches the queue.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from wgpu.backends.wgpu_native._ffi import lib as _raw_lib
 
@@ -191,8 +192,17 @@ class Submission:
         info.userdata2 = self._ffi.cast("void *", self._key)
         self._lib.wgpuQueueOnSubmittedWorkDone(self.queue._internal, info[0])
 
+    @contextlib.contextmanager
+    def ordered(self, release: Any) -> Iterator[None]:
+        """Hold the submission's lock, then let ``release`` (a lock held once) go: an encoder
+        finished under ``release`` is enqueued, inside this block with ``enqueue(locked=True)``,
+        before anything finished after ``release`` was let go, while that is recorded."""
+        with self._submit_lock:
+            release.release()
+            yield
+
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
-                flush: bool = False, on_submit: Callable[[int], None] | None = None) -> None:
+                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False) -> None:
         """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
@@ -205,8 +215,9 @@ class Submission:
         (it would idle otherwise); while a submission runs, collect command buffers
         and submit them together when it completes, when ``max_batch`` are waiting,
         when a fence is awaited, or when the recording workers go idle.
+        ``locked``: the caller holds the submission's lock (inside :meth:`ordered`).
         """
-        with self._submit_lock:
+        with self._submit_lock if not locked else contextlib.nullcontext():
             self._check_open()
             self.check_alive()
             self._batch.append(command_buffer)
