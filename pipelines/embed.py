@@ -260,7 +260,9 @@ def resident_int8_weights(gpu: GPUContext, model: Model) -> dict[str, GPUWeight]
         return w
 
 
-def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], model: Model) -> Tensor:
+def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model) -> Tensor:
+    # ``mask`` is not read here: taking it makes this stage, the first GPU reader of the mask,
+    # upload it with the tokens (one staging buffer, one copy ticket) for the layers after it.
     ids, types, pos, _ = tokens
     w = resident_weights(gpu, model)
     word = ops.embedding(gpu, w["embeddings.word_embeddings.weight"], ids)
@@ -358,7 +360,8 @@ def cpu_weights(model: Model) -> dict[str, np.ndarray]:
         return w
 
 
-def _embeddings_cpu(tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], model: Model) -> np.ndarray:
+def _embeddings_cpu(tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], mask: np.ndarray,
+                    model: Model) -> np.ndarray:
     ids, types, pos, _ = tokens
     w = cpu_weights(model)
     e = ops.cpu.add(ops.cpu.embedding(w["embeddings.word_embeddings.weight"], ids),
@@ -413,11 +416,11 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) and replayed afterwards (see hetero._gpu.capture).
     if int8 or not cpu:
-        x = g.gpu(_embeddings, tokens, model, name="embeddings", capture=True)
+        x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
             x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True)
         return g.gpu(_pool, x, mask, name="pool", capture=True)
-    x = g.stage(tokens, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
+    x = g.stage(tokens, mask, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
         x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True)
     return g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True)
