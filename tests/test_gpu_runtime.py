@@ -654,7 +654,7 @@ def test_idle_flush_lets_the_recorder_go_before_it_submits(shared_rt: hetero.Run
     x = np.arange(64, dtype=np.float32)
     submitting, go = threading.Event(), threading.Event()
     order: list[str] = []
-    real_submit = sub.submit
+    real_submit = sub._submit_now
 
     def slow_submit(command_buffers: list[Any]) -> int:
         if not order:
@@ -663,7 +663,7 @@ def test_idle_flush_lets_the_recorder_go_before_it_submits(shared_rt: hetero.Run
         order.append("first" if not order else "second")
         return real_submit(command_buffers)
 
-    monkeypatch.setattr(sub, "submit", slow_submit)
+    monkeypatch.setattr(sub, "_submit_now", slow_submit)
     contexts: list[hetero.GPUContext] = []
     done = [threading.Event(), threading.Event()]
 
@@ -756,7 +756,8 @@ async def test_large_outputs_reuse_staging_memory(zero_copy_outputs: bool) -> No
 
 async def test_a_lone_run_submits_enough_recorded_work_while_the_gpu_is_idle() -> None:
     """A stage that brings the shared encoder to EARLY_SUBMIT_DISPATCHES goes out when it
-    finds the GPU idle and no other run active, before the next stage is recorded."""
+    finds the GPU idle and no other run active: in a submission of its own (handed to the
+    submit thread, so the next stage records meanwhile), before the next stage's."""
     from hetero._scheduler import EARLY_SUBMIT_DISPATCHES
 
     def many(gpu: hetero.GPUContext, x: Tensor) -> Tensor:
@@ -776,8 +777,60 @@ async def test_a_lone_run_submits_enough_recorded_work_while_the_gpu_is_idle() -
         submissions = rt.device().submissions - before
     sa, sb = st.stage("a"), st.stage("b")
     assert sa.submitted is not None and sb.started is not None and sb.submitted is not None
-    assert sa.submitted <= sb.started < sb.submitted  # a went out on its own, before b was recorded
+    assert sa.submitted < sb.submitted and sb.started < sb.submitted  # a went out on its own, first
     assert submissions == 2
+
+
+async def test_a_failed_handed_over_submission_fails_its_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording thread's submissions go out on the submit thread: one that fails there fails
+    the stages recorded into it (not the process, not the next runs), and memory is given back."""
+    x = np.arange(1000, dtype=np.float32)
+    g = chain(3)
+    async with hetero.Runtime() as rt:
+        np.testing.assert_allclose(await rt.run(g, x=x), 8.0 * x)
+        sub = rt.device().submission
+        real = sub._submit_now
+        calls: list[str] = []
+
+        def failing(command_buffers: list[Any]) -> int:
+            if threading.current_thread().name == "hetero-submit" and not calls:
+                calls.append("failed")
+                raise RuntimeError("injected submission failure")
+            return real(command_buffers)
+
+        monkeypatch.setattr(sub, "_submit_now", failing)
+        with pytest.raises(StageError, match="injected submission failure"):
+            await rt.run(g, x=x)
+        assert calls == ["failed"]
+        np.testing.assert_allclose(await rt.run(g, x=x), 8.0 * x)
+        assert rt.memory_stats().in_use_bytes == 0
+
+
+def test_flush_and_fence_wait_for_handed_over_submissions(shared_rt: hetero.Runtime,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fence taken after a batch was handed to the submit thread covers that batch."""
+    dev = shared_rt.device()
+    sub = dev.submission
+    real = sub._submit_now
+    go = threading.Event()
+    indices: list[int] = []
+
+    def slow(command_buffers: list[Any]) -> int:
+        if threading.current_thread().name == "hetero-submit":
+            assert go.wait(10)
+        index = real(command_buffers)
+        indices.append(index)
+        return index
+
+    monkeypatch.setattr(sub, "_submit_now", slow)
+    dev.flush()
+    sub.enqueue(dev.device.create_command_encoder().finish(), flush=True, detach=lambda e: None)
+    assert not indices  # handed over, not submitted yet
+    threading.Timer(0.05, go.set).start()
+    fence = dev.fence()  # waits for the handed-over batch
+    assert indices and fence.index >= indices[0]
+    fence.wait_sync()
+    assert fence.done()
 
 
 def test_deferred_fence_callbacks_run_after_the_waiting_ones(shared_rt: hetero.Runtime) -> None:

@@ -279,7 +279,7 @@ class SharedRecorder(_Budget):
                 self._submitted.append(on_submit)
             self._errors.append(on_error)
             if flush or self._stages >= self.max_stages:
-                self._finish(flush=True)
+                self._finish(flush=True, detach=True)
 
     def abandon(self, settle: Callback) -> None:
         """A failed stage's commands stay in the encoder: settle its tickets once they ran."""
@@ -296,8 +296,10 @@ class SharedRecorder(_Budget):
                 self._finish(flush=True)
 
     def split(self) -> None:
-        """The GPU-time budget is reached: submit the open encoder now."""
-        self.flush()
+        """The GPU-time budget is reached (mid-stage, on the recording thread): submit the open encoder now."""
+        with self.lock:
+            if self._encoder is not None:
+                self._finish(flush=True, detach=True)
 
     def flush_if_free(self) -> None:
         """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
@@ -320,9 +322,11 @@ class SharedRecorder(_Budget):
             raise
         self.lock.release()
 
-    def _finish(self, *, flush: bool, handoff: Any = None) -> None:
+    def _finish(self, *, flush: bool, handoff: Any = None, detach: bool = False) -> None:
         """Finish the open encoder and enqueue it. ``handoff``: the recorder's lock, held once by
-        this thread, which is released (always) as soon as the submission's lock is held."""
+        this thread, which is released (always) as soon as the submission's lock is held.
+        ``detach``: a submission it causes goes out on the submit thread (the recording thread's
+        own flushes: it records on meanwhile)."""
         if self._pass is not None:
             try:
                 self._pass.end()
@@ -341,19 +345,8 @@ class SharedRecorder(_Budget):
             for cb in done:
                 cb()
             return
-        try:
-            command_buffer = encoder.finish()
-            callbacks = _chain(([calibrate] if calibrate else []) + done)
-            if handoff is None:
-                self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted))
-            else:
-                with self._dev.submission.ordered(handoff):
-                    handoff = None
-                    self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
-                                      locked=True)
-        except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
-            if handoff is not None:
-                handoff.release()
+
+        def failed(e: BaseException) -> None:
             err = RuntimeError(
                 f"the command encoder shared by {len(errors)} stage(s) failed: {type(e).__name__}: {e}"
             )
@@ -362,6 +355,22 @@ class SharedRecorder(_Budget):
                 on_error(err)
             for cb in done:  # nothing was submitted: settle tickets and holds now
                 cb()
+
+        try:
+            command_buffer = encoder.finish()
+            callbacks = _chain(([calibrate] if calibrate else []) + done)
+            if handoff is None:
+                self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
+                                  detach=failed if detach else None)
+            else:
+                with self._dev.submission.ordered(handoff):
+                    handoff = None
+                    self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
+                                      locked=True)
+        except BaseException as e:  # noqa: BLE001 - reported to every stage recorded here
+            if handoff is not None:
+                handoff.release()
+            failed(e)
 
 
 def _chain(callbacks: list[Callback]) -> Callback | None:

@@ -1,4 +1,4 @@
-"""Submission and fences: one device's queue, its batch of command buffers and its fence thread.
+"""Submission and fences: one device's queue, its batch of command buffers, its submit and fence threads.
 
 Fence design. ``queue.on_submitted_work_done`` raises ``TypeError`` in wgpu 0.32.0,
 so hetero does not use it. Each submission goes through wgpu-native's
@@ -12,6 +12,14 @@ whichever device poll sees it finish first. A coroutine awaiting one submission
 fence thread only after that.
 This reaches below wgpu-py's Python API into its cffi binding, which is why
 pyproject.toml pins wgpu to the tested version.
+
+Submit thread. A submission costs a few hundred microseconds of host time on a large
+GPU (wgpu-native's tracking of every resource the command buffers use, then the
+driver), nearly all of it in C with the GIL released. The recording thread hands the
+batches its own flushes send to a submit thread (``enqueue(detach=)``) and records the
+next stage meanwhile. Order holds: while a handed-over batch waits, every batch goes
+the same way; ``flush()``, ``fence()``, ``submit()`` and ``close()`` return only once
+the handed-over batches were submitted.
 
 Closing. A submission that names a destroyed buffer aborts the process inside
 ``wgpuQueueSubmit``, so teardown and submission exclude each other: every
@@ -82,6 +90,13 @@ class Submission:
         self._batch_callbacks: list[Callable[[], None]] = []
         self._batch_submitted: list[Callable[[int], None]] = []
         self._submit_lock = threading.Lock()
+        # Batches handed to the submit thread (enqueue(detach=True)), not yet submitted: while
+        # any are, every batch goes that way (queue order); _drained is notified when none are.
+        self._detached = 0
+        self._drained = threading.Condition(self._submit_lock)
+        self._handoff: queue.SimpleQueue[tuple[list[Any], list[Callable[[], None]], list[Callable[[int], None]],
+                                               Callable[[BaseException], None] | None] | None] = queue.SimpleQueue()
+        self._submit_thread: threading.Thread | None = None
         self._inflight = 0  # our submissions not yet completed
         self._fence_polling = False  # the fence thread is polling for a submission (see completed())
         # Submission indices: the newest submitted, and the newest known to be complete
@@ -121,7 +136,15 @@ class Submission:
                                      "create a new Runtime")
 
     def submit(self, command_buffers: list[Any]) -> int:
-        """Submit in one call and return the submission index (refused once the device is closed)."""
+        """Submit in one call and return the submission index (refused once the device is closed).
+
+        Batches enqueued before are submitted first (those handed to the submit thread too)."""
+        with self._submit_lock:
+            while self._detached:
+                self._drained.wait()
+        return self._submit_now(command_buffers)
+
+    def _submit_now(self, command_buffers: list[Any]) -> int:
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
         with self._queue_lock:
             self._check_open()
@@ -202,7 +225,8 @@ class Submission:
             yield
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
-                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False) -> None:
+                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False,
+                detach: Callable[[BaseException], None] | None = None) -> None:
         """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
@@ -216,6 +240,10 @@ class Submission:
         and submit them together when it completes, when ``max_batch`` are waiting,
         when a fence is awaited, or when the recording workers go idle.
         ``locked``: the caller holds the submission's lock (inside :meth:`ordered`).
+        ``detach``: submit on the submit thread rather than in this call, and report a failed
+        submission to ``detach(error)`` (this call then never raises for it): a submission
+        costs a few hundred microseconds of host time on a large GPU, mostly in wgpu-native
+        with the GIL released, which the recording thread spends recording the next stage.
         """
         with self._submit_lock if not locked else contextlib.nullcontext():
             self._check_open()
@@ -226,7 +254,7 @@ class Submission:
             if on_submit is not None:
                 self._batch_submitted.append(on_submit)
             if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
-                self._flush_locked()
+                self._flush_locked(detach)
 
     @property
     def idle(self) -> bool:
@@ -242,22 +270,65 @@ class Submission:
         with self._submit_lock:
             if self._batch and not self.closed:
                 self._flush_locked()
+            while self._detached:  # submitted, not merely handed over, when this returns
+                self._drained.wait()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, detach: Callable[[BaseException], None] | None = None) -> None:
         batch, callbacks, submitted = self._batch, self._batch_callbacks, self._batch_submitted
         self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
         if self.loss.lost is not None:
             return  # submitting on a lost device aborts the process; runs were failed already
-        index = self.submit(batch)
+        if detach is not None or self._detached:
+            self._detached += 1
+            self._inflight += 1
+            if self._submit_thread is None:
+                self._submit_thread = threading.Thread(target=self._submit_loop, name="hetero-submit", daemon=True)
+                self._submit_thread.start()
+            self._handoff.put((batch, callbacks, submitted, detach))
+            return
+        index = self._submit_now(batch)
+        self._inflight += 1
+        self._submitted_batch(index, callbacks, submitted)
+
+    def _submitted_batch(self, index: int, callbacks: list[Callable[[], None]],
+                         submitted: list[Callable[[int], None]]) -> None:
+        """Batch ``index`` went out (under the submission's lock): its callbacks, and fences in index order."""
         if submitted:
             now = time.perf_counter_ns()
             for on_submit in submitted:
                 on_submit(now)
         self.submissions += 1
-        self._inflight += 1
         self.on_done(index, self._retired)  # first: the next batch goes out before downloads run
         for cb in callbacks:
             self.on_done(index, cb)
+
+    def _submit_loop(self) -> None:
+        """The submit thread: submit handed-over batches in order (see ``enqueue(detach=)``)."""
+        while True:
+            item = self._handoff.get()
+            if item is None:
+                return
+            batch, callbacks, submitted, on_error = item
+            index: int | None = None
+            failed: BaseException | None = None
+            if self.loss.lost is None:
+                try:
+                    index = self._submit_now(batch)
+                except BaseException as e:  # noqa: BLE001 - reported to the stages that handed it over
+                    failed = e
+            with self._submit_lock:
+                if index is not None:
+                    self._submitted_batch(index, callbacks, submitted)
+                else:
+                    self._inflight -= 1
+                self._detached -= 1
+                if not self._detached:
+                    self._drained.notify_all()
+            if failed is not None and on_error is not None:
+                try:
+                    on_error(failed)
+                except BaseException:  # pragma: no cover - the callback handles its own errors
+                    log.exception("reporting a failed submission failed")
 
     def _retired(self) -> None:
         """On the fence thread: a submission completed; send what was collected meanwhile."""
@@ -392,6 +463,8 @@ class Submission:
             try:
                 if self._batch:
                     self._flush_locked()
+                while self._detached:
+                    self._drained.wait()
             except Exception:  # noqa: BLE001
                 log.debug("hetero: final submission failed", exc_info=True)
             finally:
@@ -401,6 +474,9 @@ class Submission:
                 self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
         # Everything submitted registered its fence before the sentinel: the fence thread
         # returns once all of it completed (and its callbacks, which submit nothing now, ran).
+        if self._submit_thread is not None:
+            self._handoff.put(None)
+            self._submit_thread.join(timeout=CLOSE_WAIT_S)
         self._fences.put(None)
         self._fence_thread.join(timeout=CLOSE_WAIT_S)
 
