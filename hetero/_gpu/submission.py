@@ -342,8 +342,13 @@ class Submission:
                 recorder.flush_if_free()
 
     def wait(self, index: int) -> None:
-        """Block the calling thread until submission ``index`` completed (never call on the loop)."""
+        """Block the calling thread until submission ``index`` completed (never call on the loop).
+
+        Then ``completed(index)`` is true at once: the work-done callback of that submission
+        may still be firing on another thread's poll."""
         self._lib.wgpuDevicePoll(self.device._internal, True, self._ffi.new("WGPUSubmissionIndex *", index))
+        if self.loss.lost is None:
+            self._advance(index)
 
     def on_done(self, index: int, callback: Callable[[], None]) -> None:
         """Run ``callback()`` on the fence thread once submission ``index`` completed."""
