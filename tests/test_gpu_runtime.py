@@ -689,8 +689,8 @@ def test_idle_flush_lets_the_recorder_go_before_it_submits(shared_rt: hetero.Run
     flusher.join(timeout=10)
     second.join(timeout=10)
     assert not flusher.is_alive() and not second.is_alive()
-    assert order == ["first", "second"]
     assert done[0].wait(10) and done[1].wait(10)
+    assert order == ["first", "second"]
     for i, ctx in enumerate(contexts):
         np.testing.assert_allclose(ctx.read_downloads()[id(ctx.downloads[0][1])], x * (i + 2))
         ctx.settle(ran=True)
