@@ -833,6 +833,34 @@ def test_flush_and_fence_wait_for_handed_over_submissions(shared_rt: hetero.Runt
     assert fence.done()
 
 
+def test_closing_submits_what_was_handed_over_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing a device while a batch waits on the submit thread submits it, then stops both threads."""
+    rt = hetero.Runtime()
+    try:
+        dev = rt.device()
+        sub = dev.submission
+        real = sub._submit_now
+        go = threading.Event()
+        indices: list[int] = []
+
+        def slow(command_buffers: list[Any]) -> int:
+            if threading.current_thread().name == "hetero-submit":
+                assert go.wait(10)
+            index = real(command_buffers)
+            indices.append(index)
+            return index
+
+        monkeypatch.setattr(sub, "_submit_now", slow)
+        done = threading.Event()
+        sub.enqueue(dev.device.create_command_encoder().finish(), done.set, flush=True, detach=lambda e: None)
+        assert not indices
+        threading.Timer(0.05, go.set).start()
+    finally:
+        rt.close()
+    assert len(indices) == 1 and done.is_set() and sub.closed
+    assert sub._submit_thread is not None and not sub._submit_thread.is_alive()
+
+
 def test_deferred_fence_callbacks_run_after_the_waiting_ones(shared_rt: hetero.Runtime) -> None:
     """Device.defer from a fence callback runs once no completed fence waits; elsewhere at once."""
     dev = shared_rt.device()

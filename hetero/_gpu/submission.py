@@ -317,13 +317,17 @@ class Submission:
                 except BaseException as e:  # noqa: BLE001 - reported to the stages that handed it over
                     failed = e
             with self._submit_lock:
-                if index is not None:
-                    self._submitted_batch(index, callbacks, submitted)
-                else:
-                    self._inflight -= 1
-                self._detached -= 1
-                if not self._detached:
-                    self._drained.notify_all()
+                try:
+                    if index is not None:
+                        self._submitted_batch(index, callbacks, submitted)
+                    else:
+                        self._inflight -= 1
+                except BaseException:  # pragma: no cover - a defect: whoever waits for the drain must not hang
+                    log.exception("completing a handed-over submission failed")
+                finally:
+                    self._detached -= 1
+                    if not self._detached:
+                        self._drained.notify_all()
             if failed is not None and on_error is not None:
                 try:
                     on_error(failed)
