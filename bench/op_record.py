@@ -9,7 +9,8 @@ groups and uniforms). Ops: ``dispatch_only`` (a one-binding kernel through
 ``gpu.dispatch``), ``gelu`` (with bias), ``layernorm`` (with residual) and ``matmul``
 (``transpose_b``, bias, a [384, 384] weight). The same four again with a pure-Python
 thread spinning beside the stage: what the GIL does to a recording thread (each wgpu call
-releases the GIL and may wait up to the switch interval to get it back).
+releases the GIL and may wait up to the switch interval to get it back); three of them
+replayed beside that thread too (a replay's pass commands keep the GIL).
 
 Prints one JSON line per op with the device's bind-cache counters (uniforms, bind groups,
 hits, misses) after it.
@@ -80,7 +81,7 @@ def measure(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: dict[str
 
 
 def measure_replay(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: dict[str, np.ndarray],
-                   recorded: dict[str, float]) -> None:
+                   recorded: dict[str, float], **extra: Any) -> None:
     """Host time of a replayed op and of one replayed dispatch, beside recording the op."""
     cache = rt.device().captures
     for kind in kinds:
@@ -96,7 +97,7 @@ def measure_replay(rt: hetero.Runtime, kinds: tuple[str, ...], r: int, arrays: d
             assert st.replayed and st.started is not None and st.recorded is not None
             us.append((st.recorded - st.started) * 1e6 / r)
         per_op = float(np.median(us))
-        emit(op=kind, replay_us_per_op=round(per_op, 2), dispatches_per_op=dispatches / r,
+        emit(op=kind, **extra, replay_us_per_op=round(per_op, 2), dispatches_per_op=dispatches / r,
              replay_us_per_dispatch=round(per_op * r / dispatches, 2),
              best_replay_us_per_dispatch=round(min(us) * r / dispatches, 2), record_us_per_op=round(recorded[kind], 1),
              ratio_record_over_replay=round(recorded[kind] / per_op, 1), **rt.device().binds.stats())
@@ -124,7 +125,9 @@ def main() -> None:
     th.start()
     try:
         with hetero.Runtime() as rt:
-            measure(rt, ("dispatch_only", "gelu", "matmul"), r, arrays, with_busy_python_thread=True)
+            busy_kinds = ("dispatch_only", "gelu", "matmul")
+            recorded = measure(rt, busy_kinds, r, arrays, with_busy_python_thread=True)
+            measure_replay(rt, busy_kinds, r, arrays, recorded, with_busy_python_thread=True)
     finally:
         stop[0] = True
 

@@ -45,6 +45,7 @@ signature. Each holds its constant buffers alive.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import threading
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib as _lib
+from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib_path as _lib_path
 
 from .grid import grid_uniform
 from .tensor import Tensor, map_values, tensor_of
@@ -68,11 +69,31 @@ __all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
 DEFAULT_CACHE_ENTRIES = 1024
 
 # The raw C functions (no per-call error capture: pass commands are validated when the
-# pass ends, and a replay only re-issues what was validated while capturing).
-_set_pipeline = _lib.wgpuComputePassEncoderSetPipeline
-_set_bind_group = _lib.wgpuComputePassEncoderSetBindGroup
-_dispatch = _lib.wgpuComputePassEncoderDispatchWorkgroups
-_NULL = _ffi.NULL
+# pass ends, and a replay only re-issues what was validated while capturing), called through
+# ctypes.PyDLL, which keeps the GIL: each only appends a command (well under a microsecond),
+# and a call through cffi, which releases the GIL, waits to get it back whenever another
+# Python thread runs meanwhile (on the CPU machine a replayed dispatch took 0.75 us alone and
+# 67-102 us beside a busy Python thread through cffi, 1.2 us either way through PyDLL).
+# Handles are passed as integer addresses (_addr), taken once per op and bind group.
+def _pass_functions() -> tuple[Any, Any, Any]:
+    dll = ctypes.PyDLL(_lib_path)
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    set_pipeline = dll.wgpuComputePassEncoderSetPipeline
+    set_pipeline.argtypes, set_pipeline.restype = [vp, vp], None
+    set_bind_group = dll.wgpuComputePassEncoderSetBindGroup
+    set_bind_group.argtypes, set_bind_group.restype = [vp, u32, vp, ctypes.c_size_t, vp], None
+    dispatch = dll.wgpuComputePassEncoderDispatchWorkgroups
+    dispatch.argtypes, dispatch.restype = [vp, u32, u32, u32], None
+    return set_pipeline, set_bind_group, dispatch
+
+
+_set_pipeline, _set_bind_group, _dispatch = _pass_functions()
+_NULL = None
+
+
+def _addr(obj: Any) -> int:
+    """The address of a wgpu-py object's native handle (valid while the object lives)."""
+    return int(_ffi.cast("uintptr_t", obj._internal))
 
 # Where a binding's buffer comes from.
 ARG, TEMP, CONST = 0, 1, 2
@@ -95,7 +116,7 @@ class _Op:
     """One captured dispatch."""
 
     kernel: Kernel
-    pipeline: Any  # the C handle
+    pipeline: int  # the native handle's address (the kernel holds the pipeline)
     groups: tuple[int, int, int]
     total: int
     slots: tuple[Slot, ...]
@@ -103,6 +124,7 @@ class _Op:
     group: Any  # the bind group itself when every binding is constant, else None
     whole: Any = None  # a grid kernel's group-1 bind group for the whole grid in one dispatch (made on first use)
     whole_uniform: Any = None  # the uniform it binds (held here too: the bind cache may drop it)
+    whole_addr: int = 0  # whole's native handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +141,8 @@ class _Ref:
 class Capture:
     """A stage's captured work for one signature."""
 
-    __slots__ = ("ops", "temps", "result", "workgroups", "work", "consts", "_memo_key", "_memo_groups", "_memo_gen",
-                 "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
+    __slots__ = ("ops", "temps", "result", "workgroups", "work", "consts", "_memo_key", "_memo_groups", "_memo_addrs",
+                 "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
                  result: Any, consts: list[Any]) -> None:
@@ -136,6 +158,7 @@ class Capture:
         self.consts = consts  # buffers bound as constants: kept alive with the capture
         self._memo_key: tuple[Any, ...] | None = None
         self._memo_groups: list[Any] = []
+        self._memo_addrs: list[int] = []  # their native handles
         self._memo_gen = -1
         # Per op, bind groups by the (buffer id, offset) of its entries, for replays over other
         # buffers than the last one's; valid while the bind cache's generation is _op_gen.
@@ -309,7 +332,7 @@ class Capturing:
                 self._consts[id(buf)] = buf
                 slots.append((CONST, buf, off, size))
         constant = all(s[0] == CONST for s in slots)
-        self._ops.append(_Op(k, k.pipeline._internal, groups, groups[0] * groups[1] * groups[2], tuple(slots),
+        self._ops.append(_Op(k, _addr(k.pipeline), groups, groups[0] * groups[1] * groups[2], tuple(slots),
                              layout, bind_group if constant else None))
 
     def finish(self, result: Any) -> Capture | _Unreplayable:
@@ -354,7 +377,9 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     # the bind cache.
     key = tuple((t.buffer, t.offset) for t in flat) + tuple((t.buffer, t.offset) for t in temps)
     with cap._lock:
-        memo = cap._memo_groups if cap._memo_key == key and cap._memo_gen == binds.generation else None
+        same = cap._memo_key == key and cap._memo_gen == binds.generation
+        # the groups stay referenced here while their addresses are issued (another replay may swap the memo)
+        memo, alive = (cap._memo_addrs, cap._memo_groups) if same else (None, None)
     if memo is None:
         gen = binds.generation
         stable = all(binds.is_stable(t.buffer) for t in flat)
@@ -391,11 +416,13 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
                 groups.append(group)
             else:
                 groups.append(hit[0])
+        memo = [_addr(g) for g in groups]
         if stable:
             with cap._lock:
-                cap._memo_key, cap._memo_groups, cap._memo_gen = key, groups, gen
-        memo = groups
+                cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, memo, gen
+        alive = groups
     _issue(ctx, cap, memo)
+    del alive
     ctx.workgroups += cap.workgroups
 
     def resolve(r: _Ref) -> Tensor:
@@ -411,7 +438,7 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     return map_values(cap.result, resolve, _Ref)
 
 
-def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
+def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
     """The dispatches, through the C functions, into the recorder's open compute pass.
 
     The recording thread holds the recorder (its lock, or a recorder of its own), so the
@@ -426,19 +453,20 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
     if not tracing and _issue_whole(rec, cost, cap, groups, budget, limit):
         return
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
+    split_groups: list[Any] = []  # group-1 bind groups of split dispatches, held until the loop ends
     h: Any = None
-    pipeline: Any = None
+    pipeline = 0
     for op, bg in zip(cap.ops, groups):
         k = op.kernel
         gx, gy, gz = op.groups
         if not k.grid:
             est = estimate(k.key, op.total)
             if reserve(est) or h is None:
-                h, pipeline = compute_pass()._internal, None
+                h, pipeline = _addr(compute_pass()), 0
             if op.pipeline != pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg._internal, 0, _NULL)
+            _set_bind_group(h, 0, bg, 0, _NULL)
             if tracing:
                 span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
                 _dispatch(h, gx, gy, gz)
@@ -454,19 +482,22 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
             w = min(chunk, gx - x0)
             est = estimate(k.key, w * per_x)
             if reserve(est) or h is None:
-                h, pipeline = compute_pass()._internal, None
+                h, pipeline = _addr(compute_pass()), 0
             if w == gx and op.whole is not None:
-                bg1 = op.whole  # the common case: one dispatch covers the grid
+                bg1 = op.whole_addr  # the common case: one dispatch covers the grid
             else:
                 grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
-                bg1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
-                if w == gx:
-                    op.whole, op.whole_uniform = bg1, grid  # a uniform is never destroyed while the device lives
+                group1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
+                bg1 = _addr(group1)
+                if w == gx:  # a uniform is never destroyed while the device lives
+                    op.whole, op.whole_uniform, op.whole_addr = group1, grid, bg1
+                else:
+                    split_groups.append(group1)  # alive until the pass holds it
             if op.pipeline != pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg._internal, 0, _NULL)
-            _set_bind_group(h, 1, bg1._internal, 0, _NULL)
+            _set_bind_group(h, 0, bg, 0, _NULL)
+            _set_bind_group(h, 1, bg1, 0, _NULL)
             if tracing or cost.should_time(k.key):
                 span = rec.begin_span(k.label, ("dispatch", k.key, w * per_x, "replayed"))
                 _dispatch(h, w, gy, gz)
@@ -476,7 +507,7 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[Any]) -> None:
             note(k.key, w * per_x, est)
 
 
-def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[Any], budget: float, limit: int) -> bool:
+def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[int], budget: float, limit: int) -> bool:
     """:func:`_issue`'s common case in one tight loop: the stage's estimated GPU time fits the open
     submission and every grid kernel fits one dispatch (its whole-grid bind group made), so no
     dispatch is split and the submission is not ended. False (nothing issued) otherwise."""
@@ -491,19 +522,19 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[Any], budget: f
                 return False
     if rec.est_ns + est > budget:
         return False
-    h = rec.compute_pass()._internal
-    pipeline: Any = None
+    h = _addr(rec.compute_pass())
+    pipeline = 0
     for op, bg in zip(cap.ops, groups):
         if op.pipeline != pipeline:
             pipeline = op.pipeline
             _set_pipeline(h, pipeline)
-        _set_bind_group(h, 0, bg._internal, 0, _NULL)
+        _set_bind_group(h, 0, bg, 0, _NULL)
         gx, gy, gz = op.groups
         k = op.kernel
         if not k.grid:
             _dispatch(h, gx, gy, gz)
             continue
-        _set_bind_group(h, 1, op.whole._internal, 0, _NULL)
+        _set_bind_group(h, 1, op.whole_addr, 0, _NULL)
         if cost.should_time(k.key):  # cost-model samples of splittable kernels
             span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
             _dispatch(h, gx, gy, gz)
