@@ -23,9 +23,9 @@ be resubmitted, so a replay re-issues the captured dispatches into this run's en
   previous replay when every buffer is the same one and the pool destroyed nothing
   since (the common case once runs settle), else found per op or through the bind
   cache; and the dispatches are issued straight through wgpu-native's C functions
-  (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``) into the recorder's
-  open compute pass, in one loop when the stage's estimated GPU time fits the open
-  submission. Splittable kernels are split as planned now (the cost model may have
+  (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``, called so that they keep
+  the GIL) into the recorder's open compute pass, in one loop when the stage's
+  estimated GPU time fits the open submission. Splittable kernels are split as planned now (the cost model may have
   learnt since), within the GPU-time budget; timed dispatches (tracing, cost-model
   sampling) still get GPU timestamps, marked ``replayed`` in the trace.
 * **What cannot be replayed** is found while capturing: a stage that touches
