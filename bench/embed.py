@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="hetero's Runtime(placement=...) (default: %(default)s; gpu: every stage on the GPU)")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="hetero's batches in flight (default: the pipeline's)")
+    p.add_argument("--fused-max-batch", type=int, default=None, metavar="N",
+                   help="hetero.pipelines.embed.FUSED_MAX_BATCH for this run: batches of at most N texts "
+                        "record the encoder in one GPU stage (default: the library's, off)")
     p.add_argument("--profile", action="store_true",
                    help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
     p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")
@@ -218,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         corpus_tokenizer(model_dir, texts)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
+    import hetero.pipelines.embed as embed_module
     from hetero.pipelines.embed import MAX_IN_FLIGHT
 
-    common = {"model": args.model, "int8": args.int8, "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT,
+    if args.fused_max_batch is not None:
+        embed_module.FUSED_MAX_BATCH = args.fused_max_batch
+    common = {"model": args.model, "int8": args.int8, "fused_max_batch": embed_module.FUSED_MAX_BATCH,
+              "max_in_flight": args.max_in_flight or MAX_IN_FLIGHT,
               "n": args.n, "batch": args.batch, "corpus": args.corpus or "stdlib docstrings",
               "mean_words": round(float(np.mean([len(t.split()) for t in texts])), 1), "max_tokens": max(lens),
               "mean_tokens": round(float(np.mean(lens)), 1)}

@@ -1,10 +1,11 @@
 """Host CPU time of a replayed run of the embedding graph, per thread, beside recording every run.
 
     python -m bench.replay_cost [--model tiny|random|minilm|DIR] [--batch 1] [--runs 100]
-                                [--rounds 3] [--profile N]
+                                [--rounds 3] [--profile N] [--fused]
 
 The GPU-only embedding graph (``Runtime(placement="gpu")``: tokenize and mask on the CPU,
-then eight GPU stages: embeddings, six layers, pool) runs ``--runs`` times per round, one
+then eight GPU stages: embeddings, six layers, pool; with ``--fused`` one GPU stage holding
+them all, as ``embed()`` runs small batches) runs ``--runs`` times per round, one
 run at a time, each on ``--batch`` sentences of the standard library's docstrings (every
 shape captured by a warm pass first). Rounds alternate ``Runtime(capture=True)`` with
 the reference, ``Runtime(capture=False)`` (every stage recorded every run), in the same
@@ -83,13 +84,15 @@ def model_dir(name: str, tmp: str, texts: list[str]) -> Path:
     return bench_model(name, "hetero-bench-replay-")[0]
 
 
-def measure(model: Any, texts: list[list[str]], capture: bool, runs: int, budget_ms: float) -> dict[str, float]:
+def measure(model: Any, texts: list[list[str]], capture: bool, runs: int, budget_ms: float,
+            fused: bool = False) -> dict[str, float]:
     """Median CPU ms per run of each kind of thread over ``runs`` runs (after a warm pass)."""
     from hetero.pipelines.embed import embedding_graph
 
-    g = embedding_graph(model, cpu=False)
+    g = embedding_graph(model, cpu=False, fused=fused)
     per: dict[str, list[float]] = {"record": [], "cpu": [], "loop": [], "process": [], "wall": []}
-    stages = [f"layer{n}" for n in range(model.config.num_hidden_layers)] + ["embeddings", "pool"]
+    stages = ["encoder"] if fused else [f"layer{n}" for n in range(model.config.num_hidden_layers)] + [
+        "embeddings", "pool"]
 
     async def main() -> None:
         async with hetero.Runtime(capture=capture, placement="gpu", gpu_budget_ms=budget_ms) as rt:
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Runtime(gpu_budget_ms=...) (default: %(default)s; a software adapter's slow kernels may "
                         "split a run into several submissions where a real GPU makes one: raise it there)")
     p.add_argument("--no-reference", action="store_true", help="capture=True only")
+    p.add_argument("--fused", action="store_true",
+                   help="the graph that records the encoder in one stage (what embed() runs for small batches)")
     args = p.parse_args(argv)
 
     from bench._corpus import stdlib_sentences
@@ -184,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         rounds: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
         for r in range(args.rounds):
             for capture in modes if r % 2 == 0 else modes[::-1]:
-                fig = measure(model, texts, capture, args.runs, args.gpu_budget_ms)
+                fig = measure(model, texts, capture, args.runs, args.gpu_budget_ms, args.fused)
                 rounds[capture].append(fig)
-                emit(round=r, capture=capture, model=args.model, batch=args.batch, runs=args.runs,
+                emit(round=r, capture=capture, fused=args.fused, model=args.model, batch=args.batch, runs=args.runs,
                      **{f"{k}_ms": round(v, 3) for k, v in fig.items()})
-        summary: dict[str, Any] = {"model": args.model, "batch": args.batch, "runs": args.runs,
+        summary: dict[str, Any] = {"model": args.model, "fused": args.fused, "batch": args.batch, "runs": args.runs,
                                    "rounds": args.rounds}
         for capture in modes:
             for k in rounds[capture][0]:

@@ -72,9 +72,9 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 
 from .minilm import Model, load_model
 
-__all__ = ["INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT", "POOL_WGSL", "QKV",
-           "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids", "cpu_weights", "embed",
-           "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight",
+__all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
+           "POOL_WGSL", "QKV", "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids",
+           "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight",
            "mean_pool_l2_cpu", "pad_bucketed", "pad_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
            "service_graph", "service_shapes", "size_bucket", "split_by_length", "token_ids", "tokenize"]
 
@@ -322,20 +322,48 @@ def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
 _pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 
-def embedding_graph(model: Model, int8: bool = False, cpu: bool = True) -> hetero.Graph:
+def _encode_fused(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model,
+                  int8: bool = False) -> Tensor:
+    """The embeddings, every layer and the pooling in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
+    x = _embeddings(gpu, tokens, mask, model)
+    for n in range(model.config.num_hidden_layers):
+        x = _layer(gpu, x, mask, model, n, int8)
+    return _pool(gpu, x, mask)
+
+
+_encode_fused.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
+
+FUSED_MAX_BATCH = 0
+""":func:`embed` batches of at most this many texts on a GPU-only graph record the whole encoder
+in one captured stage (``encoder``) instead of one per layer (0, the default: never). One
+replay per run pays the host's per-stage work (signature, pool request, bind groups,
+scheduling, commit) once: on the CPU machine the recording thread's CPU time per replayed
+one-sentence run fell by about 30% (``python -m bench.replay_cost --fused``). But the GPU
+then starts only once the whole run is recorded, where one stage per layer lets it run the
+first layers while the host records the next, and the stage holds every layer's temporaries
+of the run at once (at most this many texts times the model's ``max_seq_length`` tokens).
+Off until measured on a large GPU (``python -m bench embed --fused-max-batch N``)."""
+
+
+def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: bool = False) -> hetero.Graph:
     """The graph ``texts -> float32 [len(texts), hidden]`` for ``model`` (built once per model and mode).
 
     ``int8``: the encoder's linear layers use int8 weights (:func:`matmul_int8`).
     ``cpu``: the float32 stages also carry their CPU implementations, placed by the
     runtime (see :func:`offers_cpu`); without, they are GPU stages only.
+    ``fused``: a GPU-only graph (``int8`` or not ``cpu``) records the encoder in one stage
+    (see :data:`FUSED_MAX_BATCH`).
     """
-    key = "embed-int8" if int8 else ("embed" if cpu else "embed-gpu")
+    if fused and cpu and not int8:
+        raise ValueError("embedding_graph: fused=True needs a GPU-only graph (cpu=False or int8=True): "
+                         "stages with CPU implementations are placed one by one")
+    key = ("embed-int8" if int8 else ("embed" if cpu else "embed-gpu")) + ("-fused" if fused else "")
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
-        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8, cpu))
+        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8, cpu, fused))
         model.graphs[key] = g
         return g
 
@@ -405,16 +433,19 @@ def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
-def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu: bool = True) -> hetero.Node:
+def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu: bool = True,
+             fused: bool = False) -> hetero.Node:
     """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned).
 
     Float32 with ``cpu``: every stage has a CPU and a GPU implementation, placed per batch
     by the runtime. INT8, or without ``cpu``: GPU stages only (the int8 products exist on
-    the GPU only).
+    the GPU only); ``fused``: all of them in one stage.
     """
     mask = g.cpu(_mask, tokens, name="mask")
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) and replayed afterwards (see hetero._gpu.capture).
+    if fused:
+        return g.gpu(_encode_fused, tokens, mask, model, int8, name="encoder", capture=True)
     if int8 or not cpu:
         x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
@@ -490,7 +521,7 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     order = _order(items)
     chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
     cpu = await anyio.to_thread.run_sync(offers_cpu, runtime)  # may open the device: not on the loop
-    g = embedding_graph(m, int8=bool(int8), cpu=cpu)
+    g = embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH)
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
     results = runtime.map(g, inputs, max_in_flight=max_in_flight)

@@ -25,7 +25,8 @@ import pytest
 
 import hetero
 from hetero.pipelines import cli, minilm
-from hetero.pipelines.embed import aembed, embed, embedding_graph, get_model, quantized_weights, tokenize
+from hetero.pipelines.embed import (FUSED_MAX_BATCH, aembed, embed, embedding_graph, get_model, quantized_weights,
+                                    tokenize)
 from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
                                      load_model)
 from hetero.pipelines.testing import write_random_model
@@ -143,6 +144,37 @@ def test_layer_stages_are_captured_and_replay_the_same_embeddings(tiny: Model) -
         assert [s.name for s in gpu] == ["embeddings", "layer0", "layer1", "pool"]
         assert all(s.replayed for s in gpu)  # the shape of this batch was seen before
     np.testing.assert_array_equal(got, want)
+
+
+def test_small_batches_may_record_the_encoder_in_one_stage(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetero.pipelines.embed as embed_module
+
+    texts = ["the cat sat", "a dog ran", "hello world"] * 2 + ["x"]  # batches of 2: three shapes
+    assert FUSED_MAX_BATCH == 0  # off by default
+    with hetero.Runtime(cpu_threads=2, capture=False, placement="gpu") as plain:
+        want = embed(texts, model=tiny, runtime=plain, batch_size=2, max_in_flight=1)
+    monkeypatch.setattr(embed_module, "FUSED_MAX_BATCH", 2)
+    with hetero.Runtime(cpu_threads=2, placement="gpu") as rt:
+        for _ in range(2):
+            np.testing.assert_array_equal(embed(texts, model=tiny, runtime=rt, batch_size=2, max_in_flight=1), want)
+        assert rt.device().captures.stats()["captures"] == 3  # one stage, three batch shapes
+        gpu = [s for s in rt.stats().stages if s.kind == "gpu"]
+        assert [s.name for s in gpu] == ["encoder"] and gpu[0].replayed
+        np.testing.assert_array_equal(embed(texts, model=tiny, runtime=rt, batch_size=3), plain_layers(tiny, texts))
+        assert [s.name for s in rt.stats().stages if s.kind == "gpu"] == ["embeddings", "layer0", "layer1", "pool"]
+
+
+def plain_layers(model: Model, texts: list[str]) -> np.ndarray:
+    """``texts`` embedded in batches of 3 on the graph of one stage per layer, nothing captured."""
+    with hetero.Runtime(cpu_threads=2, capture=False, placement="gpu") as rt:
+        return embed(texts, model=model, runtime=rt, batch_size=3)
+
+
+def test_a_fused_graph_needs_gpu_stages_only(tiny: Model) -> None:
+    assert embedding_graph(tiny, cpu=False, fused=True) is embedding_graph(tiny, cpu=False, fused=True)
+    assert embedding_graph(tiny, int8=True, fused=True).name == "embed-int8-fused"
+    with pytest.raises(ValueError, match="fused=True needs a GPU-only graph"):
+        embedding_graph(tiny, fused=True)
 
 
 def test_truncation_and_padding(tiny: Model) -> None:
