@@ -74,9 +74,10 @@ from .minilm import Model, load_model
 
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
            "POOL_WGSL", "QKV", "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids",
-           "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets", "linear_weight",
-           "mean_pool_l2_cpu", "pad_bucketed", "pad_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
-           "service_graph", "service_shapes", "size_bucket", "split_by_length", "token_ids", "tokenize"]
+           "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket",
+           "length_buckets", "linear_weight", "mean_pool_l2_cpu", "pad_bucketed", "pad_tokens", "quantized_weights",
+           "resident_int8_weights", "resident_weights", "service_graph", "service_shapes", "size_bucket",
+           "split_by_length", "token_ids", "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
 # "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):

@@ -25,9 +25,10 @@ be resubmitted, so a replay re-issues the captured dispatches into this run's en
   cache; and the dispatches are issued straight through wgpu-native's C functions
   (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``, called so that they keep
   the GIL) into the recorder's open compute pass, in one loop when the stage's
-  estimated GPU time fits the open submission. Splittable kernels are split as planned now (the cost model may have
-  learnt since), within the GPU-time budget; timed dispatches (tracing, cost-model
-  sampling) still get GPU timestamps, marked ``replayed`` in the trace.
+  estimated GPU time fits the open submission. Splittable kernels are split as planned
+  now (the cost model may have learnt since), within the GPU-time budget; timed
+  dispatches (tracing, cost-model sampling) still get GPU timestamps, marked
+  ``replayed`` in the trace.
 * **What cannot be replayed** is found while capturing: a stage that touches
   ``gpu.encoder`` (it records commands hetero does not see) or binds a pooled tensor
   that is neither its argument nor its own temporary (or a buffer hetero does not
@@ -74,7 +75,8 @@ DEFAULT_CACHE_ENTRIES = 1024
 # and a call through cffi, which releases the GIL, waits to get it back whenever another
 # Python thread runs meanwhile (on the CPU machine a replayed dispatch took 0.75 us alone and
 # 67-102 us beside a busy Python thread through cffi, 1.2 us either way through PyDLL).
-# Handles are passed as integer addresses (_addr), taken once per op and bind group.
+# Handles are passed as integer addresses (_addr), taken once per op and bind group. An error
+# callback wgpu-native made from one of them would run on this thread, which holds the GIL.
 def _pass_functions() -> tuple[Any, Any, Any]:
     dll = ctypes.PyDLL(_lib_path)
     vp, u32 = ctypes.c_void_p, ctypes.c_uint32
