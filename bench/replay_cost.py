@@ -4,8 +4,8 @@
                                 [--rounds 3] [--profile N] [--fused]
 
 The GPU-only embedding graph (``Runtime(placement="gpu")``: tokenize and mask on the CPU,
-then eight GPU stages: embeddings, six layers, pool; with ``--fused`` one GPU stage holding
-them all, as ``embed()`` runs small batches) runs ``--runs`` times per round, one
+then eight GPU stages: embeddings, six layers, pool; with ``--fused`` two GPU stages holding
+them all, see ``hetero.pipelines.embed.FUSED_MAX_BATCH``) runs ``--runs`` times per round, one
 run at a time, each on ``--batch`` sentences of the standard library's docstrings (every
 shape captured by a warm pass first). Rounds alternate ``Runtime(capture=True)`` with
 the reference, ``Runtime(capture=False)`` (every stage recorded every run), in the same
@@ -91,7 +91,7 @@ def measure(model: Any, texts: list[list[str]], capture: bool, runs: int, budget
 
     g = embedding_graph(model, cpu=False, fused=fused)
     per: dict[str, list[float]] = {"record": [], "cpu": [], "loop": [], "process": [], "wall": []}
-    stages = ["encoder"] if fused else [f"layer{n}" for n in range(model.config.num_hidden_layers)] + [
+    stages = ["encoder0", "encoder1"] if fused else [f"layer{n}" for n in range(model.config.num_hidden_layers)] + [
         "embeddings", "pool"]
 
     async def main() -> None:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                         "split a run into several submissions where a real GPU makes one: raise it there)")
     p.add_argument("--no-reference", action="store_true", help="capture=True only")
     p.add_argument("--fused", action="store_true",
-                   help="the graph that records the encoder in one stage (what embed() runs for small batches)")
+                   help="the graph that records the encoder in two stages (embedding_graph(fused=True))")
     args = p.parse_args(argv)
 
     from bench._corpus import stdlib_sentences

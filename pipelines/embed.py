@@ -323,27 +323,36 @@ def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
 _pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 
-def _encode_fused(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model,
-                  int8: bool = False) -> Tensor:
-    """The embeddings, every layer and the pooling in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
+def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model,
+                 int8: bool, layers: int) -> Tensor:
+    """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
     x = _embeddings(gpu, tokens, mask, model)
-    for n in range(model.config.num_hidden_layers):
+    for n in range(layers):
+        x = _layer(gpu, x, mask, model, n, int8)
+    return x
+
+
+def _encode_tail(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, int8: bool, first: int) -> Tensor:
+    """The layers from ``first`` on and the pooling in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
+    for n in range(first, model.config.num_hidden_layers):
         x = _layer(gpu, x, mask, model, n, int8)
     return _pool(gpu, x, mask)
 
 
-_encode_fused.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
+_encode_tail.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 FUSED_MAX_BATCH = 0
-""":func:`embed` batches of at most this many texts on a GPU-only graph record the whole encoder
-in one captured stage (``encoder``) instead of one per layer (0, the default: never). One
-replay per run pays the host's per-stage work (signature, pool request, bind groups,
-scheduling, commit) once: on the CPU machine the recording thread's CPU time per replayed
-one-sentence run fell by about 30% (``python -m bench.replay_cost --fused``). But the GPU
-then starts only once the whole run is recorded, where one stage per layer lets it run the
-first layers while the host records the next, and the stage holds every layer's temporaries
-of the run at once (at most this many texts times the model's ``max_seq_length`` tokens).
-Off until measured on a large GPU (``python -m bench embed --fused-max-batch N``)."""
+""":func:`embed` batches of at most this many texts on a GPU-only graph record the encoder in
+two captured stages (``encoder0``: the embeddings and the first half of the layers;
+``encoder1``: the rest and the pooling) instead of one per layer (0, the default: never).
+Each run then replays twice instead of eight times, so the host's per-stage work (signature,
+pool request, bind groups, scheduling, commit) is paid twice; two, not one, so that a lone
+run's first half goes to the GPU while the second is recorded. On the CPU machine the
+recording thread's CPU time per replayed one-sentence run fell by about 30% with the
+encoder in one stage (``python -m bench.replay_cost --fused``). A stage holds all its
+layers' temporaries at once (at most this many texts times the model's ``max_seq_length``
+tokens), where one stage per layer gives a layer's back before the next. Off until measured
+on a large GPU (``python -m bench embed --fused-max-batch N``)."""
 
 
 def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: bool = False) -> hetero.Graph:
@@ -352,7 +361,7 @@ def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: b
     ``int8``: the encoder's linear layers use int8 weights (:func:`matmul_int8`).
     ``cpu``: the float32 stages also carry their CPU implementations, placed by the
     runtime (see :func:`offers_cpu`); without, they are GPU stages only.
-    ``fused``: a GPU-only graph (``int8`` or not ``cpu``) records the encoder in one stage
+    ``fused``: a GPU-only graph (``int8`` or not ``cpu``) records the encoder in two stages
     (see :data:`FUSED_MAX_BATCH`).
     """
     if fused and cpu and not int8:
@@ -440,13 +449,15 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
 
     Float32 with ``cpu``: every stage has a CPU and a GPU implementation, placed per batch
     by the runtime. INT8, or without ``cpu``: GPU stages only (the int8 products exist on
-    the GPU only); ``fused``: all of them in one stage.
+    the GPU only); ``fused``: all of them in two stages.
     """
     mask = g.cpu(_mask, tokens, name="mask")
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) and replayed afterwards (see hetero._gpu.capture).
     if fused:
-        return g.gpu(_encode_fused, tokens, mask, model, int8, name="encoder", capture=True)
+        half = model.config.num_hidden_layers // 2
+        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True)
+        return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True)
     if int8 or not cpu:
         x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
