@@ -51,7 +51,6 @@ vocabulary) into a temporary directory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -243,6 +242,12 @@ class RawClient:
             await self.aclose()
             raise
 
+    async def __aenter__(self) -> RawClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def aclose(self) -> None:
         stream, self._stream, self._buf = self._stream, None, b""
         if stream is not None:
@@ -293,42 +298,50 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
         # the CPU their requests need.
         spin = SPIN_S if clients <= SPIN_CLIENTS else 0.0
 
+        def connect() -> Any:
+            """This client's connection (an async context manager) and its ``send(i) -> status``."""
+            if client == "raw":
+                conn = RawClient(host, int(port))
+                checked = [False]
+
+                async def send_raw(i: int) -> int:
+                    try:
+                        with anyio.fail_after(timeout):
+                            status, body = await conn.post(requests[i])
+                    except (OSError, TimeoutError, ValueError, anyio.EndOfStream, anyio.BrokenResourceError):
+                        return 0
+                    if status == 200 and not checked[0]:
+                        check_embedding(body)
+                        checked[0] = True
+                    return status
+
+                return conn, send_raw
+            http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
+
+            async def send_httpx(i: int) -> int:
+                try:
+                    r = await http.post("/v1/embeddings", json={"input": texts[i], "model": "bench",
+                                                                "encoding_format": "base64"})
+                except httpx.HTTPError:
+                    return 0
+                return r.status_code
+
+            return http, send_httpx
+
         async def one_client(k: int) -> None:
             rng = np.random.default_rng(seed * 1_000_003 + k)
             t = float(rng.exponential(clients / rate))
-            raw = RawClient(host, int(port)) if client == "raw" else None
-            checked = False
-            http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) if raw is None else None
-            async with http if http is not None else contextlib.nullcontext():
+            conn, send = connect()
+            async with conn:
                 while t < duration:
                     delay = t0 + t - time.monotonic()
                     if delay > spin:
                         await anyio.sleep(delay - spin)
                     while time.monotonic() < t0 + t:
                         await anyio.sleep(0)
-                    i = int(rng.integers(len(texts)))
-                    if raw is not None:
-                        try:
-                            with anyio.fail_after(timeout):
-                                status, body = await raw.post(requests[i])
-                        except (OSError, TimeoutError, ValueError, anyio.EndOfStream,
-                                anyio.BrokenResourceError):
-                            status = 0
-                        if status == 200 and not checked:
-                            check_embedding(body)
-                            checked = True
-                    else:
-                        assert http is not None
-                        try:
-                            r = await http.post("/v1/embeddings", json={"input": texts[i], "model": "bench",
-                                                                        "encoding_format": "base64"})
-                            status = r.status_code
-                        except httpx.HTTPError:
-                            status = 0
+                    status = await send(int(rng.integers(len(texts))))
                     results.append((t, time.monotonic() - (t0 + t), status))
                     t += float(rng.exponential(clients / rate))
-            if raw is not None:
-                await raw.aclose()
 
         async with anyio.create_task_group() as tg:
             for k in range(clients):
@@ -440,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client, "workers": args.workers,
+    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client,
+              "workers": args.workers,
               "engines": args.engines,
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}

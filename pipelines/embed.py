@@ -348,8 +348,8 @@ two captured stages (``encoder0``: the embeddings and the first half of the laye
 Each run then replays twice instead of eight times, so the host's per-stage work (signature,
 pool request, bind groups, scheduling, commit) is paid twice; two, not one, so that a lone
 run's first half goes to the GPU while the second is recorded. On the CPU machine the
-recording thread's CPU time per replayed one-sentence run fell by about 30% with the
-encoder in one stage (``python -m bench.replay_cost --fused``). A stage holds all its
+recording thread's CPU time per replayed one-sentence run fell by 15-23% (``python -m
+bench.replay_cost --fused``; about 30% with the encoder in one stage). A stage holds all its
 layers' temporaries at once (at most this many texts times the model's ``max_seq_length``
 tokens), where one stage per layer gives a layer's back before the next. Off until measured
 on a large GPU (``python -m bench embed --fused-max-batch N``)."""

@@ -806,11 +806,9 @@ async def test_a_failed_handed_over_submission_fails_its_stages(monkeypatch: pyt
         assert rt.memory_stats().in_use_bytes == 0
 
 
-def test_flush_and_fence_wait_for_handed_over_submissions(shared_rt: hetero.Runtime,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fence taken after a batch was handed to the submit thread covers that batch."""
-    dev = shared_rt.device()
-    sub = dev.submission
+def hold_the_submit_thread(sub: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[int]]:
+    """Make the submit thread wait for the returned event before each submission; the list
+    collects the indices of every submission made from then on."""
     real = sub._submit_now
     go = threading.Event()
     indices: list[int] = []
@@ -823,6 +821,15 @@ def test_flush_and_fence_wait_for_handed_over_submissions(shared_rt: hetero.Runt
         return index
 
     monkeypatch.setattr(sub, "_submit_now", slow)
+    return go, indices
+
+
+def test_flush_and_fence_wait_for_handed_over_submissions(shared_rt: hetero.Runtime,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fence taken after a batch was handed to the submit thread covers that batch."""
+    dev = shared_rt.device()
+    sub = dev.submission
+    go, indices = hold_the_submit_thread(sub, monkeypatch)
     dev.flush()
     sub.enqueue(dev.device.create_command_encoder().finish(), flush=True, detach=lambda e: None)
     assert not indices  # handed over, not submitted yet
@@ -839,18 +846,7 @@ def test_closing_submits_what_was_handed_over_first(monkeypatch: pytest.MonkeyPa
     try:
         dev = rt.device()
         sub = dev.submission
-        real = sub._submit_now
-        go = threading.Event()
-        indices: list[int] = []
-
-        def slow(command_buffers: list[Any]) -> int:
-            if threading.current_thread().name == "hetero-submit":
-                assert go.wait(10)
-            index = real(command_buffers)
-            indices.append(index)
-            return index
-
-        monkeypatch.setattr(sub, "_submit_now", slow)
+        go, indices = hold_the_submit_thread(sub, monkeypatch)
         done = threading.Event()
         sub.enqueue(dev.device.create_command_encoder().finish(), done.set, flush=True, detach=lambda e: None)
         assert not indices

@@ -140,9 +140,12 @@ class Submission:
 
         Batches enqueued before are submitted first (those handed to the submit thread too)."""
         with self._submit_lock:
-            while self._detached:
-                self._drained.wait()
+            self._drained.wait_for(self._all_submitted)
         return self._submit_now(command_buffers)
+
+    def _all_submitted(self) -> bool:
+        """No batch waits on the submit thread (read under the submission's lock)."""
+        return not self._detached
 
     def _submit_now(self, command_buffers: list[Any]) -> int:
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
@@ -270,8 +273,7 @@ class Submission:
         with self._submit_lock:
             if self._batch and not self.closed:
                 self._flush_locked()
-            while self._detached:  # submitted, not merely handed over, when this returns
-                self._drained.wait()
+            self._drained.wait_for(self._all_submitted)  # submitted, not merely handed over, on return
 
     def _flush_locked(self, detach: Callable[[BaseException], None] | None = None) -> None:
         batch, callbacks, submitted = self._batch, self._batch_callbacks, self._batch_submitted
@@ -472,8 +474,7 @@ class Submission:
             try:
                 if self._batch:
                     self._flush_locked()
-                while self._detached:
-                    self._drained.wait()
+                self._drained.wait_for(self._all_submitted)
             except Exception:  # noqa: BLE001
                 log.debug("hetero: final submission failed", exc_info=True)
             finally:
