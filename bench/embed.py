@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hetero's batches in flight (default: the pipeline's)")
     p.add_argument("--fused-max-batch", type=int, default=None, metavar="N",
                    help="hetero.pipelines.embed.FUSED_MAX_BATCH for this run: batches of at most N texts "
-                        "record the encoder in two GPU stages (default: the library's, off)")
+                        "record the encoder in two GPU stages (default: the library's, 128; 0: one stage per layer)")
     p.add_argument("--profile", action="store_true",
                    help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
     p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")

@@ -129,6 +129,43 @@ async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.
         await svc.aclose()
 
 
+async def service_throughput(rt: Any, model: Any, texts: list[str], args: argparse.Namespace
+                             ) -> tuple[float, list[float], list[int]]:
+    """``--service-clients`` callers in this process, each awaiting ``EmbeddingService.aembed([s])``
+    back to back for ``--duration`` seconds after ``--warmup`` (the server's batcher path without
+    HTTP or load processes: the ceiling an engine could serve). Returns the completed calls per
+    second, each counted call's seconds and the sizes of the batches formed."""
+    from hetero.pipelines.embed import EmbeddingService
+
+    batches: list[tuple[float, int]] = []
+    svc = EmbeddingService(rt, model, int8=args.int8, max_batch_tokens=args.max_batch_tokens,
+                           on_batch=lambda n, cost: batches.append((time.perf_counter(), n)))
+    await svc.warmup()
+    times: list[float] = []
+    start = time.perf_counter()
+    counted_from, stop = start + args.warmup, start + args.warmup + args.duration
+
+    async def client(k: int) -> None:
+        i = k
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop:
+                return
+            await svc.aembed([texts[(i * 7919) % len(texts)]])
+            if t0 >= counted_from:
+                times.append(time.perf_counter() - t0)
+            i += args.service_clients
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for k in range(args.service_clients):
+                tg.start_soon(client, k)
+        sizes = [n for t, n in batches if t >= counted_from]
+        return len(times) / (time.perf_counter() - counted_from), times, sizes
+    finally:
+        await svc.aclose()
+
+
 # -- the load processes ------------------------------------------------------------------------------------
 SPIN_S = 0.002  # how early a client of a lightly loaded load process wakes before its send time
 SPIN_CLIENTS = 4  # load processes with at most this many clients spin
@@ -428,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
+    p.add_argument("--service-clients", type=int, default=256, metavar="C",
+                   help="callers of the in-process batcher path for its throughput reference; 0: skip it "
+                        "(default: %(default)s)")
     p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                    help="the load's HTTP client: httpx, or prepared requests on raw keep-alive connections, "
                         "which costs the load processes a fraction of the CPU (default: %(default)s)")
@@ -474,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         gap = 1.0 / (rates[levels.index(1)] if rates is not None and 1 in levels else 0.2 / single_s)
         paced = one_at_a_time(embed_one, texts, args.single, gap)
         service_one, service_paced = anyio.run(service_latency, rt, model, texts, args, gap)
+        service_many = anyio.run(service_throughput, rt, model, texts, args) if args.service_clients else None
         adapter = rt.device().summary["summary"]
     finally:
         rt.close()
@@ -495,6 +536,14 @@ def main(argv: list[str] | None = None) -> int:
          calls=args.single, p50_ms=round(float(np.median(service_paced)) * 1e3, 3),
          p50_over_embed_one=round(float(np.median(service_paced)) / single_s, 3))
 
+    if service_many is not None:
+        rate, times, sizes = service_many
+        emit(impl=f"service aembed([s]) x{args.service_clients}", what="concurrent callers of the server's batcher "
+             "path in process, without HTTP", **common, requests_per_s=round(rate, 1),
+             p50_ms=round(float(np.median(times)) * 1e3, 3) if times else None,
+             p99_ms=round(float(np.percentile(times, 99)) * 1e3, 3) if times else None,
+             mean_batch=round(float(np.mean(sizes)), 1) if sizes else None,
+             over_bulk=round(rate / bulk_rate, 3))
     floor_ms: float | None = None
     if 1 in levels:
         # The HTTP floor: the same one client against hypercorn answering a constant body, at the

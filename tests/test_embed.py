@@ -131,7 +131,10 @@ async def test_embed_inside_a_running_event_loop_points_to_aembed(anyio_backend:
     assert got.shape == (2, 32)
 
 
-def test_layer_stages_are_captured_and_replay_the_same_embeddings(tiny: Model) -> None:
+def test_layer_stages_are_captured_and_replay_the_same_embeddings(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetero.pipelines.embed as embed_module
+
+    monkeypatch.setattr(embed_module, "FUSED_MAX_BATCH", 0)  # one GPU stage per layer
     texts = ["the cat sat", "a dog ran", "hello world"] * 2 + ["x"]  # batches of 2: three shapes
     with hetero.Runtime(cpu_threads=2, capture=False, placement="gpu") as plain:
         want = embed(texts + texts[::-1], model=tiny, runtime=plain, batch_size=2, max_in_flight=1)
@@ -150,7 +153,7 @@ def test_small_batches_may_record_the_encoder_in_one_stage(tiny: Model, monkeypa
     import hetero.pipelines.embed as embed_module
 
     texts = ["the cat sat", "a dog ran", "hello world"] * 2 + ["x"]  # batches of 2: three shapes
-    assert FUSED_MAX_BATCH == 0  # off by default
+    assert FUSED_MAX_BATCH == 128  # the default
     with hetero.Runtime(cpu_threads=2, capture=False, placement="gpu") as plain:
         want = embed(texts, model=tiny, runtime=plain, batch_size=2, max_in_flight=1)
     monkeypatch.setattr(embed_module, "FUSED_MAX_BATCH", 2)
@@ -160,6 +163,7 @@ def test_small_batches_may_record_the_encoder_in_one_stage(tiny: Model, monkeypa
         assert rt.device().captures.stats()["captures"] == 2 * 3  # two stages, three batch shapes
         gpu = [s for s in rt.stats().stages if s.kind == "gpu"]
         assert [s.name for s in gpu] == ["encoder0", "encoder1"] and all(s.replayed for s in gpu)
+        monkeypatch.setattr(embed_module, "FUSED_MAX_BATCH", 0)
         np.testing.assert_array_equal(embed(texts, model=tiny, runtime=rt, batch_size=3), plain_layers(tiny, texts))
         assert [s.name for s in rt.stats().stages if s.kind == "gpu"] == ["embeddings", "layer0", "layer1", "pool"]
 
