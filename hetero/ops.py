@@ -22,7 +22,8 @@ optional additive mask), :func:`layernorm` (optionally fused with a residual add
 :func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
 :func:`transpose`, :func:`embedding` (row gather), :func:`attention` (scaled dot-product
 attention with a padding mask) and :func:`attention_packed` (the same over one fused Q/K/V
-projection).
+projection) and :func:`attention_varlen` (that over sequences of different lengths packed
+along one token axis, no padding).
 
 CPU implementations (:mod:`hetero.kernels.cpu`): ``hetero.ops.cpu.matmul(a, b)`` and the
 same names for every op above but the INT8 ones, without ``gpu``, in numpy with the GPU
@@ -35,8 +36,8 @@ from __future__ import annotations
 from hetero.kernels import cpu
 from hetero.kernels.matmul import matmul
 from hetero.kernels.matmul_int8 import matmul_int8, quantize_weight
-from hetero.kernels.nn import (add, add_bias, attention, attention_packed, embedding, erf, gelu, layernorm, softmax,
-                               transpose)
+from hetero.kernels.nn import (add, add_bias, attention, attention_packed, attention_varlen, embedding, erf, gelu,
+                               layernorm, softmax, transpose)
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "argmin",
     "attention",
     "attention_packed",
+    "attention_varlen",
     "cpu",
     "embedding",
     "erf",

@@ -34,6 +34,7 @@ __all__ = [
     "argmin",
     "attention",
     "attention_packed",
+    "attention_varlen",
     "embedding",
     "erf",
     "gelu",
@@ -274,6 +275,45 @@ def attention_packed(qkv: Any, heads: int, *, mask: Any = None, scale: float | N
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = _attend(parts[0], parts[1], parts[2], mask, sc)  # [B, H, S, D]
     return np.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(bsz, s, heads * d)
+
+
+def _check_spans(spans: np.ndarray) -> None:
+    """Host ``spans`` (see :func:`attention_varlen`): each token inside its own range, the ranges in order."""
+    s = spans.astype(np.int64)
+    t = np.arange(len(s))
+    bad = np.flatnonzero((s[:, 0] > t) | (s[:, 1] <= t) | (s[:, 1] > len(s)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"attention_varlen: spans[{i}] = {s[i].tolist()} does not hold token {i} within the "
+                         f"{len(s)} tokens; each token's range [start, end) holds the token itself")
+    back = np.flatnonzero(np.diff(s[:, 0]) < 0)
+    if back.size:
+        i = int(back[0]) + 1
+        raise ValueError(f"attention_varlen: spans[{i}] starts at {int(s[i, 0])}, before spans[{i - 1}] "
+                         f"({int(s[i - 1, 0])}); the sequences must follow each other in order")
+
+
+def attention_varlen(qkv: Any, heads: int, spans: Any, *, scale: float | None = None) -> np.ndarray:
+    """:func:`attention_packed` over sequences packed along one token axis: ``qkv`` [T, 3*H*D],
+    ``spans`` [T, 2] each token's sequence ``[start, end)`` -> [T, H*D] (see the GPU op)."""
+    a = _f32("attention_varlen", "qkv", qkv)
+    if a.ndim != 2 or a.shape[1] % (3 * heads) or a.shape[1] < 3 * heads:
+        raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] with H = {heads} heads and D >= 1, "
+                         f"got shape {a.shape}")
+    sp = np.asarray(spans)
+    if sp.shape != (a.shape[0], 2) or sp.dtype.kind not in "iu":
+        raise ValueError(f"attention_varlen: spans must be integers of shape [T, 2] = {(a.shape[0], 2)}, "
+                         f"got {sp.dtype.name} {sp.shape}")
+    out = np.empty((a.shape[0], a.shape[1] // 3), _F32)
+    if not len(a):
+        return out
+    _check_spans(sp)
+    # One packed_attention call per distinct range (a sequence, or the padding after them).
+    starts = np.flatnonzero(np.r_[True, (np.diff(sp[:, 0]) != 0) | (np.diff(sp[:, 1]) != 0)])
+    for t0 in starts.tolist():
+        lo, hi = int(sp[t0, 0]), int(sp[t0, 1])
+        out[lo:hi] = attention_packed(a[None, lo:hi], heads, scale=scale)[0]
+    return out
 
 
 def _reduce(op: str, x: Any, axis: int | None) -> np.ndarray:

@@ -104,12 +104,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from hetero.kernels import nn_wgsl
+from hetero.kernels.cpu import _check_spans
 from hetero.kernels.matmul import matmul
 from hetero.kernels.nn_wgsl import WORKGROUP
 from hetero.lowlevel import GPUContext, Kernel, Tensor
 
-__all__ = ["add", "add_bias", "attention", "attention_packed", "embedding", "erf", "gelu", "layernorm", "softmax",
-           "transpose"]
+__all__ = ["add", "add_bias", "attention", "attention_packed", "attention_varlen", "embedding", "erf", "gelu",
+           "layernorm", "softmax", "transpose"]
 
 # -- tuning and test hooks ---------------------------------------------------------------
 ROW_ITEMS = 4
@@ -528,6 +529,9 @@ def _attn_tiles(gpu: GPUContext, sq: int, sk: int, d4: int) -> tuple[int, int]:
 
 
 ATTN_IMPLS = ("fused", "matmul", "auto")
+# attention_varlen's tiles are sized for sequences of about this many tokens (sentences), not
+# for the packed axis: a workgroup's keys span its queries' sequences.
+VARLEN_TILE = 32
 
 
 def _adapter_type(gpu: GPUContext) -> str:
@@ -650,6 +654,54 @@ def attention_packed(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, *,
     return out
 
 
+def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, spans: Tensor | np.ndarray, *,
+                     scale: float | None = None) -> Tensor:
+    """:func:`attention_packed` over sequences of different lengths packed along one token axis.
+
+    ``qkv`` is [T, 3*H*D] (q, then k, then v along the last axis, as for
+    :func:`attention_packed`), the tokens of every sequence one after another, no padding;
+    the result is [T, H*D]. ``spans`` is int32 or uint32 [T, 2]: each token's sequence as the
+    token range ``[start, end)``, which holds the token itself; each token attends to the keys
+    of its own range only. Tokens past the real ones (a packed batch rounded up to a fixed
+    size) are a sequence of their own. The sequences must follow each other in order (token
+    ``t``'s range starts at or after token ``t - 1``'s); with ranges that break this rule the
+    results are undefined, but nothing outside ``qkv`` and the result is read or written.
+
+    The work follows the sequences' lengths (the sum of their squares), not the longest
+    one's times their number as padded attention does: one dispatch, whose shape (and so a
+    captured stage's signature) depends on ``T`` alone, whatever the lengths within it.
+    """
+    qs = _f32("attention_varlen", "qkv", qkv)
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise ValueError(f"attention_varlen: heads must be an integer >= 1, got {heads!r}")
+    if len(qs) != 2 or qs[1] % (3 * heads) or qs[1] < 3 * heads:
+        raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] with H = {heads} heads and D >= 1, "
+                         f"got shape {qs}")
+    _kind("attention_varlen", "spans", spans)
+    sshape = tuple(int(x) for x in spans.shape)
+    if sshape != (qs[0], 2):
+        raise ValueError(f"attention_varlen: spans must be [T, 2] = {(qs[0], 2)} (each token's [start, end)), "
+                         f"got shape {sshape}")
+    if np.dtype(spans.dtype) not in _ID_DTYPES:
+        raise TypeError(f"attention_varlen: spans must be int32 or uint32, got {np.dtype(spans.dtype).name}")
+    if isinstance(spans, np.ndarray) and spans.size:
+        _check_spans(spans)
+    tokens, width = qs
+    hd = width // 3
+    d = hd // heads
+    sc = _scale("attention_varlen", scale, 1.0 / math.sqrt(d))
+    _fits(gpu, "attention_varlen", "qkv", qs)
+    t = _dev(gpu, qkv)
+    st = gpu.upload(np.ascontiguousarray(spans, dtype=np.int32)) if isinstance(spans, np.ndarray) else spans
+    out = gpu.empty((tokens, hd), np.float32)
+    if tokens == 0:
+        return out
+    istr = (tokens * width, d, width)  # (one batch), head, token strides of q, k and v inside qkv
+    _attention_fused(gpu, (t, t, t), (0, hd, 2 * hd), istr, istr, (tokens * hd, d, hd), out, None, sc,
+                     (1, heads, tokens, tokens, d), spans=st)
+    return out
+
+
 def _padding_mask(op: str, mask: Tensor | np.ndarray, bsz: int, sk: int, keys: str) -> Tensor | np.ndarray:
     """A checked [B, Sk] / [B, 1, 1, Sk] padding mask for ``keys``: numpy masks become uint32 0/1."""
     _kind(op, "mask", mask)
@@ -669,21 +721,26 @@ def _padding_mask(op: str, mask: Tensor | np.ndarray, bsz: int, sk: int, keys: s
 
 def _attention_fused(gpu: GPUContext, qkv: tuple[Tensor, Tensor, Tensor], first: tuple[int, int, int],
                      qstr: tuple[int, int, int], kstr: tuple[int, int, int], ostr: tuple[int, int, int],
-                     out: Tensor, mtt: Tensor | None, sc: float, dims: tuple[int, int, int, int, int]) -> None:
-    """One dispatch of the fused kernel: element offsets ``first`` and (batch, head, token) strides."""
+                     out: Tensor, mtt: Tensor | None, sc: float, dims: tuple[int, int, int, int, int],
+                     spans: Tensor | None = None) -> None:
+    """One dispatch of the fused kernel: element offsets ``first`` and (batch, head, token) strides;
+    ``spans``: each token's key range (packed sequences, one batch), instead of a mask."""
     bsz, heads, sq, sk, d = dims
     d4 = _groups(d, 4)
-    bq, bk = _attn_tiles(gpu, sq, sk, d4)
+    # Packed sequences: a workgroup's keys are its queries' sequences, not the whole axis.
+    bq, bk = _attn_tiles(gpu, VARLEN_TILE, VARLEN_TILE, d4) if spans is not None else _attn_tiles(gpu, sq, sk, d4)
     vec = d % 4 == 0 and all(f % 4 == 0 for f in first)
     float_mask = mtt is not None and mtt.dtype == _F32
-    wgsl = nn_wgsl.attention(bq, bk, d4, vec, None if mtt is None else float_mask)
-    label = f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
+    wgsl = nn_wgsl.attention(bq, bk, d4, vec, None if mtt is None else float_mask, varlen=spans is not None)
+    label = (f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
+             f"{'.varlen' if spans is not None else ''}")
     kern = _compile(gpu, label, wgsl)
     nqb = _groups(sq, bq)
     params = struct.pack("<12If7I", sq, sk, heads, nqb, d, *qstr, *kstr, first[0], sc * math.log2(math.e),
                          first[1], first[2], 0, *ostr, 0)
     q, k, v = qkv
-    bindings: list[Any] = [q, k, v, out, params] + ([mtt] if mtt is not None else [])
+    extra = mtt if mtt is not None else spans
+    bindings: list[Any] = [q, k, v, out, params] + ([extra] if extra is not None else [])
     gpu.dispatch(kern, bsz * heads * nqb, *bindings)
 
 

@@ -290,6 +290,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hh = bh % p.h;
     let qi = qb * BQ + li;
     let live = qi < p.sq;
+$RANGE
     let qbase = p.q0 + b * p.qs_b + hh * p.qs_h + qi * p.qs_s;
     let obase = b * p.os_b + hh * p.os_h + qi * p.os_s;
     let kbase = b * p.ks_b + hh * p.ks_h;
@@ -302,14 +303,14 @@ $DECL
     // they count (with weight 1 each) only while no real key was seen.
     var m = -NN_FLT_MAX;
     var l = 0.0;
-    for (var t0 = 0u; t0 < p.sk; t0 += BK) {
+    for (var t0 = t_lo; t0 < t_hi; t0 += BK) {
         workgroupBarrier();   // the previous tile is consumed
         for (var e = li; e < BK * D4; e += BQ) {
             let key = t0 + e / D4;
             let c = e % D4;
             var kk = vec4<f32>(0.0);
             var vv = vec4<f32>(0.0);
-            if (key < p.sk) {
+            if (key < t_hi) {
                 let kb = kbase + key * p.ks_s;
                 kk = ld_k(p.k0 + kb, c);
                 vv = ld_v(p.v0 + kb, c);
@@ -318,13 +319,14 @@ $DECL
             tv[e] = vv;
         }
         for (var j = li; j < BK; j += BQ) {
-            tm[j] = select(0u, key_real(b, t0 + j), t0 + j < p.sk);
+            tm[j] = select(0u, key_real(b, t0 + j), t0 + j < t_hi);
         }
         workgroupBarrier();
-        let cnt = min(BK, p.sk - t0);
+        let cnt = min(BK, t_hi - t0);
         if (live) {
             for (var j = 0u; j < cnt; j++) {
                 let r = j * D4;
+$KEY_SKIP
                 if (tm[j] == 0u) {
                     if (m == -NN_FLT_MAX) {
                         l += 1.0;
@@ -417,12 +419,31 @@ def embedding(vec: bool) -> str:
     return _EMBEDDING.substitute(T="vec4<u32>" if vec else "u32")
 
 
+# Variable-length sequences packed along one token axis (attention_varlen): binding 5 holds each
+# token's [start, end) key range, its own sequence's. A workgroup's keys are the union of its
+# queries' ranges, [start of the first, end of the last) (the sequences lie one after another),
+# read from a read-only buffer at a workgroup-uniform index, so the tile loop stays uniform; each
+# query skips the keys outside its own range.
+_VARLEN_DECL = "@group(0) @binding(5) var<storage, read> spans: array<u32>;"
+_VARLEN_RANGE = """    let first = min(qb * BQ, p.sq - 1u);
+    let last = min(qb * BQ + BQ - 1u, p.sq - 1u);
+    let t_lo = min(spans[2u * first], p.sk);
+    let t_hi = max(min(spans[2u * last + 1u], p.sk), t_lo);
+    var my_lo = 0u;
+    var my_hi = 0u;
+    if (live) { my_lo = spans[2u * qi]; my_hi = spans[2u * qi + 1u]; }"""
+_VARLEN_SKIP = " " * 16 + "if (t0 + j < my_lo || t0 + j >= my_hi) { continue; }"
+
+
 @lru_cache(maxsize=None)
-def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None) -> str:
-    """The fused attention kernel: ``bq`` queries, ``bk`` keys a tile, ``d4`` vec4 per head row."""
+def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None, varlen: bool = False) -> str:
+    """The fused attention kernel: ``bq`` queries, ``bk`` keys a tile, ``d4`` vec4 per head row;
+    ``float_mask``: the padding mask's kind (None: no mask); ``varlen``: packed sequences."""
     t = "vec4<f32>" if vec else "f32"
     ld = _LD_VEC if vec else _LD_SCALAR
-    if float_mask is None:
+    if varlen:
+        decl, real = _VARLEN_DECL, "return 1u;"
+    elif float_mask is None:
         decl, real = "", "return 1u;"
     else:
         decl = "@group(0) @binding(5) var<storage, read> mask: array<u32>;"
@@ -434,6 +455,8 @@ def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None) -> 
 
     return _ATTENTION.substitute(
         BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
+        RANGE=_VARLEN_RANGE if varlen else "    let t_lo = 0u;\n    let t_hi = p.sk;",
+        KEY_SKIP=_VARLEN_SKIP if varlen else "",
         LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),
         DECL=each("var a{c} = vec4<f32>(0.0);\n    var q{c} = vec4<f32>(0.0);\n"
                   "    if (live) {{ q{c} = ld_q(qbase, {c}u) * p.scale; }}", 4),

@@ -73,11 +73,12 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
-           "POOL_WGSL", "QKV", "RUN_OVERHEAD_TOKENS", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids",
-           "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket",
-           "length_buckets", "linear_weight", "mean_pool_l2_cpu", "pad_bucketed", "pad_tokens", "quantized_weights",
-           "resident_int8_weights", "resident_weights", "service_graph", "service_shapes", "size_bucket",
-           "split_by_length", "token_ids", "tokenize"]
+           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids",
+           "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
+           "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
+           "pack_tokens", "packed_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
+           "row_bucket", "service_examples", "service_graph", "service_shapes", "token_bucket", "token_ids",
+           "tokenize"]
 
 # The encoder layers' linear projections (HF [out, in] weights): int8 with ``int8=True``.
 # "attention.self.qkv" is the query, key and value projections stacked ([3*hidden, hidden]):
@@ -129,6 +130,43 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let scale = 1.0 / max(sqrt(red[0]), 1e-12);
     for (var h = lid.x; h < p.h; h += 256u) {
         out[b * p.h + h] = out[b * p.h + h] * scale;   // written by this same invocation above
+    }
+}
+"""
+
+SPAN_POOL_WGSL = """
+// mean_pool_l2 over packed sentences: row r is the mean of x[start_r .. end_r) ([T, H] tokens,
+// bounds[r] = (start_r, end_r)), then L2-normalised; an empty range gives a zero row.
+struct Params { rows: u32, t: u32, h: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> bounds: array<u32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<uniform> p: Params;
+var<workgroup> red: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let r = wid.x;
+    let lo = min(bounds[2u * r], p.t);
+    let hi = max(min(bounds[2u * r + 1u], p.t), lo);
+    let denom = max(f32(hi - lo), 1e-9);
+    var sq = 0.0;
+    for (var h = lid.x; h < p.h; h += 256u) {
+        var acc = 0.0;
+        for (var t = lo; t < hi; t++) { acc += x[t * p.h + h]; }
+        let v = acc / denom;
+        out[r * p.h + h] = v;
+        sq += v * v;
+    }
+    red[lid.x] = sq;
+    workgroupBarrier();
+    for (var w = 128u; w > 0u; w = w >> 1u) {
+        if (lid.x < w) { red[lid.x] += red[lid.x + w]; }
+        workgroupBarrier();
+    }
+    let scale = 1.0 / max(sqrt(red[0]), 1e-12);
+    for (var h = lid.x; h < p.h; h += 256u) {
+        out[r * p.h + h] = out[r * p.h + h] * scale;   // written by this same invocation above
     }
 }
 """
@@ -185,6 +223,10 @@ def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray
 
 def _mask(tokens: tuple[np.ndarray, ...]) -> np.ndarray:
     return tokens[3]
+
+
+def _bounds(tokens: tuple[np.ndarray, ...]) -> np.ndarray:
+    return tokens[4]
 
 
 # -- GPU stages ---------------------------------------------------------------------------------------------
@@ -261,10 +303,11 @@ def resident_int8_weights(gpu: GPUContext, model: Model) -> dict[str, GPUWeight]
         return w
 
 
-def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model) -> Tensor:
+def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model: Model) -> Tensor:
+    # ``tokens``: ids, types, positions, then the mask (or, packed, the spans and the bounds).
     # ``mask`` is not read here: taking it makes this stage, the first GPU reader of the mask,
     # upload it with the tokens (one staging buffer, one copy ticket) for the layers after it.
-    ids, types, pos, _ = tokens
+    ids, types, pos = tokens[:3]
     w = resident_weights(gpu, model)
     word = ops.embedding(gpu, w["embeddings.word_embeddings.weight"], ids)
     posv = ops.embedding(gpu, w["embeddings.position_embeddings.weight"], pos)
@@ -274,7 +317,10 @@ def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], 
                          eps=model.config.layer_norm_eps, residual=typ)
 
 
-def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8: bool = False) -> Tensor:
+def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8: bool = False,
+           packed: bool = False) -> Tensor:
+    """Encoder layer ``n`` of ``x`` [B, S, H]; ``packed``: ``x`` is [1, T, H], sentences one after
+    another, and ``mask`` their spans (:func:`pack_tokens`)."""
     c = model.config
     w = resident_weights(gpu, model)
     qw = resident_int8_weights(gpu, model) if int8 else None
@@ -289,7 +335,10 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
         return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=bt)
 
     qkv = linear(x2, QKV)  # [B*S, 3H]: q | k | v
-    a = ops.attention_packed(gpu, _view(qkv, (b, s, 3 * h)), c.num_attention_heads, mask=mask)
+    if packed:
+        a = ops.attention_varlen(gpu, qkv, c.num_attention_heads, mask)
+    else:
+        a = ops.attention_packed(gpu, _view(qkv, (b, s, 3 * h)), c.num_attention_heads, mask=mask)
     o = linear(_view(a, (b * s, h)), "attention.output.dense")
     x1 = ops.layernorm(gpu, o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
                        eps=c.layer_norm_eps, residual=x2)
@@ -323,23 +372,43 @@ def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
 _pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 
-def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, Tensor, Tensor, Tensor], mask: Tensor, model: Model,
-                 int8: bool, layers: int) -> Tensor:
+def mean_pool_l2_packed(gpu: GPUContext, x: Tensor, bounds: Tensor) -> Tensor:
+    """:func:`mean_pool_l2` of packed sentences: ``x`` [1, T, H] (or [T, H]), ``bounds`` int32
+    [R, 2] each sentence's token range ``[start, end)`` (an empty range: a zero row) -> [R, H]."""
+    h = x.shape[-1]
+    t = int(np.prod(x.shape[:-1]))
+    r = bounds.shape[0]
+    if tuple(bounds.shape) != (r, 2) or bounds.dtype != np.int32:
+        raise ValueError(f"mean_pool_l2_packed: bounds must be int32 [R, 2], got {bounds.dtype.name} {bounds.shape}")
+    out = gpu.empty((r, h), np.float32)
+    if r:
+        gpu.dispatch(gpu.kernel(SPAN_POOL_WGSL, label="pipelines.embed.mean_pool_l2_packed"), r, x, bounds, out,
+                     np.array([r, t, h, 0], np.uint32))
+    return out
+
+
+mean_pool_l2_packed.kernels = [SPAN_POOL_WGSL]  # type: ignore[attr-defined]
+
+
+def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model: Model,
+                 int8: bool, layers: int, packed: bool = False) -> Tensor:
     """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
     x = _embeddings(gpu, tokens, mask, model)
     for n in range(layers):
-        x = _layer(gpu, x, mask, model, n, int8)
+        x = _layer(gpu, x, mask, model, n, int8, packed)
     return x
 
 
-def _encode_tail(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, int8: bool, first: int) -> Tensor:
-    """The layers from ``first`` on and the pooling in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
+def _encode_tail(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, int8: bool, first: int,
+                 bounds: Tensor | None = None) -> Tensor:
+    """The layers from ``first`` on and the pooling in one GPU stage (see :data:`FUSED_MAX_BATCH`);
+    with ``bounds``, of packed sentences (``mask``: their spans)."""
     for n in range(first, model.config.num_hidden_layers):
-        x = _layer(gpu, x, mask, model, n, int8)
-    return _pool(gpu, x, mask)
+        x = _layer(gpu, x, mask, model, n, int8, bounds is not None)
+    return _pool(gpu, x, mask) if bounds is None else mean_pool_l2_packed(gpu, x, bounds)
 
 
-_encode_tail.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
+_encode_tail.kernels = [POOL_WGSL, SPAN_POOL_WGSL]  # type: ignore[attr-defined]
 
 FUSED_MAX_BATCH = 128
 """:func:`embed` batches of at most this many texts on a GPU-only graph record the encoder in
@@ -397,9 +466,8 @@ def cpu_weights(model: Model) -> dict[str, np.ndarray]:
         return w
 
 
-def _embeddings_cpu(tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], mask: np.ndarray,
-                    model: Model) -> np.ndarray:
-    ids, types, pos, _ = tokens
+def _embeddings_cpu(tokens: tuple[np.ndarray, ...], mask: np.ndarray, model: Model) -> np.ndarray:
+    ids, types, pos = tokens[:3]
     w = cpu_weights(model)
     e = ops.cpu.add(ops.cpu.embedding(w["embeddings.word_embeddings.weight"], ids),
                     ops.cpu.embedding(w["embeddings.position_embeddings.weight"], pos))
@@ -408,7 +476,7 @@ def _embeddings_cpu(tokens: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
                              residual=ops.cpu.embedding(w["embeddings.token_type_embeddings.weight"], types))
 
 
-def _layer_cpu(x: np.ndarray, mask: np.ndarray, model: Model, n: int) -> np.ndarray:
+def _layer_cpu(x: np.ndarray, mask: np.ndarray, model: Model, n: int, packed: bool = False) -> np.ndarray:
     c = model.config
     w = cpu_weights(model)
     p = f"encoder.layer.{n}."
@@ -420,7 +488,10 @@ def _layer_cpu(x: np.ndarray, mask: np.ndarray, model: Model, n: int) -> np.ndar
                               bias=w[p + name + ".bias"] if bias else None)
 
     qkv = linear(x2, QKV)
-    a = ops.cpu.attention_packed(qkv.reshape(b, s, 3 * h), c.num_attention_heads, mask=mask)
+    if packed:
+        a = ops.cpu.attention_varlen(qkv, c.num_attention_heads, mask)
+    else:
+        a = ops.cpu.attention_packed(qkv.reshape(b, s, 3 * h), c.num_attention_heads, mask=mask)
     o = linear(a.reshape(b * s, h), "attention.output.dense")
     x1 = ops.cpu.layernorm(o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
                            eps=c.layer_norm_eps, residual=x2)
@@ -442,29 +513,52 @@ def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
+def mean_pool_l2_packed_cpu(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """:func:`mean_pool_l2_packed` in numpy."""
+    flat = x.reshape(-1, x.shape[-1])
+    b = np.clip(np.asarray(bounds, np.int64).reshape(-1, 2), 0, len(flat))
+    b[:, 1] = np.maximum(b[:, 1], b[:, 0])
+    cs = np.zeros((len(flat) + 1, flat.shape[1]), np.float64)
+    np.cumsum(flat, axis=0, dtype=np.float64, out=cs[1:])
+    counts = (b[:, 1] - b[:, 0]).astype(np.float64)
+    out = ((cs[b[:, 1]] - cs[b[:, 0]]) / np.maximum(counts, 1e-9)[:, None]).astype(np.float32)
+    out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
+    return out
+
+
 def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu: bool = True,
-             fused: bool = False) -> hetero.Node:
+             fused: bool = False, packed: bool = False) -> hetero.Node:
     """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned).
 
     Float32 with ``cpu``: every stage has a CPU and a GPU implementation, placed per batch
     by the runtime. INT8, or without ``cpu``: GPU stages only (the int8 products exist on
-    the GPU only); ``fused``: all of them in two stages.
+    the GPU only); ``fused``: all of them in two stages. ``packed``: ``tokens`` are
+    :func:`pack_tokens`' (sentences one after another, no padding; the spans take the
+    mask's place and the bounds pick each sentence's tokens for the pooling).
     """
     mask = g.cpu(_mask, tokens, name="mask")
+    bounds = g.cpu(_bounds, tokens, name="bounds") if packed else None
     # Every GPU stage records the same work for the same batch shape: captured once per
-    # (batch, length) and replayed afterwards (see hetero._gpu.capture).
+    # (batch, length) -- packed: per (tokens, sentences) -- and replayed afterwards (see
+    # hetero._gpu.capture).
     if fused:
         half = model.config.num_hidden_layers // 2
-        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True)
-        return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True)
+        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True,
+                  packed=packed)
+        return g.gpu(_encode_tail, x, mask, model, int8, half, *([bounds] if packed else []), name="encoder1",
+                     capture=True)
     if int8 or not cpu:
         x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
-            x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True)
+            x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True, packed=packed)
+        if packed:
+            return g.gpu(mean_pool_l2_packed, x, bounds, name="pool", capture=True)
         return g.gpu(_pool, x, mask, name="pool", capture=True)
     x = g.stage(tokens, mask, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
-        x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True)
+        x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True, packed=packed)
+    if packed:
+        return g.stage(x, bounds, cpu=mean_pool_l2_packed_cpu, gpu=mean_pool_l2_packed, name="pool", capture=True)
     return g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True)
 
 
@@ -605,18 +699,15 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
 
 # -- the batched service path ---------------------------------------------------------------------------------
-# A graph run's fixed cost counted in padded tokens: a formed batch is split into runs by length
-# only where padding would waste at least this much (see split_by_length). A run's fixed host
-# cost (recording or replaying its layer stages, starting and waking its stages) is several
-# milliseconds whatever the batch, while the H200 encodes ~1.2 M padded tokens/s.
-RUN_OVERHEAD_TOKENS = 8192
 # Requests with more texts than this are tokenized on a worker thread, not on the event loop.
 LOOP_TOKENIZE_MAX = 16
-# Padded lengths of the service path: multiples of 16 up to 64, then two per octave (96, 128,
-# 192, 256, 384, ...), capped at the model's max_seq_length. Batch sizes: powers of two up to 8,
-# then two per octave (12, 16, 24, 32, 48, ...), capped at what the token budget allows at that
-# length. Every GPU stage is captured per batch shape, so served batches (any size, any
-# longest sentence) map to a few hundred shapes at most, all captured at warm-up.
+# A served batch runs packed: its sentences' tokens one after another, no padding (attention
+# within each sentence, attention_varlen; everything else is per token). The packed length is
+# bucketed: multiples of 16 up to 64, then two per octave (96, 128, 192, 256, 384, ...). So is
+# the sentence count: powers of two up to 8, then two per octave (12, 16, 24, 32, 48, ...).
+# Every GPU stage is captured per (tokens, sentences) bucket, so served batches map to a few
+# hundred shapes at most, all captured at warm-up. length_bucket is the same rounding for one
+# sentence, capped at the model's max_seq_length: the batcher's padded-token cost.
 LENGTH_STEP = 16
 
 
@@ -631,19 +722,22 @@ def _two_per_octave(n: int, start: int) -> int:
     return b
 
 
+def token_bucket(n: int) -> int:
+    """The bucketed length of ``n`` tokens (see :data:`LENGTH_STEP`)."""
+    if n <= 4 * LENGTH_STEP:
+        return -(-max(n, 1) // LENGTH_STEP) * LENGTH_STEP
+    return _two_per_octave(n, 4 * LENGTH_STEP)
+
+
 def length_bucket(longest: int, max_len: int) -> int:
-    """The padded length of a batch whose longest sentence has ``longest`` tokens (see :data:`LENGTH_STEP`)."""
-    if longest <= 4 * LENGTH_STEP:
-        b = -(-max(longest, 1) // LENGTH_STEP) * LENGTH_STEP
-    else:
-        b = _two_per_octave(longest, 4 * LENGTH_STEP)
-    return min(b, max_len)
+    """The padded length of a batch whose longest sentence has ``longest`` tokens: :func:`token_bucket`,
+    at most ``max_len``."""
+    return min(token_bucket(longest), max_len)
 
 
-def size_bucket(n: int, length: int, max_batch_tokens: int) -> int:
-    """The padded row count of ``n`` sentences padded to ``length``: at least ``n``, within the token budget."""
-    b = n if n <= 1 else (1 << (n - 1).bit_length() if n <= 8 else _two_per_octave(n, 8))
-    return max(n, min(b, max_batch_tokens // max(length, 1)))
+def row_bucket(n: int) -> int:
+    """The bucketed count of ``n`` sentences: ``n`` up to 2, powers of two up to 8, then two per octave."""
+    return n if n <= 2 else (1 << (n - 1).bit_length() if n <= 8 else _two_per_octave(n, 8))
 
 
 def length_buckets(max_len: int) -> list[int]:
@@ -651,54 +745,105 @@ def length_buckets(max_len: int) -> list[int]:
     return sorted({length_bucket(n, max_len) for n in range(1, max_len + 1)})
 
 
-def service_shapes(max_len: int, max_batch_tokens: int, max_batch_size: int | None = None) -> list[tuple[int, int]]:
-    """Every ``(rows, length)`` the service path pads a batch to (what the warm-up captures)."""
-    shapes: set[tuple[int, int]] = set()
-    for length in length_buckets(max_len):
-        most = max(1, max_batch_tokens // length)
-        if max_batch_size is not None:
-            most = min(most, max_batch_size)
-        shapes.update((size_bucket(n, length, max_batch_tokens), length) for n in range(1, most + 1))
-    return sorted(shapes)
+def packed_tokens(total: int, max_batch_tokens: int) -> int:
+    """The packed length of a batch of ``total`` tokens: :func:`token_bucket`, at most ``max_batch_tokens``
+    unless ``total`` is more (a batch the batcher forms never is)."""
+    b = token_bucket(total)
+    return b if total > max_batch_tokens else min(b, max_batch_tokens)
 
 
-def pad_tokens(ids: Sequence[np.ndarray], model: Model, rows: int | None = None,
-               length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`tokenize`'s four int32 ``[B, S]`` arrays from already tokenized sentences (one id array each).
+def _ranges(bucket: Callable[[int], int], most: int) -> dict[int, tuple[int, int]]:
+    """``{bucket(n): (least n, most n)}`` for n in 1..most."""
+    out: dict[int, tuple[int, int]] = {}
+    for n in range(1, most + 1):
+        b = bucket(n)
+        lo, _ = out.get(b, (n, n))
+        out[b] = (lo, n)
+    return out
 
-    ``S`` is the longest sentence, or ``length``; ``B`` is ``len(ids)``, or ``rows``: the
-    rows past ``len(ids)`` hold an empty sentence (``[CLS] [SEP]``), whose embedding is
-    dropped. Padding changes no row's embedding (masked attention, per-row everything else).
+
+def service_examples(max_len: int, max_batch_tokens: int, max_batch_size: int | None = None,
+                     min_len: int = 2) -> dict[tuple[int, int], tuple[int, int]]:
+    """Every ``(tokens, sentences)`` shape a served batch packs to, each with an example
+    ``(total tokens, sentences)`` that packs to it.
+
+    A batch of ``r`` sentences (at most ``max_batch_size``, default ``max_batch_tokens // 2``)
+    of ``min_len`` to ``max_len`` tokens each, whose padded cost (``r`` times the
+    :func:`length_bucket` of its longest) is within ``max_batch_tokens`` (or one sentence).
     """
-    b = len(ids)
-    lens = np.fromiter((len(x) for x in ids), np.int64, b)
-    s = int(lens.max()) if b else 0
-    if length is not None:
-        if length < s:
-            raise ValueError(f"pad_tokens: length {length} is shorter than the longest sentence ({s} tokens)")
-        s = length
-    rows = b if rows is None else rows
-    if rows < b:
-        raise ValueError(f"pad_tokens: rows {rows} is fewer than the {b} sentences")
-    if rows > b:
-        empty = np.asarray(model.tokenizer.encode("").ids, np.int32)  # [CLS] [SEP] for BERT
-        ids = [*ids, *([empty] * (rows - b))]
-        lens = np.concatenate([lens, np.full(rows - b, len(empty), np.int64)])
-    real = np.arange(s) < lens[:, None]
-    out = np.full((rows, s), model.config.pad_token_id, np.int32)
-    if rows:
-        out[real] = np.concatenate([np.asarray(x, np.int32) for x in ids])
-    types = np.zeros((rows, s), np.int32)  # single sentences: every token is segment 0
-    pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (rows, s)))
-    return out, types, pos, real.astype(np.int32)
+    return dict(_service_examples(max_len, max_batch_tokens, max_batch_size, min_len))
 
 
-def pad_bucketed(ids: Sequence[np.ndarray], model: Model,
-                 max_batch_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The service path's ``pad`` stage: :func:`pad_tokens` to the batch's bucketed shape."""
-    longest = max((len(x) for x in ids), default=1)
-    length = length_bucket(longest, model.config.max_seq_length)
-    return pad_tokens(ids, model, size_bucket(len(ids), length, max_batch_tokens), length)
+@functools.lru_cache(maxsize=16)
+def _service_examples(max_len: int, max_batch_tokens: int, max_batch_size: int | None,
+                      min_len: int) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    most_rows = max(1, max_batch_size if max_batch_size is not None else max_batch_tokens // 2)
+    longest = length_buckets(max_len)
+    tokens = _ranges(lambda t: packed_tokens(t, max_batch_tokens), max_batch_tokens)
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for rows, (r_lo, r_hi) in _ranges(row_bucket, most_rows).items():
+        for r in range(r_lo, r_hi + 1):
+            # the most tokens r sentences hold within the budget: each at most the longest
+            # length whose padded cost fits (a lone sentence: max_len)
+            cap = max_len if r == 1 else max((min(b, max_len) for b in longest if b * r <= max_batch_tokens),
+                                             default=0)
+            if cap < min_len:
+                break
+            for packed, (t_lo, t_hi) in tokens.items():
+                lo, hi = max(t_lo, min_len * r), min(t_hi, cap * r)
+                if lo <= hi and (packed, rows) not in out:
+                    out[(packed, rows)] = (lo, r)
+    return tuple(out.items())
+
+
+def service_shapes(max_len: int, max_batch_tokens: int, max_batch_size: int | None = None,
+                   min_len: int = 2) -> list[tuple[int, int]]:
+    """The ``(tokens, sentences)`` shapes of :func:`service_examples`, sorted (what the warm-up captures)."""
+    return sorted(service_examples(max_len, max_batch_tokens, max_batch_size, min_len))
+
+
+def pack_tokens(ids: Sequence[np.ndarray], model: Model, tokens: int | None = None, rows: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Already tokenized sentences packed one after another, no padding between them.
+
+    Returns int32 token ids, token types and positions ``[1, T]``, each token's sentence as
+    the range ``spans[t] = [start, end)`` (``[T, 2]``, :func:`hetero.ops.attention_varlen`)
+    and each sentence's range ``bounds`` (``[R, 2]``, :func:`mean_pool_l2_packed`). ``T`` is
+    the total of the sentences' tokens, or ``tokens``: the tokens past the sentences' are
+    padding, a sequence of their own. ``R`` is ``len(ids)``, or ``rows``: the rows past
+    ``len(ids)`` are empty ranges (zero rows, dropped).
+    """
+    n = len(ids)
+    lens = np.fromiter((len(x) for x in ids), np.int64, n)
+    total = int(lens.sum())
+    t = total if tokens is None else tokens
+    r = n if rows is None else rows
+    if t < total:
+        raise ValueError(f"pack_tokens: tokens {t} is fewer than the sentences' {total}")
+    if r < n:
+        raise ValueError(f"pack_tokens: rows {r} is fewer than the {n} sentences")
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    flat = np.full(t, model.config.pad_token_id, np.int32)
+    if total:
+        flat[:total] = np.concatenate([np.asarray(x, np.int32) for x in ids])
+    pos = np.zeros(t, np.int32)
+    pos[:total] = np.arange(total) - np.repeat(starts, lens)
+    spans = np.empty((t, 2), np.int32)
+    spans[:total, 0] = np.repeat(starts, lens)
+    spans[:total, 1] = np.repeat(ends, lens)
+    spans[total:] = (total, t)
+    bounds = np.full((r, 2), total, np.int32)
+    bounds[:n, 0] = starts
+    bounds[:n, 1] = ends
+    return flat[None, :], np.zeros((1, t), np.int32), pos[None, :], spans, bounds
+
+
+def pack_bucketed(ids: Sequence[np.ndarray], model: Model,
+                  max_batch_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The service path's ``pack`` stage: :func:`pack_tokens` to the batch's bucketed shape."""
+    total = sum(len(x) for x in ids)
+    return pack_tokens(ids, model, packed_tokens(total, max_batch_tokens), row_bucket(len(ids)))
 
 
 def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
@@ -709,9 +854,11 @@ def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
 def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384, cpu: bool = True) -> hetero.Graph:
     """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path.
 
-    Batches are padded to bucketed shapes (:func:`length_bucket`, :func:`size_bucket`
-    within ``max_batch_tokens``), so that the captured GPU stages replay. ``cpu``: as in
-    :func:`embedding_graph`.
+    A batch runs packed (:func:`pack_bucketed`: no padding between sentences, the shape
+    bucketed within ``max_batch_tokens``), so that the captured GPU stages replay and the
+    GPU encodes the sentences' own tokens, not a padded rectangle. ``cpu``: as in
+    :func:`embedding_graph`; without it (or with ``int8``) the encoder is two fused stages
+    (:data:`FUSED_MAX_BATCH`).
     """
     key = f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}" + ("" if cpu else "-gpu")
     with model.lock:
@@ -720,34 +867,11 @@ def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 1638
             return g
         g = hetero.Graph(key)
         ids = g.input("ids")
-        emb = _encoder(g, g.cpu(pad_bucketed, ids, model, max_batch_tokens, name="pad"), model, int8, cpu)
+        emb = _encoder(g, g.cpu(pack_bucketed, ids, model, max_batch_tokens, name="pack"), model, int8, cpu,
+                       fused=int8 or not cpu, packed=True)
         g.output(g.cpu(_real_rows, emb, ids, name="rows"))
         model.graphs[key] = g
         return g
-
-
-def split_by_length(lengths: Sequence[int], overhead: int = RUN_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Groups of indices of a formed batch, each run on its own (padded to its own longest sentence).
-
-    One group unless padding the whole batch to its longest sentence wastes at least
-    ``overhead`` tokens. Otherwise the sentences are sorted longest first and a new group
-    starts where the tokens the rest would pad (the gap to the group's longest, times the
-    sentences left) reach ``overhead``.
-    """
-    n = len(lengths)
-    if n < 2 or max(lengths) * n - sum(lengths) < overhead:
-        return [list(range(n))]
-    order = sorted(range(n), key=lambda i: -lengths[i])
-    groups = [[order[0]]]
-    head = lengths[order[0]]
-    for pos in range(1, n):
-        i = order[pos]
-        if (head - lengths[i]) * (n - pos) >= overhead:
-            groups.append([i])
-            head = lengths[i]
-        else:
-            groups[-1].append(i)
-    return groups
 
 
 def token_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
@@ -772,13 +896,16 @@ class EmbeddingService:
     The batcher's cost is tokens, padded as text-embeddings-inference counts them, with
     the padded length bucketed: a batch of ``n`` sentences whose longest has ``L``
     tokens (``[CLS]`` and ``[SEP]`` included) costs ``length_bucket(L) * n``, at most
-    ``max_batch_tokens``. A formed batch is split by length (:func:`split_by_length`)
-    where padding would waste much. Each run pads to a bucketed shape
-    (:func:`length_bucket` by :func:`size_bucket`, rows of empty sentences dropped from
-    the output), so its captured GPU stages replay; :meth:`warmup` captures every such
-    shape (:func:`service_shapes`) unless ``precapture=False``. Padding never changes a
-    sentence's embedding (masked attention, per-row everything else). ``max_in_flight``
-    batches run at once, so the next one is padded while the GPU encodes this one.
+    ``max_batch_tokens``. A formed batch runs as one packed run (:func:`pack_bucketed`):
+    its sentences' tokens one after another, attention within each sentence, so the GPU
+    encodes the sentences' own tokens whatever their mix of lengths (no sorting or
+    splitting needed). The packed shape is bucketed (tokens by :func:`token_bucket`,
+    sentences by :func:`row_bucket`; padding tokens and empty rows dropped), so its
+    captured GPU stages replay; :meth:`warmup` captures every such shape
+    (:func:`service_shapes`) unless ``precapture=False``. Packing never changes a
+    sentence's embedding (each token attends to its own sentence's tokens only, everything
+    else is per token). ``max_in_flight`` batches run at once, so the next one is packed
+    while the GPU encodes this one.
     """
 
     def __init__(self, runtime: hetero.Runtime, model: Model | str | os.PathLike[str] = "minilm", *,
@@ -799,12 +926,17 @@ class EmbeddingService:
         self.batcher = runtime.batcher(
             self.graph, max_batch_size=self.max_batch_size, max_wait=max_wait,
             cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,
-            max_in_flight=max_in_flight, split=split_by_length, on_batch=on_batch)
+            max_in_flight=max_in_flight, on_batch=on_batch)
+        self._filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)  # the shortest sentence
+
+    def _examples(self) -> dict[tuple[int, int], tuple[int, int]]:
+        return service_examples(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size,
+                                max(1, len(self._filler)))
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
-        """The ``(rows, length)`` shapes batches are padded to (:func:`service_shapes`)."""
-        return service_shapes(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size)
+        """The ``(tokens, sentences)`` shapes batches are packed to (:func:`service_shapes`)."""
+        return sorted(self._examples())
 
     def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
         """:func:`token_ids` of ``texts`` with this service's model."""
@@ -860,13 +992,20 @@ class EmbeddingService:
         (``Runtime(placement=...)``) have nothing to capture. Returns the shapes run.
         """
         await self.runtime.warmup(self.graph)
-        shapes = self.shapes if precapture else [(1, length_bucket(1, self.model.config.max_seq_length))]
-        filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)
-        for rows, length in shapes:
-            # rows sentences whose longest is `length` tokens: a batch padded to exactly (rows, length)
-            long = np.resize(filler, length) if length > len(filler) else filler
-            await self.runtime.run(self.graph, ids=[long] + [filler] * (rows - 1))
-        return len(shapes)
+        filler = self._filler
+        examples = list(self._examples().values()) if precapture else [(len(filler), 1)]
+        for total, rows in examples:
+            # rows sentences of `total` tokens in all: the shortest sentence in every row, the
+            # rest spread over as few rows as the longest sentence (max_seq_length) allows
+            lens = [len(filler)] * rows
+            extra, longest, i = total - len(filler) * rows, self.model.config.max_seq_length, 0
+            while extra > 0:
+                add = min(extra, longest - lens[i])
+                lens[i] += add
+                extra -= add
+                i += 1
+            await self.runtime.run(self.graph, ids=[np.resize(filler, n) for n in lens])
+        return len(examples)
 
     async def aclose(self) -> None:
         """Let queued and running batches finish; take no more."""

@@ -162,9 +162,8 @@ class EmbeddingEngine:
         self.stopping = False
 
     def capture_entries(self) -> int:
-        """The own runtime's ``capture_cache``: every GPU stage at every padded shape, twice over."""
-        shapes = service_shapes(self.model.config.max_seq_length, self.max_batch_tokens,
-                                max(1, self.max_batch_tokens // 2))
+        """The own runtime's ``capture_cache``: every GPU stage at every packed shape, twice over."""
+        shapes = service_shapes(self.model.config.max_seq_length, self.max_batch_tokens)
         return max(1024, 2 * len(shapes) * (self.model.config.num_hidden_layers + 2))
 
     @contextlib.asynccontextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -11,7 +12,7 @@ import pytest
 
 import hetero
 import hetero.kernels.nn as nn
-from hetero import StageError, Tensor
+from hetero import StageError, Tensor, ops
 
 pytestmark = pytest.mark.anyio
 
@@ -423,6 +424,44 @@ async def test_attention_packed_matches_numpy(shared_rt: hetero.Runtime) -> None
         await shared_rt.run(op_graph(nn.attention_packed, 2, heads=1, mask="@a1"),
                             a0=np.zeros((2, 4, 6), np.float32), a1=np.ones((2, 5), np.float32))
     assert "mask of shape (2, 5) does not fit qkv of shape (2, 4, 6)" in str(ei.value.__cause__)
+
+
+def spans_of(lens: list[int], total: int) -> np.ndarray:
+    """Each token's [start, end): sequences of ``lens`` one after another, then padding up to ``total``."""
+    out, o = [], 0
+    for n in lens + [total - sum(lens)]:
+        out += [(o, o + n)] * n
+        o += n
+    return np.array(out, np.int32).reshape(-1, 2)
+
+
+@pytest.mark.anyio
+async def test_attention_varlen_equals_each_sequence_alone(shared_rt: hetero.Runtime) -> None:
+    """Packed sequences: each token attends to its own sequence's keys, as if run alone unpadded."""
+    rng = np.random.default_rng(5)
+    # D = 32 (vector loads), D = 5 (scalar loads); one-token sequences; a sequence longer than a tile; padding
+    for heads, d, lens, total in ((2, 32, [5, 1, 17, 3, 40, 2], 75), (3, 5, [9, 1, 4], 14), (1, 4, [1], 1),
+                                  (12, 32, [70, 7, 33], 110)):
+        x = rng.standard_normal((total, 3 * heads * d)).astype(np.float32)
+        sp = spans_of(lens, total)
+        got = await shared_rt.run(op_graph(nn.attention_varlen, 1, heads=heads, spans=sp), a0=x)
+        assert got.shape == (total, heads * d) and got.dtype == np.float32
+        want = np.concatenate([ops.cpu.attention_packed(x[None, a:b], heads)[0]
+                               for a, b in dict.fromkeys(map(tuple, sp.tolist()))])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=f"H={heads} D={d} lens={lens}")
+        np.testing.assert_allclose(ops.cpu.attention_varlen(x, heads, sp), want, rtol=1e-6, atol=1e-7)
+    # wrong shapes; ranges that break the rules (checked where the spans are on the host)
+    x = np.zeros((4, 6), np.float32)
+    with pytest.raises(StageError) as ei:
+        await shared_rt.run(op_graph(nn.attention_varlen, 1, heads=1, spans=np.zeros((3, 2), np.int32)), a0=x)
+    assert "spans must be [T, 2] = (4, 2) (each token's [start, end)), got shape (3, 2)" in str(ei.value.__cause__)
+    for spans, msg in (([[0, 2], [0, 2], [2, 4], [0, 3]], "spans[3] = [0, 3] does not hold token 3"),
+                       ([[0, 4], [0, 4], [1, 4], [0, 4]], "spans[3] starts at 0, before spans[2] (1)")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            ops.cpu.attention_varlen(x, 1, np.array(spans, np.int32))
+    with pytest.raises(StageError) as ei:
+        await shared_rt.run(op_graph(nn.attention_varlen, 1, heads=4, spans=spans_of([4], 4)), a0=x)
+    assert "qkv must be [T, 3*H*D] with H = 4 heads and D >= 1, got shape (4, 6)" in str(ei.value.__cause__)
 
 
 def test_attention_auto_choice() -> None:

@@ -16,8 +16,9 @@ import pytest
 
 import hetero
 from hetero._cli import main as cli_main
-from hetero.pipelines.embed import (EmbeddingService, aembed, length_bucket, length_buckets, pad_tokens,
-                                     service_graph, service_shapes, size_bucket, split_by_length, token_ids)
+from hetero.pipelines.embed import (EmbeddingService, aembed, length_bucket, length_buckets, pack_tokens,
+                                     packed_tokens, row_bucket, service_examples, service_graph, service_shapes,
+                                     token_bucket, token_ids)
 from hetero.pipelines.minilm import Model, load_model
 from hetero.pipelines.testing import write_random_model
 
@@ -57,24 +58,40 @@ def ids_of(model: Model, text: str) -> np.ndarray:
 
 # -- the service path ---------------------------------------------------------------------------------------
 @pytest.mark.anyio
-async def test_padding_does_not_change_an_embedding(tiny: Model, shared_rt: hetero.Runtime) -> None:
-    g = service_graph(tiny)
+async def test_packing_does_not_change_an_embedding(tiny: Model, shared_rt: hetero.Runtime) -> None:
     short, long = ids_of(tiny, TEXTS[3]), ids_of(tiny, TEXTS[4])
     assert len(long) > 4 * len(short)
-    alone = await shared_rt.run(g, ids=[short])
-    padded = await shared_rt.run(g, ids=[long, short])
-    np.testing.assert_allclose(padded[1], alone[0], atol=1e-5)
-    # the bulk path pads within its batches too
-    bulk = await aembed([TEXTS[3], TEXTS[4]], model=tiny, runtime=shared_rt, batch_size=2)
-    np.testing.assert_allclose(bulk[0], alone[0], atol=1e-5)
-    # three sentences run as four rows (the fourth an empty sentence), and only three come back
-    three = await shared_rt.run(g, ids=[short, long, short])
-    assert three.shape == (3, tiny.dim)
-    np.testing.assert_allclose(three[[0, 2]], np.stack([alone[0], alone[0]]), atol=1e-5)
-    np.testing.assert_allclose(three[1], padded[0], atol=1e-5)
+    bulk = await aembed([TEXTS[3], TEXTS[4]], model=tiny, runtime=shared_rt, batch_size=2)  # padded batches
+    async with hetero.Runtime(placement="gpu") as gpu_rt:  # the encoder's GPU stages (shared_rt: the CPU twins)
+        for rt in (shared_rt, gpu_rt):
+            g = service_graph(tiny, cpu=rt is shared_rt)
+            alone = await rt.run(g, ids=[short])
+            packed = await rt.run(g, ids=[long, short])
+            np.testing.assert_allclose(packed[1], alone[0], atol=1e-5)
+            np.testing.assert_allclose(bulk[0], alone[0], atol=1e-5)
+            # three sentences pack as four rows (the fourth empty) and padding tokens; three come back
+            three = await rt.run(g, ids=[short, long, short])
+            assert three.shape == (3, tiny.dim)
+            np.testing.assert_allclose(three[[0, 2]], np.stack([alone[0], alone[0]]), atol=1e-5)
+            np.testing.assert_allclose(three[1], packed[0], atol=1e-5)
 
 
-def test_padded_shapes() -> None:
+@pytest.mark.anyio
+async def test_packed_pooling_matches_numpy(shared_rt: hetero.Runtime) -> None:
+    from hetero.pipelines.embed import mean_pool_l2_packed, mean_pool_l2_packed_cpu
+
+    x = np.random.default_rng(1).standard_normal((1, 23, 40)).astype(np.float32)
+    bounds = np.array([[0, 5], [5, 6], [6, 20], [20, 20], [20, 20]], np.int32)  # two empty rows: zeros
+    g = hetero.Graph("pool")
+    g.output(g.gpu(mean_pool_l2_packed, g.input("x"), g.input("b")))
+    got = await shared_rt.run(g, x=x, b=bounds)
+    want = np.stack([x[0, a:b].mean(0) / np.linalg.norm(x[0, a:b].mean(0)) if b > a else np.zeros(40)
+                     for a, b in bounds.tolist()])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mean_pool_l2_packed_cpu(x, bounds), want, rtol=1e-5, atol=1e-6)
+
+
+def test_bucketed_shapes() -> None:
     for max_len in (24, 256, 512):
         buckets = length_buckets(max_len)
         assert buckets[-1] == max_len and buckets == sorted(set(buckets))
@@ -82,65 +99,59 @@ def test_padded_shapes() -> None:
             b = length_bucket(n, max_len)
             assert n <= b <= max_len and b in buckets
     assert length_buckets(256) == [16, 32, 48, 64, 96, 128, 192, 256]
-    assert [size_bucket(n, 16, 16384) for n in (1, 2, 3, 5, 9, 13, 17, 100)] == [1, 2, 4, 8, 12, 16, 24, 128]
-    assert size_bucket(70, 192, 16384) == 85  # not 96: the token budget caps the rows (85 * 192 <= 16384)
-    shapes = set(service_shapes(256, 16384, 8192))
-    for length in (3, 17, 40, 64, 65, 100, 200, 256):
-        lb = length_bucket(length, 256)
-        for n in range(1, 16384 // lb + 1):
-            rows = size_bucket(n, lb, 16384)
-            assert (rows, lb) in shapes and rows * lb <= 16384
+    assert [token_bucket(n) for n in (1, 17, 64, 65, 97, 129, 200, 5000)] == [16, 32, 64, 96, 128, 192, 256, 6144]
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 13, 17, 100)] == [1, 2, 4, 8, 12, 16, 24, 128]
+    assert packed_tokens(12289, 16384) == 16384 and packed_tokens(9000, 10000) == 10000  # the budget caps
+    assert packed_tokens(20000, 16384) == 24576  # a run past the budget (not the batcher's) still packs
+
+
+def test_service_shapes_cover_every_batch_the_budget_allows() -> None:
+    max_len, budget, most = 24, 64, 32
+    examples = service_examples(max_len, budget, most)
+    assert sorted(examples) == service_shapes(max_len, budget, most)
+    for (packed, rows), (total, n) in examples.items():  # each example packs to its shape
+        assert (packed_tokens(total, budget), row_bucket(n)) == (packed, rows) and 2 * n <= total
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # batches the batcher may form: n sentences of 2..24 tokens within the padded budget
+        n = int(rng.integers(1, most + 1))
+        lens = rng.integers(2, max_len + 1, n)
+        if n > 1 and length_bucket(int(lens.max()), max_len) * n > budget:
+            continue
+        assert (packed_tokens(int(lens.sum()), budget), row_bucket(n)) in examples
+
+
+def test_pack_tokens() -> None:
     tok = (np.array([2, 7, 3], np.int32), np.array([2, 3], np.int32))
 
-    class M:  # what pad_tokens reads of a model
+    class M:  # what pack_tokens reads of a model
         class config:
             pad_token_id = 0
 
-        class tokenizer:
-            @staticmethod
-            def encode(text: str) -> Any:
-                assert text == ""
-                return type("E", (), {"ids": [2, 3]})
-
-    ids, types, pos, mask = pad_tokens(tok, M, rows=4, length=5)  # type: ignore[arg-type]
-    assert ids.tolist() == [[2, 7, 3, 0, 0], [2, 3, 0, 0, 0], [2, 3, 0, 0, 0], [2, 3, 0, 0, 0]]
-    assert mask.sum(axis=1).tolist() == [3, 2, 2, 2] and pos[3].tolist() == [0, 1, 2, 3, 4]
-    assert not types.any()
-    with pytest.raises(ValueError, match="shorter"):
-        pad_tokens(tok, M, length=2)  # type: ignore[arg-type]
+    ids, types, pos, spans, bounds = pack_tokens(tok, M, tokens=8, rows=4)  # type: ignore[arg-type]
+    assert ids.tolist() == [[2, 7, 3, 2, 3, 0, 0, 0]] and pos.tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    assert spans.tolist() == [[0, 3]] * 3 + [[3, 5]] * 2 + [[5, 8]] * 3  # the padding: a sequence of its own
+    assert bounds.tolist() == [[0, 3], [3, 5], [5, 5], [5, 5]] and not types.any()
+    assert all(a.dtype == np.int32 for a in (ids, types, pos, spans, bounds))
     with pytest.raises(ValueError, match="fewer"):
-        pad_tokens(tok, M, rows=1)  # type: ignore[arg-type]
+        pack_tokens(tok, M, tokens=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fewer"):
+        pack_tokens(tok, M, rows=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio
-async def test_warmup_captures_every_padded_shape(tiny: Model) -> None:
+async def test_warmup_captures_every_packed_shape(tiny: Model) -> None:
     async with hetero.Runtime(placement="gpu") as rt:  # captures are of GPU executions
         svc = EmbeddingService(rt, tiny, max_batch_tokens=48)
-        assert svc.shapes == [(1, 16), (1, 24), (2, 16), (2, 24), (3, 16)]
-        assert await svc.warmup() == 5
-        stages = tiny.config.num_hidden_layers + 2
-        assert rt.device().captures.stats()["captures"] == 5 * stages
+        # (tokens, sentences): three sentences of up to 16 tokens fit the padded budget; they pack to 4 rows
+        assert svc.shapes == [(16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (48, 2), (48, 4)]
+        assert await svc.warmup() == 8
+        stages = 2  # GPU stages alone: the encoder in two (encoder0, encoder1)
+        assert rt.device().captures.stats()["captures"] == 8 * stages
         out = await svc.aembed(TEXTS[:3])  # a batch of whatever shape replays its stages
-        assert rt.device().captures.stats()["captures"] == 5 * stages
-        assert {rt.stats().stage(name).capture for name in ("embeddings", "layer0", "pool")} == {"replayed"}
+        assert rt.device().captures.stats()["captures"] == 8 * stages
+        assert {rt.stats().stage(name).capture for name in ("encoder0", "encoder1")} == {"replayed"}
         np.testing.assert_allclose(out, await aembed(TEXTS[:3], model=tiny, runtime=rt), atol=1e-5)
         await svc.aclose()
-
-
-def test_split_by_length() -> None:
-    assert split_by_length([10] * 50) == [list(range(50))]
-    assert split_by_length([5]) == [[0]]
-    lengths = [256] + [10] * 63
-    groups = split_by_length(lengths, overhead=1024)
-    assert sorted(i for g in groups for i in g) == list(range(64))
-    assert groups[0] == [0] and len(groups) == 2
-    padded = sum(max(lengths[i] for i in g) * len(g) for g in groups)
-    assert padded < 256 * 64
-    # groups come longest first, each sorted by length
-    mixed = [3, 200, 40, 41, 199, 2, 39]
-    out = split_by_length(mixed, overhead=100)
-    flat = [mixed[i] for g in out for i in g]
-    assert flat == sorted(mixed, reverse=True)
 
 
 @pytest.mark.anyio
