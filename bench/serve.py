@@ -462,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (HTTP front processes)")
     p.add_argument("--engines", type=int, default=1, help="hetero serve --engines (engine processes behind them)")
+    p.add_argument("--max-in-flight", type=int, default=2, help="hetero serve --max-in-flight (batches per engine)")
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
     common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client,
               "workers": args.workers,
-              "engines": args.engines,
+              "engines": args.engines, "max_in_flight": args.max_in_flight,
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
 
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
            "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-queued", "65536", "--workers", str(args.workers), "--engines", str(args.engines)] + \
+           "--max-queued", "65536", "--workers", str(args.workers), "--engines", str(args.engines),
+           "--max-in-flight", str(args.max_in_flight)] + \
         (["--int8"] if args.int8 else [])
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -669,6 +669,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="most strings in one request; more get 413 (default: %(default)s)")
     p.add_argument("--max-queued", type=positive_int, default=4096, metavar="N",
                    help="sentences waiting for a batch before requests get 429 (default: %(default)s)")
+    p.add_argument("--max-in-flight", type=positive_int, default=2, metavar="N",
+                   help="batches an engine runs at once: the next forms while the GPU encodes these "
+                   "(default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="HTTP front processes on the port (parsing, tokenizing, answering); with more than one, "
                    "they share one engine process that owns the GPU and batches the sentences of all of them; "
@@ -701,6 +704,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     options: dict[str, Any] = dict(model=args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
                                    max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
+                                   max_in_flight=int(getattr(args, "max_in_flight", 2)),
                                    precapture=bool(getattr(args, "precapture", True)))
     workers = int(getattr(args, "workers", 1))
     engines = int(getattr(args, "engines", 1))

@@ -410,7 +410,8 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
-                             "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture"],
+                             "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture",
+                             "--max-in-flight", "3"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
@@ -420,7 +421,9 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    pids.add(httpx.get(url + "/info", timeout=5).json()["worker_pid"])
+                    info = httpx.get(url + "/info", timeout=5).json()
+                    assert info["max_batches_in_flight"] == 3
+                    pids.add(info["worker_pid"])
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
