@@ -59,7 +59,7 @@ class Graph:
 
     def cpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
-            process: bool = False,
+            process: bool = False, inline: bool = False,
             retry_on: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
             backoff: float = DEFAULT_BACKOFF_S, **kwargs: Any) -> Node:
         """Declare a CPU stage: ``fn(*args, **kwargs)`` runs on the runtime's thread pool.
@@ -72,10 +72,16 @@ class Graph:
         fails the run when the stage runs longer, over all attempts; ``after`` adds
         ordering-only dependencies; ``process=True`` runs it in a worker process of the
         runtime's process pool (``fn`` and its arguments must pickle; checked here for
-        ``fn`` and constants). These keywords are reserved; others go to ``fn``.
+        ``fn`` and constants). ``inline=True`` runs it on the thread that makes it ready
+        (a CPU worker, the GPU recording thread, the thread that brings a GPU stage's
+        value to the host, or the event loop's thread when the run starts) instead of
+        handing it to a CPU worker: for cheap functions (a view, a slice, picking an item)
+        whose hand-off costs more than they do; never for anything that blocks or takes
+        long (it holds up that thread). Not with ``process=True`` or ``timeout``. These
+        keywords are reserved; others go to ``fn``.
         """
         return self._add("cpu", fn, args, kwargs, name, retries, timeout, after, process, retry_on=retry_on,
-                         backoff=backoff)
+                         backoff=backoff, inline=inline)
 
     def gpu(self, fn: Callable[..., Any], *args: Any, name: str | None = None,
             retries: int = 0, timeout: float | None = None, after: tuple[Node, ...] | list[Node] = (),
@@ -149,7 +155,7 @@ class Graph:
     # -- helpers ----------------------------------------------------------------------
     def _add(self, kind: Kind, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              name: str | None, retries: int, timeout: float | None, after: Any, process: bool = False,
-             retry_on: Any = (Exception,), backoff: float = DEFAULT_BACKOFF_S) -> Node:
+             retry_on: Any = (Exception,), backoff: float = DEFAULT_BACKOFF_S, inline: bool = False) -> Node:
         if not callable(fn):
             raise GraphError(f"graph {self.name!r}: {kind} stage {name or '?'!r} is not callable: got {fn!r}")
         if name is None:
@@ -163,7 +169,7 @@ class Graph:
             if isinstance(a, (Node, Input)):
                 self._check_own(a, name)
         options = StageOptions(retries=retries, timeout=timeout, process=process, retry_on=retry_on,
-                               backoff_s=backoff)
+                               backoff_s=backoff, inline=inline)
         if process:
             from ._process import check_unpicklable
 

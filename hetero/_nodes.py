@@ -59,6 +59,7 @@ class StageOptions:
     retries: int = 0
     timeout: float | None = None
     process: bool = False  # run in a worker process of the runtime's process pool
+    inline: bool = False  # run on the thread that makes it ready, not queued for a CPU worker
     retry_on: tuple[type[BaseException], ...] = (Exception,)
     backoff_s: float = DEFAULT_BACKOFF_S
 
@@ -71,6 +72,11 @@ class StageOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.process, bool):
             raise GraphError(f"process must be True or False, got {self.process!r}")
+        if not isinstance(self.inline, bool):
+            raise GraphError(f"inline must be True or False, got {self.inline!r}")
+        if self.inline and (self.process or self.timeout is not None):
+            raise GraphError("inline=True runs the stage on the thread that makes it ready; it cannot also take "
+                             "process=True or a timeout")
         if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
             raise GraphError(f"retries must be an integer >= 0, got {self.retries!r}")
         retry_on = self.retry_on

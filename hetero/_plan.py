@@ -63,6 +63,8 @@ class StagePlan:
     # A CPU stage of the thread pool with nothing to watch or place: no timeout, not a
     # process stage, not a placed mixed stage.
     plain: bool = field(init=False)
+    # A plain stage run on the thread that makes it ready (Graph.cpu(inline=True)).
+    inline: bool = field(init=False)
 
     def __post_init__(self) -> None:
         init = object.__setattr__
@@ -70,6 +72,7 @@ class StagePlan:
         init(self, "arg_nodes", tuple((p, ref) for p, (kind, ref) in enumerate(self.args) if kind == ARG_NODE))
         init(self, "arg_inputs", tuple((p, ref) for p, (kind, ref) in enumerate(self.args) if kind == ARG_INPUT))
         init(self, "plain", self.kind == "cpu" and self.simple and not self.process and not self.mixed)
+        init(self, "inline", self.plain and self.options.inline)
 
 
 class Plan:

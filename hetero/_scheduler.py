@@ -573,14 +573,17 @@ class Scheduler:
     def dispatch(self, run: Run, ready: list[int]) -> None:
         """Queue ready stages on the pool of their kind (a mixed stage: where it is placed now)."""
         stages, seq, run_cpu = run.stages, run.seq, self.run_cpu
-        cpu_jobs, gpu_jobs = [], []
+        cpu_jobs, gpu_jobs, inline = [], [], []
         queued, now = run.tl.queued, time.perf_counter_ns()
         for i in ready:
             queued[i] = now
             st = stages[i]
             key = (seq, -st.priority)
             if st.plain:
-                cpu_jobs.append((key, _bind(run_cpu, run, i)))
+                if st.inline:
+                    inline.append(i)
+                else:
+                    cpu_jobs.append((key, _bind(run_cpu, run, i)))
                 continue
             if st.kind == "mixed":
                 placed = self._place(run, st)
@@ -598,6 +601,8 @@ class Scheduler:
             self.cpu.submit_many(cpu_jobs)
         if gpu_jobs:
             self.gpu.submit_many(gpu_jobs)
+        for i in inline:  # after the others are queued: they need not wait for these
+            run_cpu(run, i, inline=True)
 
     def _limit_blas(self) -> None:
         """Before the CPU workers start: numpy's BLAS gets ``cpu_count // workers`` threads per call.
@@ -705,8 +710,9 @@ class Scheduler:
         return host
 
     # -- CPU stages -----------------------------------------------------------------
-    def run_cpu(self, run: Run, i: int) -> None:
-        """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready."""
+    def run_cpu(self, run: Run, i: int, inline: bool = False) -> None:
+        """Run CPU stage ``i``, then keep running the most urgent CPU stage it made ready
+        (``inline``: this is not a CPU worker, so only an inline one; the rest are queued)."""
         stages = run.stages
         tl = run.tl
         queued, started, recorded, completed = tl.queued, tl.started, tl.recorded, tl.completed
@@ -775,6 +781,9 @@ class Scheduler:
                 if not ready_cpu:
                     return
                 # Consumers come sorted by priority: continue with the first on this thread.
+                if inline and not stages[ready_cpu[0]].inline:
+                    self.dispatch(run, ready_cpu)
+                    return
                 i = ready_cpu[0]
                 queued[i] = done
                 if len(ready_cpu) > 1:

@@ -536,8 +536,8 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     :func:`pack_tokens`' (sentences one after another, no padding; the spans take the
     mask's place and the bounds pick each sentence's tokens for the pooling).
     """
-    mask = g.cpu(_mask, tokens, name="mask")
-    bounds = g.cpu(_bounds, tokens, name="bounds") if packed else None
+    mask = g.cpu(_mask, tokens, name="mask", inline=True)
+    bounds = g.cpu(_bounds, tokens, name="bounds", inline=True) if packed else None
     # Every GPU stage records the same work for the same batch shape: captured once per
     # (batch, length) -- packed: per (tokens, sentences) -- and replayed afterwards (see
     # hetero._gpu.capture).
@@ -869,7 +869,7 @@ def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 1638
         ids = g.input("ids")
         emb = _encoder(g, g.cpu(pack_bucketed, ids, model, max_batch_tokens, name="pack"), model, int8, cpu,
                        fused=int8 or not cpu, packed=True)
-        g.output(g.cpu(_real_rows, emb, ids, name="rows"))
+        g.output(g.cpu(_real_rows, emb, ids, name="rows", inline=True))  # a copy of a few rows
         model.graphs[key] = g
         return g
 

@@ -800,3 +800,37 @@ async def test_settled_waits_through_a_cancellation_requested_before_its_shield(
     finally:
         release.set()
         run.forget_values()
+
+
+async def test_inline_stages_run_on_the_thread_that_makes_them_ready(shared_rt: hetero.Runtime) -> None:
+    """``inline=True``: no hand-off to a CPU worker; what an inline stage readies that is not
+    inline still goes to a worker, so a slow stage never holds up the thread it was readied on."""
+    def where(*_: object) -> str:
+        return threading.current_thread().name
+
+    g = hetero.Graph("inline")
+    x = g.input("x")
+    first = g.cpu(where, x, name="first", inline=True)  # readied at the start: the caller's thread
+    worker = g.cpu(where, x, name="worker")
+    after_worker = g.cpu(where, worker, name="after_worker", inline=True)
+    dev = g.gpu(lambda gpu, a: hetero.ops.add(gpu, a, a), x, name="dev")
+    after_gpu = g.cpu(where, dev, name="after_gpu", inline=True)  # readied where the download lands
+    heavy = g.cpu(where, after_gpu, name="heavy")  # not inline: a CPU worker, not that thread
+    g.output(first, worker, after_worker, after_gpu, heavy)
+    loop_thread = threading.current_thread().name
+    for _ in range(3):
+        got = await shared_rt.run(g, x=np.arange(4, dtype=np.float32))
+        assert got[0] == loop_thread
+        assert got[1].startswith("hetero-cpu-") and got[2] == got[1]
+        assert not got[3].startswith("hetero-cpu-") and got[3] != loop_thread
+        assert got[4].startswith("hetero-cpu-")
+
+
+def test_inline_takes_no_process_or_timeout() -> None:
+    g = hetero.Graph("inline-bad")
+    x = g.input("x")
+    for kw in ({"process": True}, {"timeout": 1.0}):
+        with pytest.raises(hetero.GraphError, match="inline=True runs the stage on the thread that makes it ready"):
+            g.cpu(abs, x, name="bad", inline=True, **kw)
+    with pytest.raises(hetero.GraphError, match="inline must be True or False, got 1"):
+        g.cpu(abs, x, name="bad", inline=1)  # type: ignore[arg-type]
