@@ -277,7 +277,7 @@ def attention_packed(qkv: Any, heads: int, *, mask: Any = None, scale: float | N
     return np.ascontiguousarray(out.transpose(0, 2, 1, 3)).reshape(bsz, s, heads * d)
 
 
-def _check_spans(spans: np.ndarray) -> None:
+def check_spans(spans: np.ndarray) -> None:
     """Host ``spans`` (see :func:`attention_varlen`): each token inside its own range, the ranges in order."""
     s = spans.astype(np.int64)
     t = np.arange(len(s))
@@ -307,7 +307,7 @@ def attention_varlen(qkv: Any, heads: int, spans: Any, *, scale: float | None = 
     out = np.empty((a.shape[0], a.shape[1] // 3), _F32)
     if not len(a):
         return out
-    _check_spans(sp)
+    check_spans(sp)
     # One packed_attention call per distinct range (a sequence, or the padding after them).
     starts = np.flatnonzero(np.r_[True, (np.diff(sp[:, 0]) != 0) | (np.diff(sp[:, 1]) != 0)])
     for t0 in starts.tolist():

@@ -104,7 +104,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hetero.kernels import nn_wgsl
-from hetero.kernels.cpu import _check_spans
+from hetero.kernels.cpu import check_spans
 from hetero.kernels.matmul import matmul
 from hetero.kernels.nn_wgsl import WORKGROUP
 from hetero.lowlevel import GPUContext, Kernel, Tensor
@@ -685,7 +685,7 @@ def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, span
     if np.dtype(spans.dtype) not in _ID_DTYPES:
         raise TypeError(f"attention_varlen: spans must be int32 or uint32, got {np.dtype(spans.dtype).name}")
     if isinstance(spans, np.ndarray) and spans.size:
-        _check_spans(spans)
+        check_spans(spans)
     tokens, width = qs
     hd = width // 3
     d = hd // heads
