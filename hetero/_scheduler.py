@@ -1166,13 +1166,19 @@ def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int]
     A CPU value in ``share`` (read by several GPU stages) is uploaded by its first
     reader (recorded in ``fresh``; the caller keeps it after the stage committed) and
     reused by the others from ``run.uploaded``. The arrays to upload go together
-    (``GPUContext._upload_many``: one staging buffer for small ones).
+    (``GPUContext._upload_many``: one staging buffer for small ones); an array object that
+    several arguments hold (a tuple's item passed on its own too) is uploaded once, and
+    they all get its Tensor.
     """
     arrays: list[np.ndarray] = []
+    seen: dict[int, _Upload] = {}  # one upload per array object, however many arguments hold it
 
     def collect(a: np.ndarray) -> _Upload:
-        arrays.append(a)
-        return _Upload(len(arrays) - 1)
+        u = seen.get(id(a))
+        if u is None:
+            arrays.append(a)
+            u = seen[id(a)] = _Upload(len(arrays) - 1)
+        return u
 
     def one(spec: tuple[int, Any]) -> Any:
         kind, ref = spec

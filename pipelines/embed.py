@@ -391,8 +391,11 @@ mean_pool_l2_packed.kernels = [SPAN_POOL_WGSL]  # type: ignore[attr-defined]
 
 
 def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model: Model,
-                 int8: bool, layers: int, packed: bool = False) -> Tensor:
-    """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`)."""
+                 int8: bool, layers: int, packed: bool = False, bounds: Tensor | None = None) -> Tensor:
+    """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`).
+
+    ``bounds`` (packed) is not read here: taking it makes this stage its first GPU reader, so
+    it goes up with the tokens it is part of, and ``encoder1`` finds it on the device."""
     x = _embeddings(gpu, tokens, mask, model)
     for n in range(layers):
         x = _layer(gpu, x, mask, model, n, int8, packed)
@@ -543,8 +546,8 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     # hetero._gpu.capture).
     if fused:
         half = model.config.num_hidden_layers // 2
-        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True,
-                  packed=packed)
+        head: dict[str, Any] = {"packed": True, "bounds": bounds} if packed else {"packed": False}
+        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, **head)
         return g.gpu(_encode_tail, x, mask, model, int8, half, *([bounds] if packed else []), name="encoder1",
                      capture=True)
     if int8 or not cpu:

@@ -907,3 +907,24 @@ def test_a_loss_callback_runs_exactly_once_whenever_it_is_registered() -> None:
     assert calls == {"before": [reason], "during": [reason], "after": [reason]}
     with pytest.raises(hetero.DeviceLostError, match="the GPU device was lost"):
         watch.check_alive()
+
+
+@pytest.mark.anyio
+async def test_an_array_held_by_several_arguments_is_uploaded_once(shared_rt: hetero.Runtime) -> None:
+    seen: list[bool] = []
+
+    def stage(gpu: hetero.GPUContext, pair: tuple[hetero.Tensor, hetero.Tensor], again: hetero.Tensor,
+              other: hetero.Tensor) -> hetero.Tensor:
+        seen.append(pair[0] is again and pair[1] is not again and other is not again)
+        return hetero.ops.add(gpu, again, other)
+
+    def make(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return x, x * 2
+
+    g = hetero.Graph("dedupe")
+    pair = g.cpu(make, g.input("x"), name="pair")
+    first = g.cpu(lambda p: p[0], pair, name="first")
+    g.output(g.gpu(stage, pair, first, g.input("y"), name="stage"))
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(await shared_rt.run(g, x=x, y=x.copy()), 2 * x)
+    assert seen == [True]
