@@ -987,10 +987,10 @@ class EmbeddingService:
         return await self.embed_ids(await self.atokenize(texts))
 
     async def warmup(self, precapture: bool = True) -> int:
-        """Compile the graph's kernels, upload the weights and capture every padded shape.
+        """Compile the graph's kernels, upload the weights and capture every packed shape.
 
-        With ``precapture`` (the default) one batch of each of :attr:`shapes` runs (the
-        padding sentence in every row), so that served batches replay captured stages from
+        With ``precapture`` (the default) one batch of each of :attr:`shapes` runs (made of
+        the empty sentence, some repeated to length), so that served batches replay captured stages from
         the first request on; else one sentence. Stages the runtime places on the CPU
         (``Runtime(placement=...)``) have nothing to capture. Returns the shapes run.
         """

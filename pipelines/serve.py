@@ -213,7 +213,7 @@ class EmbeddingServer:
                     await self.stop()
 
     def capture_entries(self) -> int:
-        """The own runtime's ``capture_cache``: every GPU stage at every padded shape, twice over."""
+        """The own runtime's ``capture_cache``: every GPU stage at every packed shape, twice over."""
         if isinstance(self.backend, EmbeddingEngine):
             return self.backend.capture_entries()
         return 0
@@ -683,7 +683,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
     p.add_argument("--no-precapture", dest="precapture", action="store_false",
-                   help="warm up with one sentence instead of capturing every padded batch shape (faster start, "
+                   help="warm up with one sentence instead of capturing every packed batch shape (faster start, "
                    "slower first batches of each shape)")
     p.set_defaults(func=run)
     return p

@@ -134,7 +134,7 @@ class EmbeddingEngine:
 
     ``model``: a loaded Model (``hetero.pipelines.embed.get_model``). ``runtime``: a Runtime to
     use (left open); by default :meth:`running` makes one (with a capture cache for every
-    padded shape) and closes it. ``on_batch(items, cost)`` is called for each batch formed.
+    packed shape) and closes it. ``on_batch(items, cost)`` is called for each batch formed.
     ``gauges(queued, memory_in_use)``, when given, is called a few times a second while
     running (the process-shared Prometheus gauges of a multi-process server).
     """
