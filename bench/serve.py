@@ -11,7 +11,9 @@ the server's batcher path without HTTP (``EmbeddingService.aembed([s])``), on a 
 its own (closed before the server starts).
 
 Both are timed again at one client's pace (idle between calls, as between one client's
-requests), to tell waking idle threads from serving. With a one-client level, the HTTP floor:
+requests), to tell waking idle threads from serving. Then ``--service-clients`` callers (256;
+0 skips it) of that path in this process, back to back for ``--duration`` seconds: the
+ceiling of one engine without HTTP, fronts or load processes. With a one-client level, the HTTP floor:
 the same load code against hypercorn answering a constant body at that pace; the last line
 then says how far above it the one-client p50 is (the server's own work).
 

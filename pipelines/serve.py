@@ -21,8 +21,9 @@ Routes:
 Each sentence of a request is one item of the :class:`~hetero.pipelines.embed.EmbeddingService`
 batcher: concurrent requests share GPU batches (continuous batching under a padded-token
 budget, ``max_batch_tokens``), packed (no padding between sentences) to bucketed shapes
-whose GPU stages the warm-up captured (``precapture``), so that every batch replays them. Shutdown (SIGTERM, Ctrl-C): new requests get 503, requests in
-flight finish, then the runtime closes.
+whose GPU stages the warm-up captured (``precapture``), so that every batch replays them.
+Shutdown (SIGTERM, Ctrl-C): new requests get 503, requests in flight finish, then the
+runtime closes.
 """
 
 from __future__ import annotations
