@@ -77,6 +77,19 @@ async def test_packing_does_not_change_an_embedding(tiny: Model, shared_rt: hete
 
 
 @pytest.mark.anyio
+async def test_packed_int8_and_past_the_budget(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    """The int8 service graph packs too; a run past the token budget (not one the batcher forms) still packs."""
+    texts = [TEXTS[4], TEXTS[3], TEXTS[0]]
+    ids = [ids_of(tiny, t) for t in texts]
+    async with hetero.Runtime(placement="gpu") as rt:
+        want = await aembed(texts, model=tiny, runtime=rt, batch_size=3, int8=True)
+        got = await rt.run(service_graph(tiny, int8=True, max_batch_tokens=24), ids=ids)
+        assert sum(map(len, ids)) > 24
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert [s.name for s in rt.stats().stages if s.kind == "gpu"] == ["encoder0", "encoder1"]
+
+
+@pytest.mark.anyio
 async def test_packed_pooling_matches_numpy(shared_rt: hetero.Runtime) -> None:
     from hetero.pipelines.embed import mean_pool_l2_packed, mean_pool_l2_packed_cpu
 
