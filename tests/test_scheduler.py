@@ -834,3 +834,15 @@ def test_inline_takes_no_process_or_timeout() -> None:
             g.cpu(abs, x, name="bad", inline=True, **kw)
     with pytest.raises(hetero.GraphError, match="inline must be True or False, got 1"):
         g.cpu(abs, x, name="bad", inline=1)  # type: ignore[arg-type]
+
+
+async def test_a_graph_of_one_inline_stage_and_an_inline_failure(rt: hetero.Runtime) -> None:
+    g = hetero.Graph("one-inline")
+    g.output(g.cpu(operator.add, g.input("x"), 1, name="inc", inline=True))
+    assert await rt.run(g, x=1) == 2  # the whole run happens inside its start, on this thread
+    bad = hetero.Graph("inline-fails")
+    bad.output(g2 := bad.cpu(operator.truediv, bad.input("x"), 0, name="boom", inline=True))
+    assert g2.name == "boom"
+    with pytest.raises(StageError, match="cpu stage 'boom' failed: ZeroDivisionError"):
+        await rt.run(bad, x=1)
+    assert await rt.run(g, x=5) == 6
