@@ -385,7 +385,8 @@ class Submission:
                     log.exception("deferred fence callback failed")
 
     def _next_fence(self) -> tuple[int, Callable[[], None]] | None:
-        """The next fence to wait for: spin briefly (releasing the GIL) before blocking.
+        """The next fence to wait for: spin briefly (releasing the GIL), then run the deferred
+        housekeeping, then block.
 
         A fence thread asleep in ``get()`` takes a futex wake-up for each new submission;
         right after a fence, the next one usually follows within microseconds (streams,
@@ -397,12 +398,8 @@ class Submission:
             return fences.get_nowait()
         except queue.Empty:
             pass
-        if self._deferred:
-            self._run_deferred()
-            try:
-                return fences.get_nowait()
-            except queue.Empty:
-                pass
+        # Spin before the housekeeping: the thread a completion just woke (the event loop's,
+        # a worker) takes the GIL meanwhile, instead of waiting for it behind the housekeeping.
         if self.fence_spin_s > 0:
             deadline = time.perf_counter() + self.fence_spin_s
             while time.perf_counter() < deadline:
@@ -411,6 +408,12 @@ class Submission:
                     return fences.get_nowait()
                 except queue.Empty:
                     pass
+        if self._deferred:
+            self._run_deferred()
+            try:
+                return fences.get_nowait()
+            except queue.Empty:
+                pass
         return fences.get()
 
     def _fence_loop(self) -> None:
