@@ -14,7 +14,9 @@ against fp32), else on the CPU.
 
 ``--latency N``: also one sentence per call, ``N`` calls (the first ``N`` sentences), after
 a warm pass over the same sentences: p50 and p99 milliseconds per call for both, from
-one event loop (hetero through ``aembed``). ``--compare-capture``: hetero again with
+one event loop (hetero through ``aembed``), and for hetero each stage's median timeline over
+those calls (started, recorded, submitted, completed: ms from the run's start, as
+``rt.stats()`` reports them). ``--compare-capture``: hetero again with
 ``Runtime(capture=False)`` (every stage recorded every time), for both modes.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
 wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``).
@@ -126,14 +128,18 @@ def percentiles(ms: list[float]) -> dict[str, float]:
             "mean_ms": round(float(np.mean(ms)), 3)}
 
 
-def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace, capture: bool) -> list[float]:
-    """Milliseconds per one-sentence ``aembed`` call, after a warm pass over the same sentences."""
+def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
+                   capture: bool) -> tuple[list[float], list[dict[str, Any]]]:
+    """Milliseconds per one-sentence ``aembed`` call, after a warm pass over the same sentences,
+    and each stage's median timeline over the timed calls (``rt.stats()``: ms from the run's start)."""
     import anyio
 
     import hetero
     from hetero.pipelines.embed import aembed
 
     times: list[float] = []
+    marks = ("started", "recorded", "submitted", "completed")
+    stages: dict[str, dict[str, Any]] = {}
 
     async def main() -> None:
         async with hetero.Runtime(capture=capture, placement=args.placement) as rt:
@@ -143,9 +149,18 @@ def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace, captu
                     await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
                     if timed:
                         times.append((time.perf_counter() - t0) * 1e3)
+                        for st in rt.stats().stages:
+                            row = stages.setdefault(st.name, {"kind": st.kind, **{m: [] for m in marks}})
+                            for m in marks:
+                                v = getattr(st, m + "_s")
+                                if v is not None:
+                                    row[m].append(v * 1e3)
 
     anyio.run(main)
-    return times
+    timeline = [{"stage": name, "kind": row["kind"],
+                 **{f"{m}_ms": round(float(np.median(row[m])), 3) for m in marks if row[m]}}
+                for name, row in stages.items()]
+    return times, timeline
 
 
 
@@ -258,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                           "sentences_per_s": round(args.n / t, 2), "device": str(device),
                           "placement": args.placement, "stages": stages}), flush=True)
         if lat_texts:
-            lat[f"hetero capture={capture}"] = ms = hetero_latency(lat_texts, model, args, capture)
+            ms, timeline = hetero_latency(lat_texts, model, args, capture)
+            lat[f"hetero capture={capture}"] = ms
             print(json.dumps({"latency": "hetero", "capture": capture, "calls": len(ms), **percentiles(ms),
                               "model": args.model, "int8": args.int8}), flush=True)
+            for row in timeline:
+                print(json.dumps({"latency_timeline": "hetero", "capture": capture, **row}), flush=True)
     h_rate = rates[True]
     if args.compare_capture:
         print(json.dumps({"ratio_capture_over_recording": round(rates[True] / rates[False], 4), **common}),
