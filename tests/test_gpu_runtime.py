@@ -928,3 +928,28 @@ async def test_an_array_held_by_several_arguments_is_uploaded_once(shared_rt: he
     x = np.arange(4, dtype=np.float32)
     np.testing.assert_array_equal(await shared_rt.run(g, x=x, y=x.copy()), 2 * x)
     assert seen == [True]
+
+
+async def test_the_fence_thread_may_poll_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HETERO_FENCE_POLL_US: the fence thread polls every so often instead of one blocking poll;
+    fences still resolve in order, after the work, and runs give the same results."""
+    import wgpu
+
+    monkeypatch.setenv("HETERO_FENCE_POLL_US", "20")
+    monkeypatch.setenv("HETERO_FENCE_SPIN_US", "0")
+    async with hetero.Runtime(cpu_threads=2) as rt:
+        dev = await anyio.to_thread.run_sync(rt.device)
+        assert dev.submission.fence_poll_s == 20e-6
+        buf = dev.device.create_buffer(size=256 * 4, usage=wgpu.BufferUsage.STORAGE)
+        order: list[int] = []
+        done = threading.Event()
+        for k in range(6):
+            dev.enqueue(_record_busy(dev, buf), lambda k=k: order.append(k), flush=True)
+        dev.enqueue(dev.device.create_command_encoder().finish(), done.set, flush=True)
+        assert await anyio.to_thread.run_sync(done.wait, 60)
+        assert order == list(range(6))
+        x = np.arange(16, dtype=np.float32)
+        np.testing.assert_array_equal(await rt.run(chain(3), x=x), x * 8)
+    monkeypatch.setenv("HETERO_FENCE_POLL_US", "not a number")
+    from hetero._gpu.submission import FENCE_POLL_US, _fence_poll_s
+    assert _fence_poll_s() == FENCE_POLL_US / 1e6  # warned and ignored
