@@ -976,13 +976,9 @@ class Scheduler:
                         log.exception("completing GPU stage %r failed", st.name)
                         run.fail(st, e)
 
-            downloads = [ticket for ticket, _ in ctx.downloads if ticket is not None]
-
             def on_submit(t_ns: int) -> None:
                 tl.submitted[i] = t_ns
                 self._sub_stages[t_ns] = self._sub_stages.get(t_ns, 0) + 1
-                for ticket in downloads:  # mapped by the poll that sees the copy done
-                    ticket.request_map()
 
             try:
                 # A large stage (or enough of a lone run, see EARLY_SUBMIT_DISPATCHES) goes out at

@@ -262,34 +262,6 @@ def test_discard_after_complete(dev: Device, ring: StagingRing) -> None:
     np.testing.assert_array_equal(download(dev, ring, buf, 0, a.shape, a.dtype), a)
 
 
-def test_map_requested_at_submission(dev: Device, ring: StagingRing) -> None:
-    """The runtime asks for a download's mapping once its submission went out: the poll that sees
-    the copy done maps it; read(), complete() and discard() work from there as before."""
-    a = data((CHUNK + 12,), np.uint8)  # two chunks
-    buf = new_buffer(dev, a.nbytes)
-    upload(dev, ring, a, buf)
-    for then in ("read", "complete", "discard"):
-        enc = dev.device.create_command_encoder()
-        t = ring.download(enc, buf, 0, a.nbytes)
-        index = dev.submit([enc.finish()])
-        t.request_map()
-        # asked for while the copy may run (mapped already if another thread's poll saw it done)
-        assert all(b.map_state in ("pending", "mapped") for b in t.buffers)
-        t.request_map()  # once is enough: a second call asks for nothing
-        dev.wait(index)
-        if then == "discard":
-            t.discard()
-            assert all(b.map_state == "unmapped" for b in t.buffers)
-            continue
-        if then == "complete":
-            t.complete()
-        np.testing.assert_array_equal(t.read(a.shape, a.dtype), a)
-    assert ring.stats()["in_use_bytes"] == 0
-    up = ring.upload(dev.device.create_command_encoder(), a, buf)
-    up.request_map()  # an upload has nothing to map for reading
-    up.discard()
-
-
 def test_read_checks(dev: Device, ring: StagingRing) -> None:
     a = data((10, 10), np.float32)
     buf = new_buffer(dev, a.nbytes)

@@ -190,24 +190,8 @@ class Ticket:
             self._state = "completed"
             if not loop_on_this_thread():  # else read() maps, on the thread that waits
                 for s, n in self._chunks:
-                    if s.promise is None:  # not asked for at submission (request_map)
-                        s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
-                self._ring.pool.poll()
-
-    def request_map(self) -> None:
-        """The submission holding this download's copies went out: ask for the mapping now.
-
-        A map asked for while the copy is in flight resolves in the device poll that sees
-        the submission complete, so ``read()`` finds the data ready without a poll of its
-        own. Not on an event loop's thread (the promise would belong to that loop); then
-        ``complete()`` or ``read()`` ask as before.
-        """
-        with self._lock:
-            if self.direction != "down" or self._state != "recorded" or loop_on_this_thread():
-                return
-            for s, n in self._chunks:
-                if s.promise is None and s.buffer.map_state == "unmapped":
                     s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
+                self._ring.pool.poll()
 
     def read(self, shape: int | Sequence[int], dtype: Any, *, out: np.ndarray | None = None) -> np.ndarray:
         """The downloaded bytes as an array of ``shape`` and ``dtype``.
