@@ -950,6 +950,30 @@ async def test_the_fence_thread_may_poll_without_blocking(monkeypatch: pytest.Mo
         assert order == list(range(6))
         x = np.arange(16, dtype=np.float32)
         np.testing.assert_array_equal(await rt.run(chain(3), x=x), x * 8)
-    monkeypatch.setenv("HETERO_FENCE_POLL_US", "not a number")
-    from hetero._gpu.submission import FENCE_POLL_US, _fence_poll_s
-    assert _fence_poll_s() == FENCE_POLL_US / 1e6  # warned and ignored
+    from hetero._gpu import submission
+
+    monkeypatch.setenv("HETERO_FENCE_POLL_US", "not a number")  # warned and ignored: the host's default
+    for cores, want in ((2, 0.0), (16, submission.FENCE_POLL_US / 1e6)):
+        monkeypatch.setattr(submission.os, "cpu_count", lambda cores=cores: cores)
+        assert submission._fence_poll_s() == want
+
+
+def test_wgpu_promise_poller_polls_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wgpu-py's promise thread would wait in a blocking poll, holding up every submission
+    (wgpu-native 29); the runtime's devices get a non-blocking one (HETERO_PROMISE_POLL_US=0: not)."""
+    import wgpu
+
+    from hetero._gpu.device import Device
+
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+    for env, ours in (("", True), ("0", False)):
+        monkeypatch.setenv("HETERO_PROMISE_POLL_US", env)
+        dev = Device()
+        try:
+            func = dev.device._poller._poll_func
+            assert ("_poll_promises_without_blocking" in func.__qualname__) == ours
+            data = np.arange(64, dtype=np.float32)
+            np.testing.assert_array_equal(np.frombuffer(dev.queue.read_buffer(  # a map, resolved by that thread
+                dev.device.create_buffer_with_data(data=data, usage=usage)), np.float32), data)
+        finally:
+            dev.close()

@@ -116,6 +116,7 @@ class Submission:
         from wgpu.backends.wgpu_native import _api
 
         self._ffi, self._lib, self._new_array = _api.ffi, _api.libf, _api.new_array
+        _poll_promises_without_blocking(device, self._lib, self._ffi)
         self._work_done = _work_done_callback(self._ffi)
         self._key = next(_submission_keys)
         _SUBMISSIONS[self._key] = self
@@ -469,13 +470,16 @@ class Submission:
             if self.fence_poll_s <= 0:
                 self.wait(index)
                 return
-            poll, dev, null, pause = self._lib.wgpuDevicePoll, self.device._internal, self._ffi.NULL, self.fence_poll_s
+            poll, dev, null, least = self._lib.wgpuDevicePoll, self.device._internal, self._ffi.NULL, self.fence_poll_s
+            start = time.perf_counter()
             while True:
                 poll(dev, False, null)
                 if index <= self._completed:
                     return
                 self.check_alive()
-                time.sleep(pause)
+                # Look again after an eighth of the time waited so far, within [least, 1 ms]:
+                # short waits are seen within about least, long ones cost few polls.
+                time.sleep(min(max(least, (time.perf_counter() - start) / 8), FENCE_POLL_MAX_S))
         finally:
             self._fence_polling = False
 
@@ -519,11 +523,15 @@ FENCE_SPIN_MIN_CPUS = 8
 # FENCE_POLL_US, asleep in between, instead of one blocking poll: in wgpu-native 29 a blocking
 # poll holds the queue's fence lock until the submission completes, and every
 # wgpuQueueSubmit from another thread waits for it (gfx-rs/wgpu#9470, fixed after 29), so the
-# next submission could not reach the GPU before this one finished. 0 (the default): the
-# blocking poll. On the CPU machine (lavapipe, 2 cores) polling every 50 us served 2,060-2,226
-# requests/s against 2,458-2,520 (the poller takes CPU the software GPU needs); not yet
-# measured on a real GPU.
-FENCE_POLL_US = 0.0
+# next submission could not reach the GPU before this one finished. The pause between polls
+# is an eighth of the time waited so far, at least FENCE_POLL_US and at most FENCE_POLL_MAX_S,
+# so that long waits cost few polls. On hosts with fewer than FENCE_SPIN_MIN_CPUS cores the
+# default is the blocking poll (0): there the GPU is usually a software one, whose CPU a
+# poller takes (on the CPU machine, polling every 50 us without the growing pause served
+# 2,060-2,226 requests/s against 2,458-2,520; with it, within the spread). Not yet measured on
+# a real GPU: HETERO_FENCE_POLL_US=0 restores the blocking poll for comparison.
+FENCE_POLL_US = 50.0
+FENCE_POLL_MAX_S = 0.001
 
 
 # The one work-done callback of every device's submissions. userdata1 carries the
@@ -556,14 +564,46 @@ def _work_done_callback(ffi: Any) -> Any:
         return _work_done
 
 
+# wgpu-py's promise poller, made not to block (see _poll_promises_without_blocking): how long
+# it sleeps between two non-blocking polls while a promise (a buffer map) is pending.
+# HETERO_PROMISE_POLL_US=0 leaves wgpu-py's blocking poller as it is.
+PROMISE_POLL_S = 50e-6
+
+
+def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
+    """Make wgpu-py's per-device promise poller poll ``device`` without blocking.
+
+    wgpu-py resolves promises (buffer maps) on a thread of its own, which, while one is
+    pending, waits in ``wgpuDevicePoll(wait=True)`` for every submission made so far. In
+    wgpu-native 29 a blocking poll holds the queue's fence lock, and every
+    ``wgpuQueueSubmit`` from another thread waits for it (gfx-rs/wgpu#9470): one map
+    requested while work is in flight (a download of a finished run, a staging buffer
+    mapped again) held the next submission back until the GPU had drained. Here that
+    thread polls without blocking, asleep :data:`PROMISE_POLL_S` in between: a map of
+    finished work resolves in its first poll.
+    """
+    poller = getattr(device, "_poller", None)
+    pause = _env_us("HETERO_PROMISE_POLL_US", PROMISE_POLL_S * 1e6)
+    if poller is None or not hasattr(poller, "_poll_func") or pause <= 0:  # not wgpu-py 0.32's poller
+        return
+    internal, null, poll = device._internal, ffi.NULL, lib.wgpuDevicePoll
+
+    def poll_func(block: bool) -> None:
+        poll(internal, False, null)
+        if block:
+            time.sleep(pause)
+
+    poller._poll_func = poll_func
+
+
 def _fence_spin_s() -> float:
     """``HETERO_FENCE_SPIN_US`` if set (0 turns the spin off), else the default for this host; in seconds."""
     return _env_us("HETERO_FENCE_SPIN_US", FENCE_SPIN_US if (os.cpu_count() or 1) >= FENCE_SPIN_MIN_CPUS else 0.0)
 
 
 def _fence_poll_s() -> float:
-    """``HETERO_FENCE_POLL_US`` if set (0: a blocking poll), else :data:`FENCE_POLL_US`; in seconds."""
-    return _env_us("HETERO_FENCE_POLL_US", FENCE_POLL_US)
+    """``HETERO_FENCE_POLL_US`` if set (0: a blocking poll), else the default for this host; in seconds."""
+    return _env_us("HETERO_FENCE_POLL_US", FENCE_POLL_US if (os.cpu_count() or 1) >= FENCE_SPIN_MIN_CPUS else 0.0)
 
 
 def _env_us(name: str, default: float) -> float:
