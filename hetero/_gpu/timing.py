@@ -81,6 +81,8 @@ import numpy as np
 import wgpu
 from wgpu.backends.wgpu_native.extras import write_timestamp
 
+from .staging import map_detached
+
 __all__ = ["ClockAlignment", "GPUSpan", "GPUTimer", "TimerFrame", "TimerTicket", "timestamp_period"]
 
 CHUNK = 32  # slots per chunk: 32 * 8 bytes = the 256-byte alignment resolve_query_set needs
@@ -407,13 +409,15 @@ class GPUTimer:
         """After the fence: the ticket's spans in device nanoseconds (``end >= start``).
 
         Maps the ticket's buffer (its submission has completed, so this does not wait for
-        other work), then recycles it. Spans with an unwritten query are left out.
+        other work), then recycles it. Spans with an unwritten query are left out. The map
+        submits nothing first (``READ_NOSYNC``): a submission from this thread, the fence
+        thread, would wait for whatever poll another thread is blocked in.
         """
         if ticket is None or ticket._done:
             return []
         try:
             buf = ticket.buffer
-            buf.map_sync(wgpu.MapMode.READ)
+            map_detached(buf, "READ_NOSYNC").sync_wait()
             try:
                 raw = np.frombuffer(buf.read_mapped(0, ticket.nbytes), np.uint64)
             finally:
