@@ -948,6 +948,9 @@ async def test_the_fence_thread_may_poll_without_blocking(monkeypatch: pytest.Mo
         dev.enqueue(dev.device.create_command_encoder().finish(), done.set, flush=True)
         assert await anyio.to_thread.run_sync(done.wait, 60)
         assert order == list(range(6))
+        index = dev.submit([_record_busy(dev, buf)])
+        await anyio.to_thread.run_sync(dev.wait, index)  # a blocking wait polls the same way
+        assert dev.completed(index)
         x = np.arange(16, dtype=np.float32)
         np.testing.assert_array_equal(await rt.run(chain(3), x=x), x * 8)
     from hetero._gpu import submission

@@ -354,10 +354,27 @@ class Submission:
         """Block the calling thread until submission ``index`` completed (never call on the loop).
 
         Then ``completed(index)`` is true at once: the work-done callback of that submission
-        may still be firing on another thread's poll."""
-        self._lib.wgpuDevicePoll(self.device._internal, True, self._ffi.new("WGPUSubmissionIndex *", index))
+        may still be firing on another thread's poll. With ``fence_poll_s`` it polls without
+        blocking (see :data:`FENCE_POLL_US`), else in one blocking poll."""
+        if self.fence_poll_s > 0:
+            self._poll_until(index)
+        else:
+            self._lib.wgpuDevicePoll(self.device._internal, True, self._ffi.new("WGPUSubmissionIndex *", index))
         if self.loss.lost is None:
             self._advance(index)
+
+    def _poll_until(self, index: int) -> None:
+        """Poll without blocking until submission ``index`` completed, pausing an eighth of the
+        time waited so far between polls (at least ``fence_poll_s``, at most :data:`FENCE_POLL_MAX_S`):
+        short waits are seen within about ``fence_poll_s``, long ones cost few polls."""
+        poll, dev, null, least = self._lib.wgpuDevicePoll, self.device._internal, self._ffi.NULL, self.fence_poll_s
+        start = time.perf_counter()
+        while True:
+            poll(dev, False, null)
+            if index <= self._completed:
+                return
+            self.check_alive()
+            time.sleep(min(max(least, (time.perf_counter() - start) / 8), FENCE_POLL_MAX_S))
 
     def on_done(self, index: int, callback: Callable[[], None]) -> None:
         """Run ``callback()`` on the fence thread once submission ``index`` completed."""
@@ -467,19 +484,7 @@ class Submission:
                     time.sleep(0)  # the GIL goes to the loop between polls
                 if index <= self._completed:
                     return
-            if self.fence_poll_s <= 0:
-                self.wait(index)
-                return
-            poll, dev, null, least = self._lib.wgpuDevicePoll, self.device._internal, self._ffi.NULL, self.fence_poll_s
-            start = time.perf_counter()
-            while True:
-                poll(dev, False, null)
-                if index <= self._completed:
-                    return
-                self.check_alive()
-                # Look again after an eighth of the time waited so far, within [least, 1 ms]:
-                # short waits are seen within about least, long ones cost few polls.
-                time.sleep(min(max(least, (time.perf_counter() - start) / 8), FENCE_POLL_MAX_S))
+            self.wait(index)
         finally:
             self._fence_polling = False
 
