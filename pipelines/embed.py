@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import string
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -93,53 +94,14 @@ _QKV_PARTS = ("attention.self.query", "attention.self.key", "attention.self.valu
 # dp4a 0.9857 / 0.9952, dp4a-g32 0.9948 / 0.9986, dp4a-g64 0.9946 / 0.9984, dequant 0.9965 / 0.9991.
 INT8_STRATEGY: Strategy = "dp4a-g64"
 
-POOL_WGSL = """
-// Mean of the real tokens of each sentence, then L2 normalisation (sentence-transformers'
-// Pooling(mean) + Normalize): out[b] = v / max(|v|, 1e-12), v = sum_s m[b,s] x[b,s] / max(sum_s m[b,s], 1e-9).
-struct Params { b: u32, s: u32, h: u32, pad: u32 }
+# Mean pooling and L2 normalisation (sentence-transformers' Pooling(mean) + Normalize), one
+# workgroup per output row: out[r] = v / max(|v|, 1e-12), v = the mean of row r's tokens (their
+# sum / max(count, 1e-9)). The two kernels differ only in which tokens a row takes.
+_POOL_WGSL = string.Template("""
+// $WHAT
+struct Params { rows: u32, n: u32, h: u32, pad: u32 }
 @group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(1) var<storage, read> mask: array<i32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
-@group(0) @binding(3) var<uniform> p: Params;
-var<workgroup> red: array<f32, 256>;
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let b = wid.x;
-    var count = 0.0;
-    for (var s = 0u; s < p.s; s++) {
-        if (mask[b * p.s + s] != 0) { count += 1.0; }
-    }
-    let denom = max(count, 1e-9);
-    var sq = 0.0;
-    for (var h = lid.x; h < p.h; h += 256u) {
-        var acc = 0.0;
-        for (var s = 0u; s < p.s; s++) {
-            if (mask[b * p.s + s] != 0) { acc += x[(b * p.s + s) * p.h + h]; }
-        }
-        let v = acc / denom;
-        out[b * p.h + h] = v;
-        sq += v * v;
-    }
-    red[lid.x] = sq;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w = w >> 1u) {
-        if (lid.x < w) { red[lid.x] += red[lid.x + w]; }
-        workgroupBarrier();
-    }
-    let scale = 1.0 / max(sqrt(red[0]), 1e-12);
-    for (var h = lid.x; h < p.h; h += 256u) {
-        out[b * p.h + h] = out[b * p.h + h] * scale;   // written by this same invocation above
-    }
-}
-"""
-
-SPAN_POOL_WGSL = """
-// mean_pool_l2 over packed sentences: row r is the mean of x[start_r .. end_r) ([T, H] tokens,
-// bounds[r] = (start_r, end_r)), then L2-normalised; an empty range gives a zero row.
-struct Params { rows: u32, t: u32, h: u32, pad: u32 }
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(1) var<storage, read> bounds: array<u32>;
+@group(0) @binding(1) var<storage, read> $PICK;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(0) @binding(3) var<uniform> p: Params;
 var<workgroup> red: array<f32, 256>;
@@ -147,13 +109,12 @@ var<workgroup> red: array<f32, 256>;
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let r = wid.x;
-    let lo = min(bounds[2u * r], p.t);
-    let hi = max(min(bounds[2u * r + 1u], p.t), lo);
-    let denom = max(f32(hi - lo), 1e-9);
+$COUNT
+    let denom = max(count, 1e-9);
     var sq = 0.0;
     for (var h = lid.x; h < p.h; h += 256u) {
         var acc = 0.0;
-        for (var t = lo; t < hi; t++) { acc += x[t * p.h + h]; }
+$SUM
         let v = acc / denom;
         out[r * p.h + h] = v;
         sq += v * v;
@@ -169,7 +130,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         out[r * p.h + h] = out[r * p.h + h] * scale;   // written by this same invocation above
     }
 }
-"""
+""")
+
+POOL_WGSL = _POOL_WGSL.substitute(
+    WHAT="mean_pool_l2: row r of x [B, S, H] (p.n = S), the tokens whose mask[r, s] is nonzero.",
+    PICK="mask: array<i32>",
+    COUNT="""    var count = 0.0;
+    for (var s = 0u; s < p.n; s++) {
+        if (mask[r * p.n + s] != 0) { count += 1.0; }
+    }""",
+    SUM="""        for (var s = 0u; s < p.n; s++) {
+            if (mask[r * p.n + s] != 0) { acc += x[(r * p.n + s) * p.h + h]; }
+        }""")
+
+SPAN_POOL_WGSL = _POOL_WGSL.substitute(
+    WHAT="mean_pool_l2_packed: row r of packed tokens x [T, H] (p.n = T), x[start_r .. end_r) "
+         "(bounds[r]); an empty range gives a zero row.",
+    PICK="bounds: array<u32>",
+    COUNT="""    let lo = min(bounds[2u * r], p.n);
+    let hi = max(min(bounds[2u * r + 1u], p.n), lo);
+    let count = f32(hi - lo);""",
+    SUM="""        for (var t = lo; t < hi; t++) { acc += x[t * p.h + h]; }""")
 
 _models: dict[str, Model] = {}
 
@@ -546,23 +527,21 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     # hetero._gpu.capture).
     if fused:
         half = model.config.num_hidden_layers // 2
-        head: dict[str, Any] = {"packed": True, "bounds": bounds} if packed else {"packed": False}
-        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, **head)
-        return g.gpu(_encode_tail, x, mask, model, int8, half, *([bounds] if packed else []), name="encoder1",
-                     capture=True)
+        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, packed=packed,
+                  bounds=bounds)
+        return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True, bounds=bounds)
+    # What the pooling reads: each row's mask, or packed, each sentence's token range.
+    pool_by, pool_gpu, pool_cpu = ((bounds, mean_pool_l2_packed, mean_pool_l2_packed_cpu) if packed
+                                   else (mask, _pool, mean_pool_l2_cpu))
     if int8 or not cpu:
         x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
             x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True, packed=packed)
-        if packed:
-            return g.gpu(mean_pool_l2_packed, x, bounds, name="pool", capture=True)
-        return g.gpu(_pool, x, mask, name="pool", capture=True)
+        return g.gpu(pool_gpu, x, pool_by, name="pool", capture=True)
     x = g.stage(tokens, mask, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
         x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True, packed=packed)
-    if packed:
-        return g.stage(x, bounds, cpu=mean_pool_l2_packed_cpu, gpu=mean_pool_l2_packed, name="pool", capture=True)
-    return g.stage(x, mask, cpu=mean_pool_l2_cpu, gpu=_pool, name="pool", capture=True)
+    return g.stage(x, pool_by, cpu=pool_cpu, gpu=pool_gpu, name="pool", capture=True)
 
 
 def offers_cpu(runtime: object) -> bool:
@@ -827,13 +806,14 @@ def pack_tokens(ids: Sequence[np.ndarray], model: Model, tokens: int | None = No
         raise ValueError(f"pack_tokens: rows {r} is fewer than the {n} sentences")
     ends = np.cumsum(lens)
     starts = ends - lens
+    start_of = np.repeat(starts, lens)  # each token's sentence's first token
     flat = np.full(t, model.config.pad_token_id, np.int32)
     if total:
         flat[:total] = np.concatenate([np.asarray(x, np.int32) for x in ids])
     pos = np.zeros(t, np.int32)
-    pos[:total] = np.arange(total) - np.repeat(starts, lens)
+    pos[:total] = np.arange(total) - start_of
     spans = np.empty((t, 2), np.int32)
-    spans[:total, 0] = np.repeat(starts, lens)
+    spans[:total, 0] = start_of
     spans[:total, 1] = np.repeat(ends, lens)
     spans[total:] = (total, t)
     bounds = np.full((r, 2), total, np.int32)
