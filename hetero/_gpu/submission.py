@@ -79,7 +79,7 @@ class Submission:
         self.tracer = tracer
         # How long the fence thread looks for the next fence before it sleeps (see _next_fence).
         self.fence_spin_s = _fence_spin_s()
-        # How the fence thread waits after that (see _await_completion, FENCE_POLL_US).
+        # How the fence thread waits after that (see _await_completion, HETERO_FENCE_POLL_US).
         self.fence_poll_s = _fence_poll_s()
         # A SimpleQueue (C-implemented) wakes the fence thread faster than a Condition.
         self._fences: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
@@ -355,7 +355,7 @@ class Submission:
 
         Then ``completed(index)`` is true at once: the work-done callback of that submission
         may still be firing on another thread's poll. With ``fence_poll_s`` it polls without
-        blocking (see :data:`FENCE_POLL_US`), else in one blocking poll."""
+        blocking (``HETERO_FENCE_POLL_US``), else in one blocking poll."""
         if self.fence_poll_s > 0:
             self._poll_until(index)
         else:
@@ -468,7 +468,7 @@ class Submission:
         other thread's non-blocking one until it returns, the event loop's included.
         Then poll without blocking every ``fence_poll_s``, asleep in between (a blocking
         poll holds up every submission from another thread until it returns: see
-        :data:`FENCE_POLL_US`), or with ``fence_poll_s`` 0 block in one poll; meanwhile
+        ``HETERO_FENCE_POLL_US``), or with ``fence_poll_s`` 0 block in one poll; meanwhile
         ``completed()`` leaves the polling to this thread.
         """
         if index <= self._completed:
@@ -524,18 +524,13 @@ class Submission:
 # runtime come from".
 FENCE_SPIN_US = 100.0
 FENCE_SPIN_MIN_CPUS = 8
-# After the spin, the fence thread waits for a submission by polling without blocking every
-# FENCE_POLL_US, asleep in between, instead of one blocking poll: in wgpu-native 29 a blocking
-# poll holds the queue's fence lock until the submission completes, and every
-# wgpuQueueSubmit from another thread waits for it (gfx-rs/wgpu#9470, fixed after 29), so the
-# next submission could not reach the GPU before this one finished. The pause between polls
-# is an eighth of the time waited so far, at least FENCE_POLL_US and at most FENCE_POLL_MAX_S,
-# so that long waits cost few polls. On hosts with fewer than FENCE_SPIN_MIN_CPUS cores the
-# default is the blocking poll (0): there the GPU is usually a software one, whose CPU a
-# poller takes (on the CPU machine, polling every 50 us without the growing pause served
-# 2,060-2,226 requests/s against 2,458-2,520; with it, within the spread). Not yet measured on
-# a real GPU: HETERO_FENCE_POLL_US=0 restores the blocking poll for comparison.
-FENCE_POLL_US = 50.0
+# After the spin the fence thread blocks in one poll. HETERO_FENCE_POLL_US=N makes it poll
+# without blocking instead, asleep in between for an eighth of the time waited so far (at
+# least N us, at most FENCE_POLL_MAX_S). Why one might: in wgpu-native 29 a blocking poll holds
+# the queue's fence lock until the submission completes, and every wgpuQueueSubmit from
+# another thread waits for it (gfx-rs/wgpu#9470, fixed after 29). Why it is off: on the H200
+# neither a lone run nor served batches got faster with it (BENCHMARKS.md, "Wave 2 on the
+# H200, seventh session"), and on a software GPU the poller takes CPU the GPU needs.
 FENCE_POLL_MAX_S = 0.001
 
 
@@ -569,10 +564,9 @@ def _work_done_callback(ffi: Any) -> Any:
         return _work_done
 
 
-# wgpu-py's promise poller, made not to block (see _poll_promises_without_blocking): how long
-# it sleeps between two non-blocking polls while a promise (a buffer map) is pending.
-# HETERO_PROMISE_POLL_US=0 leaves wgpu-py's blocking poller as it is.
-PROMISE_POLL_S = 50e-6
+# HETERO_PROMISE_POLL_US=N makes wgpu-py's promise poller poll without blocking, asleep N us
+# in between, while a promise (a buffer map) is pending (see _poll_promises_without_blocking).
+# Off by default, for the same measurements as the fence thread's polling above.
 
 
 def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
@@ -583,12 +577,12 @@ def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
     wgpu-native 29 a blocking poll holds the queue's fence lock, and every
     ``wgpuQueueSubmit`` from another thread waits for it (gfx-rs/wgpu#9470): one map
     requested while work is in flight (a download of a finished run, a staging buffer
-    mapped again) held the next submission back until the GPU had drained. Here that
-    thread polls without blocking, asleep :data:`PROMISE_POLL_S` in between: a map of
-    finished work resolves in its first poll.
+    mapped again) holds the next submission back until the GPU has drained. With
+    ``HETERO_PROMISE_POLL_US`` set, that thread polls without blocking, asleep that long in
+    between: a map of finished work resolves in its first poll.
     """
     poller = getattr(device, "_poller", None)
-    pause = _env_us("HETERO_PROMISE_POLL_US", PROMISE_POLL_S * 1e6)
+    pause = _env_us("HETERO_PROMISE_POLL_US", 0.0)
     if poller is None or not hasattr(poller, "_poll_func") or pause <= 0:  # not wgpu-py 0.32's poller
         return
     internal, null, poll = device._internal, ffi.NULL, lib.wgpuDevicePoll
@@ -607,8 +601,8 @@ def _fence_spin_s() -> float:
 
 
 def _fence_poll_s() -> float:
-    """``HETERO_FENCE_POLL_US`` if set (0: a blocking poll), else the default for this host; in seconds."""
-    return _env_us("HETERO_FENCE_POLL_US", FENCE_POLL_US if _many_cores() else 0.0)
+    """``HETERO_FENCE_POLL_US`` if set, else 0 (one blocking poll); in seconds."""
+    return _env_us("HETERO_FENCE_POLL_US", 0.0)
 
 
 def _many_cores() -> bool:
