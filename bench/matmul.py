@@ -31,9 +31,11 @@ stores it, for every M of ``--ms`` and every layer of ``--linears`` (qkv 1152x38
 attn_out 384x384, inter 1536x384 without bias, out 384x1536; N x K). Per shape it times,
 in the same process and the same way as above (K calls per submission):
 
-* ``default``: today's :func:`hetero.kernels.matmul.default_config` for this adapter;
-* ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule that
-  ``HETERO_MATMUL_SMALL_SPLIT=1`` turns on;
+* ``default``: the unsplit tile :func:`hetero.kernels.matmul.default_config` picks for this
+  adapter (``small_split=False``);
+* ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule
+  (the GPU default for at most ``SMALL_SPLIT_ROWS`` rows; ``HETERO_MATMUL_SMALL_SPLIT=1``: for
+  every small output);
 * ``tuned``: the winner of :func:`hetero.kernels.matmul.tune` over
   :data:`~hetero.kernels.matmul.SMALL_M_CANDIDATES` (plus the two above), tuned here and
   not saved (``--max-candidates`` takes the first few only, for a quick run);
@@ -56,7 +58,9 @@ end-to-end check: ``bench embed``'s one-sentence latency with and without
 matmul. On the H200 (BENCHMARKS.md, "Small outputs") the kernel rule held, but end to end
 the runs were within noise of each other and the second dispatch doubled the host time of
 a small matmul (recorded 84-125 -> 185-208 µs, replayed 12.6-13.6 -> 24.3 µs), which is what
-one-sentence runs wait on: the split stays opt-in.
+one-sentence runs waited on: the split stayed opt-in. Once stages were captured and replayed,
+lone sentences got faster with it, served batches of hundreds of rows did not: it is the
+default for at most ``SMALL_SPLIT_ROWS`` rows (BENCHMARKS.md, seventh session).
 """
 
 from __future__ import annotations
