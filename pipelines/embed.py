@@ -63,6 +63,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 from tqdm import tqdm
 
@@ -74,7 +75,7 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
-           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "EmbeddingService", "MapRuntime", "aembed", "atoken_ids",
+           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "EmbeddingService", "MapRuntime", "TokenGroups", "aembed", "atoken_ids",
            "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
            "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
            "pack_tokens", "packed_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
@@ -873,6 +874,79 @@ async def atoken_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
     return await anyio.to_thread.run_sync(token_ids, model, texts)
 
 
+class _Group:
+    """The texts of the callers that joined one tokenizer call, and its outcome."""
+
+    __slots__ = ("token", "texts", "done", "ids")
+
+    def __init__(self, token: object) -> None:
+        self.token = token
+        self.texts: list[str] = []
+        self.done = anyio.Event()
+        self.ids: list[np.ndarray] | None = None  # None once done: tokenizing failed, each caller retries alone
+
+
+class TokenGroups:
+    """:func:`atoken_ids` for many concurrent callers: the texts of the callers that ask in the
+    same pass of the event loop are tokenized in one ``encode_batch`` call.
+
+    Each caller tokenizing its own request held the interpreter for the whole of its
+    ``encode`` call: under 256 concurrent single-sentence callers in one process the
+    event loop spent about half its time there (BENCHMARKS.md). ``encode_batch`` lets the
+    interpreter go and spreads the texts over the tokenizer's threads. The first caller
+    yields once so that the callers ready in the same pass join it; up to
+    :data:`LOOP_TOKENIZE_MAX` texts are tokenized on the event loop, more on a worker
+    thread. Each caller's texts are checked on their own (a bad one fails only its caller);
+    if the joint call fails, every caller tokenizes its own texts. One instance per event
+    loop's use (a caller from another loop never joins a group).
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._open: _Group | None = None
+        self.calls = 0  # tokenizer calls made (joint or not)
+
+    async def __call__(self, texts: Sequence[str]) -> list[np.ndarray]:
+        items = _check_texts(texts)
+        if not items:
+            return []
+        if len(items) > LOOP_TOKENIZE_MAX:
+            self.calls += 1
+            return await anyio.to_thread.run_sync(token_ids, self.model, items)
+        token = anyio.lowlevel.current_token()
+        group = self._open
+        if group is not None and group.token == token:
+            start = len(group.texts)
+            group.texts.extend(items)
+            await group.done.wait()
+        else:
+            group = self._open = _Group(token)
+            start = 0
+            group.texts.extend(items)
+            with anyio.CancelScope(shield=True):  # the others wait on this caller: it finishes the group
+                try:
+                    await anyio.lowlevel.checkpoint()  # the callers ready in this pass join
+                finally:
+                    if self._open is group:
+                        self._open = None
+                texts_all = group.texts
+                self.calls += 1
+                try:
+                    if len(texts_all) <= LOOP_TOKENIZE_MAX:
+                        group.ids = token_ids(self.model, texts_all)
+                    else:
+                        group.ids = await anyio.to_thread.run_sync(token_ids, self.model, texts_all)
+                except Exception:  # noqa: BLE001 - each caller tokenizes its own texts below
+                    group.ids = None
+                finally:
+                    group.done.set()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        if group.ids is None:
+            self.calls += 1
+            return token_ids(self.model, items)
+        return group.ids[start:start + len(items)]
+
+
 class EmbeddingService:
     """Embeddings for many concurrent callers: each sentence is one item of a :class:`hetero.Batcher`.
 
@@ -911,6 +985,7 @@ class EmbeddingService:
             cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,
             max_in_flight=max_in_flight, on_batch=on_batch)
         self._filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)  # the shortest sentence
+        self._tokenize = TokenGroups(self.model)
 
     def _examples(self) -> dict[tuple[int, int], tuple[int, int]]:
         return service_examples(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size,
@@ -926,8 +1001,9 @@ class EmbeddingService:
         return token_ids(self.model, texts)
 
     async def atokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """:func:`atoken_ids` of ``texts`` with this service's model."""
-        return await atoken_ids(self.model, texts)
+        """:func:`token_ids` of ``texts`` with this service's model, from the event loop: concurrent
+        callers' texts are tokenized together (:class:`TokenGroups`)."""
+        return await self._tokenize(texts)
 
     async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings ``[len(ids), hidden]`` of tokenized sentences, each one item of the batcher."""

@@ -48,7 +48,7 @@ from hetero.errors import HeteroError
 from hetero.lowlevel import running_loop
 
 from .cli import positive_int
-from .embed import EmbeddingService, atoken_ids
+from .embed import EmbeddingService, TokenGroups
 from .minilm import Model
 from .serve_engine import EmbeddingEngine, EngineClient, EngineError
 from .serve_metrics import ServeMetrics, import_serve
@@ -110,6 +110,7 @@ class EmbeddingServer:
         from .embed import get_model
 
         self.model = get_model(model)
+        self._tokenize = TokenGroups(self.model)  # concurrent requests' texts in one tokenizer call
         self.model_name = model_name or (str(model) if isinstance(model, (str, os.PathLike)) else "hetero-embed")
         if isinstance(model, (str, os.PathLike)) and str(model) != "minilm":
             self.model_name = model_name or os.path.basename(os.path.normpath(str(model)))
@@ -375,7 +376,7 @@ class EmbeddingServer:
         return texts, fmt
 
     async def _embed(self, texts: list[str], fmt: str) -> bytes:
-        ids = await atoken_ids(self.model, texts)
+        ids = await self._tokenize(texts)
         try:
             emb = await self.backend.embed_ids(ids)
         except EngineError as e:

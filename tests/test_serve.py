@@ -16,7 +16,8 @@ import pytest
 
 import hetero
 from hetero._cli import main as cli_main
-from hetero.pipelines.embed import (EmbeddingService, aembed, length_bucket, length_buckets, pack_tokens,
+import hetero.pipelines.embed as embed_mod
+from hetero.pipelines.embed import (LOOP_TOKENIZE_MAX, EmbeddingService, TokenGroups, aembed, length_bucket, length_buckets, pack_tokens,
                                      packed_tokens, row_bucket, service_examples, service_graph, service_shapes,
                                      token_bucket, token_ids)
 from hetero.pipelines.minilm import Model, load_model
@@ -187,6 +188,69 @@ async def test_service_matches_embed_under_concurrency(tiny: Model, shared_rt: h
     await svc.aclose()
     with pytest.raises(ValueError, match="max_seq_length"):
         EmbeddingService(shared_rt, tiny, max_batch_tokens=8)
+
+
+@pytest.mark.anyio
+async def test_concurrent_callers_are_tokenized_together(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TokenGroups: callers asking in one pass of the loop share one tokenizer call and each gets
+    its own texts' ids; a bad caller fails alone; a cancelled first caller still tokenizes for
+    the others; past LOOP_TOKENIZE_MAX texts the call goes to a worker thread."""
+    groups = TokenGroups(tiny)
+    want = [token_ids(tiny, [t])[0] for t in TEXTS]
+    requests = [[i % len(TEXTS)] if i % 3 else [i % len(TEXTS), (i + 1) % len(TEXTS)] for i in range(30)]
+    got: dict[int, list[np.ndarray]] = {}
+    threads: set[str] = set()
+    real = embed_mod.token_ids
+
+    def spy(model: Model, texts: Any) -> list[np.ndarray]:
+        threads.add(threading.current_thread().name)
+        return real(model, texts)
+
+    monkeypatch.setattr(embed_mod, "token_ids", spy)
+
+    async def one(k: int) -> None:
+        got[k] = await groups([TEXTS[i] for i in requests[k]])
+
+    async def cancelled_first() -> None:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            got[-1] = await groups([TEXTS[0]])
+        assert scope.cancelled_caught
+
+    async def bad() -> None:
+        with pytest.raises(TypeError, match=r"texts\[1\] must be str"):
+            await groups(["fine", 3])  # type: ignore[list-item]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancelled_first)
+        tg.start_soon(bad)
+        for k in range(len(requests)):
+            tg.start_soon(one, k)
+    assert groups.calls == 1 and -1 not in got
+    assert sum(len(r) for r in requests) + 1 > LOOP_TOKENIZE_MAX and threading.current_thread().name not in threads
+    for k, r in enumerate(requests):
+        assert len(got[k]) == len(r)
+        for ids, i in zip(got[k], r):
+            np.testing.assert_array_equal(ids, want[i])
+    # a few texts: on the loop's own thread; alone: one call each
+    threads.clear()
+    assert [x.tolist() for x in await groups(TEXTS[:2])] == [w.tolist() for w in want[:2]]
+    assert groups.calls == 2 and threads == {threading.current_thread().name}
+    assert await groups([]) == [] and groups.calls == 2
+
+    # the joint call failing: each caller tokenizes its own texts
+    def fails_jointly(model: Model, texts: Any) -> list[np.ndarray]:
+        if len(texts) > 1:
+            raise RuntimeError("joint call failed")
+        return real(model, texts)
+
+    monkeypatch.setattr(embed_mod, "token_ids", fails_jointly)
+    got.clear()
+    async with anyio.create_task_group() as tg:
+        for k in (1, 2, 4):
+            tg.start_soon(one, k)
+    for k in (1, 2, 4):
+        np.testing.assert_array_equal(got[k][0], want[requests[k][0]])
 
 
 # -- the app in process ---------------------------------------------------------------------------------------
