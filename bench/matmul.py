@@ -33,9 +33,8 @@ in the same process and the same way as above (K calls per submission):
 
 * ``default``: the unsplit tile :func:`hetero.kernels.matmul.default_config` picks for this
   adapter (``small_split=False``);
-* ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule
-  (the GPU default for at most ``SMALL_SPLIT_ROWS`` rows; ``HETERO_MATMUL_SMALL_SPLIT=1``: for
-  every small output);
+* ``proposed``: :func:`hetero.kernels.matmul.small_output_config`, the K-split rule that
+  ``matmul(..., small_split=True)`` and ``HETERO_MATMUL_SMALL_SPLIT=1`` turn on;
 * ``tuned``: the winner of :func:`hetero.kernels.matmul.tune` over
   :data:`~hetero.kernels.matmul.SMALL_M_CANDIDATES` (plus the two above), tuned here and
   not saved (``--max-candidates`` takes the first few only, for a quick run);
@@ -59,8 +58,8 @@ matmul. On the H200 (BENCHMARKS.md, "Small outputs") the kernel rule held, but e
 the runs were within noise of each other and the second dispatch doubled the host time of
 a small matmul (recorded 84-125 -> 185-208 µs, replayed 12.6-13.6 -> 24.3 µs), which is what
 one-sentence runs waited on: the split stayed opt-in. Once stages were captured and replayed,
-lone sentences got faster with it, served batches of hundreds of rows did not: it is the
-default for at most ``SMALL_SPLIT_ROWS`` rows (BENCHMARKS.md, seventh session).
+lone sentences and batches of 32 got faster with it and served batches did not: the embedding
+pipeline's padded graph asks for it (BENCHMARKS.md, seventh session).
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
-           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "EmbeddingService", "MapRuntime", "TokenGroups", "aembed", "atoken_ids",
+           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "SPLIT_SMALL", "EmbeddingService", "MapRuntime", "TokenGroups",
+           "aembed", "atoken_ids",
            "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
            "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
            "pack_tokens", "packed_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
@@ -299,6 +300,17 @@ def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model
                          eps=model.config.layer_norm_eps, residual=typ)
 
 
+# The padded graph's (embed(), aembed()) linear layers split K on a GPU when their output is
+# too small to fill it (hetero.kernels.matmul.small_output_config): its runs wait on the GPU
+# while the host idles. On the H200 a lone sentence's encoder took 0.48 ms of GPU time split
+# against 1.23, and in three alternated rounds 3.47-3.94 ms against 3.68-4.43 ms whole;
+# batch 32 1.89-2.05x sentence-transformers against 1.79x. The packed service graph leaves
+# the choice to the default (HETERO_MATMUL_SMALL_SPLIT, off): a busy server's engine is
+# short of host time, which the split's second dispatch takes, and with it 256 clients were
+# served 5-12% less in each of three pairs (BENCHMARKS.md, seventh session).
+SPLIT_SMALL: bool | None = True
+
+
 def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8: bool = False,
            packed: bool = False) -> Tensor:
     """Encoder layer ``n`` of ``x`` [B, S, H]; ``packed``: ``x`` is [1, T, H], sentences one after
@@ -310,11 +322,13 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
     b, s, h = x.shape
     x2 = _view(x, (b * s, h))
 
+    split = None if packed else SPLIT_SMALL
+
     def linear(t: Tensor, name: str, bias: bool = True) -> Tensor:  # HF Linear: t @ W.T + bias, W is [out, in]
         bt = w[p + name + ".bias"] if bias else None
         if qw is not None:
             return matmul_int8(gpu, t, qw[p + name + ".weight"], bias=bt, strategy=INT8_STRATEGY)
-        return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=bt)
+        return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=bt, small_split=split)
 
     qkv = linear(x2, QKV)  # [B*S, 3H]: q | k | v
     if packed:

@@ -17,8 +17,7 @@ import pytest
 import hetero
 import hetero.kernels.matmul as MM
 from hetero.kernels.matmul import MatmulConfig, matmul
-from hetero.kernels.matmul.config import (SMALL_SPLIT_ENV, SMALL_SPLIT_MAX, SMALL_SPLIT_MIN, SMALL_SPLIT_ROWS,
-                                          SMALL_SPLIT_WORKGROUPS)
+from hetero.kernels.matmul.config import SMALL_SPLIT_ENV, SMALL_SPLIT_MAX, SMALL_SPLIT_MIN, SMALL_SPLIT_WORKGROUPS
 from hetero.kernels.matmul.op import Problem, split_parts
 
 from tests.test_matmul import MockGPU, check, rand, reference
@@ -121,32 +120,37 @@ def test_small_split_parts_and_workgroups() -> None:
         assert (s - 1) * kc < k <= s * kc
 
 
-def test_small_output_rule_applies_to_few_rows_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_output_rule_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     gpu, small = "DiscreteGPU", MatmulConfig(32, 32, 8, 4, 4)
-    assert MM.default_config(gpu, 20, 384) == small  # without K nothing is split
+    assert MM.default_config(gpu, 20, 384) == small
+    assert MM.default_config(gpu, 20, 384, k=384) == small  # opt-in
     proposed = MM.default_config(gpu, 20, 384, k=384, small_split=True)
     assert proposed == MatmulConfig(32, 32, 8, 4, 4, split_k=6, split_min=SMALL_SPLIT_MIN)
     assert proposed.name == "32x32x8/4x4/db/sk6/p64"
-    # unset: outputs of at most SMALL_SPLIT_ROWS rows (batch included) are split, more are not
+    monkeypatch.setenv(SMALL_SPLIT_ENV, "1")
     assert MM.default_config(gpu, 20, 384, k=384) == proposed
-    rows = SMALL_SPLIT_ROWS
-    assert MM.default_config(gpu, rows, 384, k=384) == MM.small_output_config(rows, 384, 384)
-    assert MM.default_config(gpu, rows + 1, 384, k=384) == small
-    assert MM.default_config(gpu, rows // 2 + 1, 384, 2, k=384) == MM.default_config(gpu, rows // 2 + 1, 384, 2)
     assert MM.default_config(gpu, 20, 384, k=384, small_split=False) == small
-    monkeypatch.setenv(SMALL_SPLIT_ENV, "1")  # every small output
-    assert MM.default_config(gpu, 20, 384, k=384) == proposed
-    assert MM.default_config(gpu, rows + 1, 384, k=384) == MM.small_output_config(rows + 1, 384, 384)
-    assert MM.default_config(gpu, 20, 384, k=384, small_split=False) == small
-    monkeypatch.setenv(SMALL_SPLIT_ENV, "0")  # none
-    assert MM.default_config(gpu, 20, 384, k=384) == small
-    assert MM.default_config(gpu, 20, 384, k=384, small_split=True) == proposed
     # CPU adapters keep their measured defaults; without K (matmul_int8) nothing changes
-    monkeypatch.delenv(SMALL_SPLIT_ENV)
     assert MM.default_config("CPU", 20, 384, k=384) == MM.default_config("CPU", 20, 384)
+    assert MM.default_config(gpu, 20, 384) == small
     # large outputs are untouched
     assert MM.default_config(gpu, 4096, 4096, k=4096) == MatmulConfig(128, 128, 8, 8, 8)
     assert MM.default_config(gpu, 512, 1536, k=384) == MM.default_config(gpu, 512, 1536)
+    # matmul(..., small_split=) reaches the rule through choose_config (no tuned entry here)
+    monkeypatch.delenv(SMALL_SPLIT_ENV)
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+
+    class FakeDevice:
+        adapter_info = {"device": "a large GPU", "adapter_type": gpu, "backend_type": "Vulkan"}
+
+    class FakeContext:
+        device = FakeDevice()
+        limits: dict[str, int] = {}
+
+    ctx = FakeContext()
+    assert MM.choose_config(ctx, 20, 384, 384) == small
+    assert MM.choose_config(ctx, 20, 384, 384, small_split=True) == proposed
+    assert MM.explain_config(ctx, 20, 384, 384, small_split=True) == (proposed, "default")
 
 
 def test_small_output_rule_shapes() -> None:

@@ -78,6 +78,27 @@ async def test_packing_does_not_change_an_embedding(tiny: Model, shared_rt: hete
 
 
 @pytest.mark.anyio
+async def test_the_padded_graph_asks_for_the_small_split_the_service_graph_does_not(
+        tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """embed()'s runs wait on the GPU: their linear layers ask matmul for the K split on small
+    outputs (SPLIT_SMALL); a served batch's leave it to the default (off)."""
+    seen: list[Any] = []
+    real = embed_mod.ops.matmul
+
+    def spy(*args: Any, small_split: Any = "unset", **kwargs: Any) -> Any:
+        seen.append(small_split)
+        return real(*args, small_split=None if small_split == "unset" else small_split, **kwargs)
+
+    monkeypatch.setattr(embed_mod.ops, "matmul", spy)
+    async with hetero.Runtime(placement="gpu", capture=False) as rt:
+        await aembed([TEXTS[0]], model=tiny, runtime=rt)
+        assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
+        seen.clear()
+        await rt.run(service_graph(tiny, cpu=False), ids=[ids_of(tiny, TEXTS[0])])
+        assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {None}
+
+
+@pytest.mark.anyio
 async def test_packed_int8_and_past_the_budget(tiny: Model, shared_rt: hetero.Runtime) -> None:
     """The int8 service graph packs too; a run past the token budget (not one the batcher forms) still packs."""
     texts = [TEXTS[4], TEXTS[3], TEXTS[0]]

@@ -67,10 +67,10 @@ from __future__ import annotations
 from hetero.kernels.matmul.cache import cache_path, choose_config, explain_config, size_class
 from hetero.kernels.matmul.codegen import ACTIVATIONS, wgsl
 from hetero.kernels.matmul.config import (CANDIDATES, MIN_SPLIT_K, SMALL_M_CANDIDATES, SMALL_SPLIT_MIN,
-                                          SMALL_SPLIT_ROWS, MatmulConfig, default_config, small_output_config)
+                                          MatmulConfig, default_config, small_output_config)
 from hetero.kernels.matmul.op import SPLIT_K_MAX_TILES, matmul
 from hetero.kernels.matmul.tuner import TuneResult, tune
 
 __all__ = ["ACTIVATIONS", "CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "SMALL_M_CANDIDATES", "SMALL_SPLIT_MIN",
-           "SMALL_SPLIT_ROWS", "SPLIT_K_MAX_TILES", "TuneResult", "cache_path", "choose_config", "default_config", "explain_config",
+           "SPLIT_K_MAX_TILES", "TuneResult", "cache_path", "choose_config", "default_config", "explain_config",
            "matmul", "size_class", "small_output_config", "tune", "wgsl"]

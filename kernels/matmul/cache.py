@@ -156,18 +156,19 @@ def save(path: Path, info: dict[str, str], new: dict[str, dict[str, Any]]) -> No
     atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
-def choose_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *, dtype: Any = np.float32) -> MatmulConfig:
+def choose_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *, dtype: Any = np.float32,
+                  small_split: bool | None = None) -> MatmulConfig:
     """The configuration ``matmul`` uses for this problem on ``gpu``'s adapter.
 
     The tuned entry of the nearest size class of this dtype (within 2 classes, so
     within a factor 4 of the output's side; ties: the larger class), if it fits the
-    device; else :func:`default_config`.
+    device; else :func:`default_config` (with ``small_split``).
     """
-    return explain_config(gpu, m, n, k, batch, dtype=dtype)[0]
+    return explain_config(gpu, m, n, k, batch, dtype=dtype, small_split=small_split)[0]
 
 
 def explain_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *,
-                   dtype: Any = np.float32) -> tuple[MatmulConfig, str]:
+                   dtype: Any = np.float32, small_split: bool | None = None) -> tuple[MatmulConfig, str]:
     """:func:`choose_config` and where the choice came from: ``"cache f32:n12"`` or ``"default"``."""
     info = adapter_info(gpu)
     limits: dict[str, int] = gpu.limits
@@ -183,4 +184,4 @@ def explain_config(gpu: Any, m: int, n: int, k: int, batch: int = 1, *,
                     best = (d, -int(key[len(prefix):]), c, key)
         if best is not None:
             return best[2], f"cache {best[3]}"
-    return default_config(info["type"], m, n, batch, limits, k=k), "default"
+    return default_config(info["type"], m, n, batch, limits, k=k, small_split=small_split), "default"

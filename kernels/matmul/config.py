@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 __all__ = ["CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "PAD", "SMALL_M_CANDIDATES", "SMALL_SPLIT_ENV",
-           "SMALL_SPLIT_MAX", "SMALL_SPLIT_MIN", "SMALL_SPLIT_ROWS", "SMALL_SPLIT_WORKGROUPS", "SKINNY_M", "default_config",
+           "SMALL_SPLIT_MAX", "SMALL_SPLIT_MIN", "SMALL_SPLIT_WORKGROUPS", "SKINNY_M", "default_config",
            "small_output_config"]
 
 PAD = 4  # floats of padding per workgroup-memory row (keeps rows 16-byte aligned)
@@ -153,17 +153,9 @@ SMALL_SPLIT_MAX = 16
 """At most this many K parts (partials memory and the summing pass grow with it)."""
 SKINNY_M = 16
 """Outputs of at most this many rows take 16-row tiles: a 32-row tile would compute half zeros or more."""
-SMALL_SPLIT_ROWS = 128
-"""On GPUs :func:`default_config` splits small outputs of at most this many rows (``M`` x batch)
-by default: one sentence to a few through MiniLM, whose linear layers' kernels run 1.75-2.45x
-faster split (M = 1-128) and whose runs got faster end to end with the split (a lone
-sentence on the H200, 3.47-3.94 against 3.68-4.43 ms in three alternated rounds). Larger
-small outputs (a served batch of 8-32 sentences: 180-700 rows) gain 0-18% on the GPU and
-pay the second dispatch's host time; served batches were no faster split (BENCHMARKS.md,
-"Small outputs" and the seventh session's "K split for a few rows")."""
 SMALL_SPLIT_ENV = "HETERO_MATMUL_SMALL_SPLIT"
-"""``1``: :func:`default_config` applies :func:`small_output_config` on GPUs to every small
-output; ``0``: to none; unset: to those of at most :data:`SMALL_SPLIT_ROWS` rows."""
+"""Set to ``1`` to make :func:`default_config` apply :func:`small_output_config` on GPUs
+wherever the caller did not say (``small_split=None``)."""
 
 _BIG = MatmulConfig(128, 128, 8, 8, 8)
 _MID = MatmulConfig(64, 64, 8, 8, 8)
@@ -186,10 +178,12 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
     ``S = min(SMALL_SPLIT_MAX, ceil(SMALL_SPLIT_WORKGROUPS / tiles), K // SMALL_SPLIT_MIN)``
     parts. None when S < 2 (K too short to split: the default tiles stay).
 
-    :func:`default_config` applies it on GPUs to outputs of at most :data:`SMALL_SPLIT_ROWS`
-    rows, or as ``small_split`` / ``HETERO_MATMUL_SMALL_SPLIT`` say. Its kernels are faster
-    on a large GPU (``python -m bench matmul --small-m``), but its second dispatch costs
-    host time: it pays where the rows are fewest (see :data:`SMALL_SPLIT_ROWS`).
+    :func:`default_config` applies it when asked (``small_split=True``, e.g. through
+    ``matmul(..., small_split=True)``, or ``HETERO_MATMUL_SMALL_SPLIT=1``). Its kernels are
+    faster on a large GPU (``python -m bench matmul --small-m``), but its second dispatch
+    costs host time: it pays in runs that wait on the GPU with the host idle (a lone
+    sentence through MiniLM), not in runs whose host is the bottleneck (a busy server's
+    batches); see BENCHMARKS.md, "Small outputs" and the seventh session.
     """
     def tiles(c: MatmulConfig) -> int:
         return _tiles(c, m, n, batch)
@@ -204,14 +198,6 @@ def small_output_config(m: int, n: int, k: int, batch: int = 1,
     return c if limits is None or c.fits(limits) is None else None
 
 
-def _split_by_default(rows: int) -> bool:
-    """Whether a small output of ``rows`` rows is split when the caller did not say (see SMALL_SPLIT_ENV)."""
-    env = os.environ.get(SMALL_SPLIT_ENV, "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    return rows <= SMALL_SPLIT_ROWS
-
-
 def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
                    limits: dict[str, int] | None = None, *, k: int | None = None,
                    small_split: bool | None = None) -> MatmulConfig:
@@ -222,10 +208,9 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
     tiles of 8x8 blocks when the output holds at least four of them, else 32x32 tiles
     (the fastest on lavapipe: BENCHMARKS.md, "Kernel defaults on lavapipe").
 
-    On GPUs, given ``k``, outputs too small to fill the GPU take :func:`small_output_config`
-    when ``small_split`` is true; when it is None (the default), as ``HETERO_MATMUL_SMALL_SPLIT``
-    says (``1``: all of them, ``0``: none), and unset when they have at most
-    :data:`SMALL_SPLIT_ROWS` rows.
+    On GPUs, given ``k`` and with ``small_split`` true (None, the default: the environment
+    variable ``HETERO_MATMUL_SMALL_SPLIT=1``), outputs too small to fill the GPU take
+    :func:`small_output_config` (see there for when that pays).
     """
     def tiles(c: MatmulConfig) -> int:
         return _tiles(c, m, n, batch)
@@ -234,7 +219,7 @@ def default_config(adapter_type: str, m: int, n: int, batch: int = 1,
         order = [_MID] if tiles(_MID) >= 4 else [_SMALL]
     else:
         if k is not None and tiles(_SMALL) < SMALL_SPLIT_WORKGROUPS and (
-                small_split if small_split is not None else _split_by_default(m * batch)):
+                small_split if small_split is not None else os.environ.get(SMALL_SPLIT_ENV) == "1"):
             proposed = small_output_config(m, n, k, batch, limits)
             if proposed is not None:
                 return proposed

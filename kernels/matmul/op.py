@@ -134,7 +134,8 @@ def _dispatches(p: Problem, c: MatmulConfig, limit: int, split: int = 1,
 
 def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, transpose_b: bool = False,
            bias: Tensor | np.ndarray | None = None, out: Tensor | None = None,
-           config: MatmulConfig | None = None, activation: str | None = None) -> Tensor:
+           config: MatmulConfig | None = None, activation: str | None = None,
+           small_split: bool | None = None) -> Tensor:
     """``a @ b`` (``a @ b.T`` with ``transpose_b``), plus ``bias`` per column, recorded into ``gpu``.
 
     ``activation="gelu"`` applies BERT's erf-form GELU (:func:`hetero.kernels.nn.gelu`'s
@@ -148,7 +149,10 @@ def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, t
     Returns a new Tensor (or ``out``, which must have the result's shape and dtype and
     share no memory with the inputs). numpy arrays are uploaded first. ``config``
     forces a tiling; by default the tuned one for this adapter and size, else
-    :func:`default_config`.
+    :func:`default_config`. ``small_split=True`` asks that default, on a GPU, to split K
+    for an output too small to fill it (:func:`small_output_config`): a few rows' product
+    reaches the GPU's end sooner, for a second dispatch's host time (None: as
+    ``HETERO_MATMUL_SMALL_SPLIT`` says; off unless it is ``1``).
     """
     a = gpu.upload(a) if isinstance(a, np.ndarray) else a
     b = gpu.upload(b) if isinstance(b, np.ndarray) else b
@@ -164,7 +168,8 @@ def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, t
         out = gpu.empty(p.out_shape, a.dtype)
     if p.m == 0 or p.n == 0 or p.batch == 0:
         return out
-    c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype)
+    c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype,
+                                                        small_split=small_split)
     why = c.fits(gpu.limits)
     if why is not None:
         raise ValueError(f"matmul: config {c.name} cannot run on this device: {why}")
