@@ -6,7 +6,7 @@
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
-``--repeats``), the median latency of ``embed([s])`` for one sentence at a time, and that of
+``--repeats``, after a pass over all of them that compiles and captures), the median latency of ``embed([s])`` for one sentence at a time, and that of
 the server's batcher path without HTTP (``EmbeddingService.aembed([s])``), on a Runtime of
 its own (closed before the server starts).
 
@@ -109,14 +109,14 @@ def one_at_a_time(call: Any, texts: list[str], n: int, gap: float = 0.0) -> list
 async def service_latency(rt: Any, model: Any, texts: list[str], args: argparse.Namespace,
                           gap: float) -> tuple[list[float], list[float]]:
     """Seconds per ``EmbeddingService.aembed([s])``, one sentence at a time (the server's path without
-    HTTP), after one call per sentence shape of the first 50 sentences (their shapes captured):
-    back to back, then with ``gap`` seconds idle before each call (one client's pace)."""
+    HTTP), after an untimed pass over the same sentences (their shapes captured): back to back,
+    then with ``gap`` seconds idle before each call (one client's pace)."""
     from hetero.pipelines.embed import EmbeddingService
 
     svc = EmbeddingService(rt, model, int8=args.int8, max_batch_tokens=args.max_batch_tokens)
     try:
-        for s in texts[:50]:
-            await svc.aembed([s])
+        for i in range(args.single):
+            await svc.aembed([texts[(i * 7919) % len(texts)]])
         out: tuple[list[float], list[float]] = ([], [])
         for times, pause in zip(out, (0.0, gap)):
             for i in range(args.single):
@@ -505,13 +505,16 @@ def main(argv: list[str] | None = None) -> int:
     # -- references, in this process ----------------------------------------------------------------
     rt = hetero.Runtime()
     try:
-        embed(texts[: args.batch], model=model, batch_size=args.batch, runtime=rt, int8=args.int8)  # warm-up
+        # Warm-up over the whole corpus: every batch shape compiled and captured, so that even
+        # --repeats 1 times replays (a first pass also captures: it ran at a third of the rate).
+        embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
         t_bulk = best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8),
                          args.repeats)
         def embed_one(s: str) -> None:
             embed([s], model=model, runtime=rt, int8=args.int8)
 
-        single = one_at_a_time(embed_one, texts, args.single + 10)[10:]
+        one_at_a_time(embed_one, texts, args.single)  # warm: the timed sentences' shapes captured
+        single = one_at_a_time(embed_one, texts, args.single)
         single_s = float(np.median(single))
         # One client's pace: the mean gap between its requests at the default one-client rate.
         gap = 1.0 / (rates[levels.index(1)] if rates is not None and 1 in levels else 0.2 / single_s)
