@@ -564,11 +564,6 @@ def _work_done_callback(ffi: Any) -> Any:
         return _work_done
 
 
-# HETERO_PROMISE_POLL_US=N makes wgpu-py's promise poller poll without blocking, asleep N us
-# in between, while a promise (a buffer map) is pending (see _poll_promises_without_blocking).
-# Off by default, for the same measurements as the fence thread's polling above.
-
-
 def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
     """Make wgpu-py's per-device promise poller poll ``device`` without blocking.
 
@@ -579,11 +574,12 @@ def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
     requested while work is in flight (a download of a finished run, a staging buffer
     mapped again) holds the next submission back until the GPU has drained. With
     ``HETERO_PROMISE_POLL_US`` set, that thread polls without blocking, asleep that long in
-    between: a map of finished work resolves in its first poll.
+    between: a map of finished work resolves in its first poll. Off by default, for the same
+    measurements as the fence thread's polling (see FENCE_POLL_MAX_S).
     """
     poller = getattr(device, "_poller", None)
     pause = _env_us("HETERO_PROMISE_POLL_US", 0.0)
-    if poller is None or not hasattr(poller, "_poll_func") or pause <= 0:  # not wgpu-py 0.32's poller
+    if pause <= 0 or poller is None or not hasattr(poller, "_poll_func"):  # off, or not wgpu-py 0.32's poller
         return
     internal, null, poll = device._internal, ffi.NULL, lib.wgpuDevicePoll
 
@@ -606,7 +602,7 @@ def _fence_poll_s() -> float:
 
 
 def _many_cores() -> bool:
-    """Whether this host spins and polls by default (see FENCE_SPIN_MIN_CPUS)."""
+    """Whether the fence thread spins by default on this host (see FENCE_SPIN_MIN_CPUS)."""
     return (os.cpu_count() or 1) >= FENCE_SPIN_MIN_CPUS
 
 
