@@ -354,10 +354,16 @@ def mean_pool_l2(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
     b, s, h = x.shape
     if tuple(mask.shape) != (b, s) or mask.dtype != np.int32:
         raise ValueError(f"mean_pool_l2: mask must be int32 of shape {(b, s)}, got {mask.dtype.name} {mask.shape}")
-    out = gpu.empty((b, h), np.float32)
-    if b:
-        gpu.dispatch(gpu.kernel(POOL_WGSL, label="pipelines.embed.mean_pool_l2"), b, x, mask, out,
-                     np.array([b, s, h, 0], np.uint32))
+    return _pool_rows(gpu, POOL_WGSL, "mean_pool_l2", x, mask, b, s, h)
+
+
+def _pool_rows(gpu: GPUContext, wgsl: str, name: str, x: Tensor, pick: Tensor, rows: int, n: int, h: int) -> Tensor:
+    """One dispatch of a :data:`_POOL_WGSL` kernel: ``rows`` rows of ``h`` from ``x`` (``n`` tokens
+    per row, or in all when packed), the tokens each takes given by ``pick``."""
+    out = gpu.empty((rows, h), np.float32)
+    if rows:
+        gpu.dispatch(gpu.kernel(wgsl, label=f"pipelines.embed.{name}"), rows, x, pick, out,
+                     np.array([rows, n, h, 0], np.uint32))
     return out
 
 
@@ -376,11 +382,7 @@ def mean_pool_l2_packed(gpu: GPUContext, x: Tensor, bounds: Tensor) -> Tensor:
     r = bounds.shape[0]
     if tuple(bounds.shape) != (r, 2) or bounds.dtype != np.int32:
         raise ValueError(f"mean_pool_l2_packed: bounds must be int32 [R, 2], got {bounds.dtype.name} {bounds.shape}")
-    out = gpu.empty((r, h), np.float32)
-    if r:
-        gpu.dispatch(gpu.kernel(SPAN_POOL_WGSL, label="pipelines.embed.mean_pool_l2_packed"), r, x, bounds, out,
-                     np.array([r, t, h, 0], np.uint32))
-    return out
+    return _pool_rows(gpu, SPAN_POOL_WGSL, "mean_pool_l2_packed", x, bounds, r, t, h)
 
 
 mean_pool_l2_packed.kernels = [SPAN_POOL_WGSL]  # type: ignore[attr-defined]
@@ -926,30 +928,26 @@ class TokenGroups:
             return []
         if len(items) > LOOP_TOKENIZE_MAX:
             self.calls += 1
-            return await anyio.to_thread.run_sync(token_ids, self.model, items)
+            return await atoken_ids(self.model, items)
         token = anyio.lowlevel.current_token()
         group = self._open
-        if group is not None and group.token == token:
-            start = len(group.texts)
-            group.texts.extend(items)
+        first = group is None or group.token != token  # this caller starts a group and tokenizes it
+        if group is None or first:
+            group = self._open = _Group(token)
+        start = len(group.texts)
+        group.texts.extend(items)
+        if not first:
             await group.done.wait()
         else:
-            group = self._open = _Group(token)
-            start = 0
-            group.texts.extend(items)
             with anyio.CancelScope(shield=True):  # the others wait on this caller: it finishes the group
                 try:
                     await anyio.lowlevel.checkpoint()  # the callers ready in this pass join
                 finally:
                     if self._open is group:
                         self._open = None
-                texts_all = group.texts
                 self.calls += 1
                 try:
-                    if len(texts_all) <= LOOP_TOKENIZE_MAX:
-                        group.ids = token_ids(self.model, texts_all)
-                    else:
-                        group.ids = await anyio.to_thread.run_sync(token_ids, self.model, texts_all)
+                    group.ids = await atoken_ids(self.model, group.texts)
                 except Exception:  # noqa: BLE001 - each caller tokenizes its own texts below
                     group.ids = None
                 finally:

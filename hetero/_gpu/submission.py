@@ -593,17 +593,12 @@ def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
 
 def _fence_spin_s() -> float:
     """``HETERO_FENCE_SPIN_US`` if set (0 turns the spin off), else the default for this host; in seconds."""
-    return _env_us("HETERO_FENCE_SPIN_US", FENCE_SPIN_US if _many_cores() else 0.0)
+    return _env_us("HETERO_FENCE_SPIN_US", FENCE_SPIN_US if (os.cpu_count() or 1) >= FENCE_SPIN_MIN_CPUS else 0.0)
 
 
 def _fence_poll_s() -> float:
     """``HETERO_FENCE_POLL_US`` if set, else 0 (one blocking poll); in seconds."""
     return _env_us("HETERO_FENCE_POLL_US", 0.0)
-
-
-def _many_cores() -> bool:
-    """Whether the fence thread spins by default on this host (see FENCE_SPIN_MIN_CPUS)."""
-    return (os.cpu_count() or 1) >= FENCE_SPIN_MIN_CPUS
 
 
 def _env_us(name: str, default: float) -> float:
