@@ -50,6 +50,7 @@ later store nothing, and the Run kept for ``Runtime.stats()`` holds only timings
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -63,7 +64,7 @@ import anyio
 import numpy as np
 
 from ._bridge import loop_caller
-from ._gpu.capture import run_captured
+from ._gpu.capture import prepare_ahead, run_captured
 from ._gpu.context import GPUContext, _Park
 from ._gpu.tensor import map_values
 from ._gpu.recorder import SharedRecorder, StageRecorder
@@ -112,6 +113,7 @@ class WorkerPool:
         self._on_start = on_start  # called once, before the threads start
         self._busy = 0
         self._heap: list[tuple[Any, int, Callable[[], None]]] = []
+        self._background: collections.deque[Callable[[], None]] = collections.deque()  # when the heap is empty
         # Held directly (``with self._lock``) where nothing waits: the same as holding the
         # condition, without its Python-level __enter__ and __exit__.
         self._lock = threading.Lock()
@@ -143,16 +145,27 @@ class WorkerPool:
                 heapq.heappush(self._heap, (key, next(self._arrival), job))
             self._cv.notify(len(items))
 
+    def submit_background(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` to run once no other job waits (the idle hook has run by then)."""
+        with self._lock:
+            if not self._threads:
+                self._start()
+            self._background.append(job)
+            self._cv.notify()
+
     def _work(self) -> None:
-        heap, lock, cv, on_idle = self._heap, self._lock, self._cv, self._on_idle
+        heap, lock, cv, on_idle, background = self._heap, self._lock, self._cv, self._on_idle, self._background
         heappop = heapq.heappop
         while True:
             with lock:
-                while not heap:
+                while not heap and not background:
                     if self._closed:
                         return
                     cv.wait()
-                job = heappop(heap)[2]
+                if self._closed and not heap:
+                    return
+                fore = bool(heap)
+                job = heappop(heap)[2] if fore else background.popleft()
                 self._busy += 1
             try:
                 job()  # jobs catch their own errors
@@ -160,7 +173,7 @@ class WorkerPool:
                 log.exception("%s: a job failed", self.name)
             with lock:
                 self._busy -= 1
-                idle = not self._busy and not heap
+                idle = fore and not self._busy and not heap
             if idle and on_idle is not None:
                 try:
                     on_idle()
@@ -997,6 +1010,8 @@ class Scheduler:
                 if run.hold(d, list({id(b): b for b in _blocks_of(up)}.values())):
                     run.uploaded[d] = up
             ctx.release_blocks()
+            if ctx.replayed is not None and rec.shared:
+                self._prepare_later(dev, *ctx.replayed)
         for d in st.gpu_deps:
             run.drop_hold(d)
         for d in run.plan.shared_reads.get(i, ()) if share else ():
@@ -1014,6 +1029,24 @@ class Scheduler:
             if not st.simple and not run.end_timed(st):
                 return
             run.stage_done()
+
+    def _prepare_later(self, dev: Device, cap: Any, flat: list[Tensor]) -> None:
+        """A lone run replayed ``cap``: prepare its next replay ahead once the recording thread is free
+        (see hetero._gpu.capture, "Replays prepared ahead"). Under load the recording thread is
+        never free, and runs of many signatures would prepare replays nobody takes."""
+        if (cap.ahead is not None or cap.ahead_queued or cap.ahead_plan is False or len(self._active) != 1
+                or dev.captures.ahead_budget <= 0 or dev.tracer is not None or dev.stage_timing):
+            return
+        cap.ahead_queued = True
+        args = [(t.shape, t.dtype) for t in flat]
+
+        def prepare() -> None:
+            try:
+                prepare_ahead(dev, cap, args)
+            except BaseException:  # noqa: BLE001 - a replay of it records as before
+                log.exception("preparing a replay ahead failed")
+
+        self.gpu.submit_background(prepare)
 
     def _recorder(self, dev: Device) -> SharedRecorder | StageRecorder:
         """The shared encoder with one recording thread; an encoder per stage with several."""
@@ -1082,6 +1115,7 @@ class Scheduler:
         token = (run, i)
         with self._runs_lock:
             self._parked[id(token)] = token
+        self._device().captures.drop_ahead()  # replays prepared ahead give their memory back first
 
         def requeue() -> None:
             with self._runs_lock:
