@@ -2,7 +2,7 @@
 
     python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--corpus FILE]
                           [--max-words 40] [--latency N] [--compare-capture] [--profile]
-                          [--latency-gap MS] [--compare-ahead] [--placement auto|cpu|gpu]
+                          [--placement auto|cpu|gpu]
 
 Text: ``--corpus FILE`` (one sentence per line), by default sentences from the standard
 library's docstrings (``bench._corpus``: at most ``--max-words`` words, mean about 13);
@@ -18,11 +18,6 @@ one event loop (hetero through ``aembed``), and for hetero each stage's median t
 those calls (started, recorded, submitted, completed: ms from the run's start, as
 ``rt.stats()`` reports them). ``--compare-capture``: hetero again with
 ``Runtime(capture=False)`` (every stage recorded every time), for both modes.
-``--compare-ahead``: the latency mode again with ``Runtime(replay_ahead=0)`` (no replay
-prepared ahead: every replay recorded when its run needs it), alternated with the default.
-``--latency-gap MS``: both implementations pause this long between one-sentence calls (not
-timed), as a client with think time between requests would; replays are prepared ahead
-only in such pauses.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
 wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``).
 
@@ -134,7 +129,7 @@ def percentiles(ms: list[float]) -> dict[str, float]:
 
 
 def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
-                   capture: bool, ahead: bool = True) -> tuple[list[float], list[dict[str, Any]]]:
+                   capture: bool) -> tuple[list[float], list[dict[str, Any]]]:
     """Milliseconds per one-sentence ``aembed`` call, after a warm pass over the same sentences,
     and each stage's median timeline over the timed calls (``rt.stats()``: ms from the run's start)."""
     import anyio
@@ -147,12 +142,9 @@ def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
     stages: dict[str, dict[str, Any]] = {}
 
     async def main() -> None:
-        no_ahead = {} if ahead else {"replay_ahead": 0}
-        async with hetero.Runtime(capture=capture, placement=args.placement, **no_ahead) as rt:
+        async with hetero.Runtime(capture=capture, placement=args.placement) as rt:
             for timed in (False, True):
                 for s in texts:
-                    if args.latency_gap:
-                        await anyio.sleep(args.latency_gap / 1e3)
                     t0 = time.perf_counter()
                     await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
                     if timed:
@@ -219,10 +211,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also N one-sentence calls: p50/p99 latency (default: off)")
     p.add_argument("--compare-capture", action="store_true",
                    help="also measure hetero with Runtime(capture=False)")
-    p.add_argument("--latency-gap", type=float, default=0.0, metavar="MS",
-                   help="with --latency: pause between calls, untimed (default: none, calls back to back)")
-    p.add_argument("--compare-ahead", action="store_true",
-                   help="with --latency: also without replays prepared ahead (Runtime(replay_ahead=0)), alternated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
@@ -285,17 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                           "sentences_per_s": round(args.n / t, 2), "device": str(device),
                           "placement": args.placement, "stages": stages}), flush=True)
         if lat_texts:
-            rounds = [True, False, True, False] if args.compare_ahead and capture else [True]
-            for ahead in rounds:
-                ms, timeline = hetero_latency(lat_texts, model, args, capture, ahead)
-                name = f"hetero capture={capture}" + ("" if ahead else " replay_ahead=0")
-                lat[name] = lat.get(name, []) + ms
-                print(json.dumps({"latency": "hetero", "capture": capture, "replay_ahead": ahead,
-                                  "gap_ms": args.latency_gap, "calls": len(ms),
-                                  **percentiles(ms), "model": args.model, "int8": args.int8}), flush=True)
-                for row in timeline:
-                    print(json.dumps({"latency_timeline": "hetero", "capture": capture, "replay_ahead": ahead,
-                                      **row}), flush=True)
+            ms, timeline = hetero_latency(lat_texts, model, args, capture)
+            lat[f"hetero capture={capture}"] = ms
+            print(json.dumps({"latency": "hetero", "capture": capture, "calls": len(ms), **percentiles(ms),
+                              "model": args.model, "int8": args.int8}), flush=True)
+            for row in timeline:
+                print(json.dumps({"latency_timeline": "hetero", "capture": capture, **row}), flush=True)
     h_rate = rates[True]
     if args.compare_capture:
         print(json.dumps({"ratio_capture_over_recording": round(rates[True] / rates[False], 4), **common}),
@@ -332,8 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         st_ms: list[float] = []
         for timed in (False, True):
             for s in lat_texts:
-                if args.latency_gap:
-                    time.sleep(args.latency_gap / 1e3)
                 t0 = time.perf_counter()
                 st.encode([s], batch_size=1, convert_to_numpy=True, show_progress_bar=False)
                 if dev == "cuda":
@@ -341,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 if timed:
                     st_ms.append((time.perf_counter() - t0) * 1e3)
         ref = percentiles(st_ms)
-        print(json.dumps({"latency": "sentence-transformers", "gap_ms": args.latency_gap, "calls": len(st_ms), **ref,
-                          "device": name}),
+        print(json.dumps({"latency": "sentence-transformers", "calls": len(st_ms), **ref, "device": name}),
               flush=True)
         for impl, ms in lat.items():
             mine = percentiles(ms)

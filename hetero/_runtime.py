@@ -15,7 +15,7 @@ import anyio
 from ._argtypes import check_positive_int
 from ._batcher import Batcher
 from ._bridge import running_loop
-from ._gpu.capture import AHEAD_OF_BUDGET, DEFAULT_AHEAD_BYTES, DEFAULT_CACHE_ENTRIES
+from ._gpu.capture import DEFAULT_CACHE_ENTRIES
 from ._gpu.device import Device
 from ._gpu.pool import MemoryStats
 from ._graph import Graph
@@ -48,7 +48,6 @@ class RuntimeOptions:
     capture_cache: int = DEFAULT_CACHE_ENTRIES
     placement: str = "auto"
     blas_threads: int | None = None
-    replay_ahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None:
@@ -63,16 +62,6 @@ class RuntimeOptions:
         budget = self.memory_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
-        ra = self.replay_ahead
-        if ra is None:
-            env = os.environ.get("HETERO_REPLAY_AHEAD", "").strip()
-            try:
-                ra = int(env) if env else DEFAULT_AHEAD_BYTES
-            except ValueError:
-                raise ValueError(f"HETERO_REPLAY_AHEAD must be a number of bytes >= 0, got {env!r}") from None
-            object.__setattr__(self, "replay_ahead", ra)
-        if not isinstance(ra, int) or isinstance(ra, bool) or ra < 0:
-            raise ValueError(f"replay_ahead must be a number of bytes >= 0 (0 prepares none), got {ra!r}")
         b = self.blas_threads
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
             raise ValueError(f"blas_threads must be an integer >= 0 or None, got {b!r}")
@@ -113,11 +102,6 @@ class Runtime:
     ``capture``: replay GPU stages declared with ``g.gpu(..., capture=True)`` (see
     "Captured stages" in the README); False calls every stage function every run.
     ``capture_cache`` bounds the captures kept per device (least recently used go first).
-    ``replay_ahead``: device memory (bytes, per device) that replays prepared ahead may
-    hold (at most 1/16 of the memory budget): while a lone run's recording thread has
-    nothing else to do, it records the next replay of each captured stage it replayed into
-    a command buffer of its own, and the next run of that signature only enqueues it (see
-    "Captured stages"). 0 prepares none. Default: ``$HETERO_REPLAY_AHEAD``, else 256 MiB.
     ``placement`` places the stages declared with both a CPU and a GPU implementation
     (``Graph.stage``): ``"auto"`` runs each execution where a calibrated performance
     model expects it to complete first (see ``hetero.PerfModel``; ``perf_model`` passes
@@ -134,12 +118,11 @@ class Runtime:
                  trace: str | os.PathLike[str] | None = None, gpu_timing: bool = False,
                  adapter: Any = None, zero_copy_outputs: bool = True, cpu_processes: int | None = None,
                  capture: bool = True, capture_cache: int = DEFAULT_CACHE_ENTRIES, placement: str = "auto",
-                 perf_model: PerfModel | None = None, blas_threads: int | None = None,
-                 replay_ahead: int | None = None) -> None:
+                 perf_model: PerfModel | None = None, blas_threads: int | None = None) -> None:
         self.options = RuntimeOptions(cpu_threads, gpu_threads, submit_batch, memory_budget,
                                       float(gpu_budget_ms) if _is_number(gpu_budget_ms) else gpu_budget_ms,
                                       bool(gpu_timing), bool(zero_copy_outputs), cpu_processes, capture,
-                                      capture_cache, placement, blas_threads, replay_ahead)
+                                      capture_cache, placement, blas_threads)
         if perf_model is not None and not isinstance(perf_model, PerfModel):
             raise TypeError(f"perf_model must be a hetero.PerfModel, got {type(perf_model).__name__}")
         self._adapter = adapter
@@ -218,7 +201,6 @@ class Runtime:
                     dev = Device(self._adapter, max_batch=o.submit_batch, memory_budget=o.memory_budget,
                                  gpu_budget_ms=o.gpu_budget_ms, tracer=self._tracer, gpu_timing=o.gpu_timing)
                     dev.captures.max_entries = o.capture_cache
-                    dev.captures.ahead_budget = min(o.replay_ahead or 0, dev.pool.budget_bytes // AHEAD_OF_BUDGET)
                     dev.on_lost(lambda reason: self._sched.fail_gpu_runs(DeviceLostError(
                         f"the GPU device was lost ({reason}) while this run was in flight; create a new Runtime")))
                     self._device = dev

@@ -50,7 +50,6 @@ later store nothing, and the Run kept for ``Runtime.stats()`` holds only timings
 
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import logging
@@ -64,7 +63,7 @@ import anyio
 import numpy as np
 
 from ._bridge import loop_caller
-from ._gpu.capture import prepare_ahead, run_captured
+from ._gpu.capture import run_captured
 from ._gpu.context import GPUContext, _Park
 from ._gpu.tensor import map_values
 from ._gpu.recorder import SharedRecorder, StageRecorder
@@ -93,9 +92,6 @@ _KEEP: Any = object()  # Run.set_value: leave the device-side value as it is
 # until its fence. With several runs in flight the recording thread is the bottleneck and
 # every submission costs it ~0.3 ms on the H200, so their stages are not submitted early.
 EARLY_SUBMIT_DISPATCHES = 8
-# Replays are prepared ahead (hetero._gpu.capture) once no run was active for this long: a caller
-# that sends its next request sooner (a loop of lone runs) finds them not yet begun.
-PREPARE_AFTER_IDLE_S = 0.002
 # Stages (and shapes) whose upload buffers are remembered (see _device_args); past it the memory starts afresh.
 _UPLOAD_HINTS = 256
 # How long a stopped (failed or cancelled) run waits for its GPU stages being recorded
@@ -116,8 +112,6 @@ class WorkerPool:
         self._on_start = on_start  # called once, before the threads start
         self._busy = 0
         self._heap: list[tuple[Any, int, Callable[[], None]]] = []
-        # (not before, job): run in order once no other job waits and their time has come
-        self._background: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         # Held directly (``with self._lock``) where nothing waits: the same as holding the
         # condition, without its Python-level __enter__ and __exit__.
         self._lock = threading.Lock()
@@ -149,35 +143,16 @@ class WorkerPool:
                 heapq.heappush(self._heap, (key, next(self._arrival), job))
             self._cv.notify(len(items))
 
-    def submit_background(self, jobs: list[Callable[[], None]], delay: float) -> None:
-        """Queue ``jobs`` to run, in order, ``delay`` seconds from now or later, when no other job waits
-        (the idle hook has run by then)."""
-        with self._lock:
-            if not self._threads:
-                self._start()
-            due = time.monotonic() + delay
-            self._background.extend((due, job) for job in jobs)
-            self._cv.notify()
-
     def _work(self) -> None:
-        heap, lock, cv, on_idle, background = self._heap, self._lock, self._cv, self._on_idle, self._background
+        heap, lock, cv, on_idle = self._heap, self._lock, self._cv, self._on_idle
         heappop = heapq.heappop
         while True:
             with lock:
-                while True:
-                    if heap:
-                        job, fore = heappop(heap)[2], True
-                        break
+                while not heap:
                     if self._closed:
                         return
-                    if not background:
-                        cv.wait()
-                        continue
-                    wait = background[0][0] - time.monotonic()
-                    if wait <= 0:
-                        job, fore = background.popleft()[1], False
-                        break
-                    cv.wait(wait)
+                    cv.wait()
+                job = heappop(heap)[2]
                 self._busy += 1
             try:
                 job()  # jobs catch their own errors
@@ -185,7 +160,7 @@ class WorkerPool:
                 log.exception("%s: a job failed", self.name)
             with lock:
                 self._busy -= 1
-                idle = fore and not self._busy and not heap
+                idle = not self._busy and not heap
             if idle and on_idle is not None:
                 try:
                     on_idle()
@@ -589,7 +564,6 @@ class Scheduler:
         self._runs_lock = threading.Lock()
         self._active: dict[int, Run] = {}  # runs started and not ended, by sequence
         self._parked: dict[int, tuple[Run, int]] = {}  # stages waiting for memory
-        self._to_prepare: list[Callable[[], None]] = []  # replays to prepare ahead when no run is active
         self._seq = itertools.count()
         self._upload_hints: dict[Any, tuple[StagePlan, list[Any]]] = {}  # see _device_args
 
@@ -1023,8 +997,6 @@ class Scheduler:
                 if run.hold(d, list({id(b): b for b in _blocks_of(up)}.values())):
                     run.uploaded[d] = up
             ctx.release_blocks()
-            if ctx.replayed is not None and rec.shared:
-                self._prepare_later(dev, *ctx.replayed)
         for d in st.gpu_deps:
             run.drop_hold(d)
         for d in run.plan.shared_reads.get(i, ()) if share else ():
@@ -1042,32 +1014,6 @@ class Scheduler:
             if not st.simple and not run.end_timed(st):
                 return
             run.stage_done()
-
-    def _prepare_later(self, dev: Device, cap: Any, flat: list[Tensor]) -> None:
-        """A lone run replayed ``cap``: prepare its next replay ahead once the runtime is idle (see
-        hetero._gpu.capture, "Replays prepared ahead"). Only then: the preparation holds the
-        interpreter lock, which the fence thread and the event loop of a run in flight wait for
-        (on the H200, lone runs back to back took twice as long with preparations beside them);
-        and runs of many signatures under load would prepare replays nobody takes."""
-        if (cap.ahead is not None or cap.ahead_queued or cap.ahead_plan is False or len(self._active) != 1
-                or dev.captures.ahead_budget <= 0 or dev.tracer is not None or dev.stage_timing):
-            return
-        cap.ahead_queued = True
-        args = [(t.shape, t.dtype) for t in flat]
-
-        def prepare() -> None:
-            if self._active:  # a run started meanwhile: wait for the next idle moment
-                with self._runs_lock:
-                    self._to_prepare.append(prepare)
-                return
-            try:
-                prepare_ahead(dev, cap, args)
-            except BaseException:  # noqa: BLE001 - a replay of it records as before
-                cap.ahead_queued = False
-                log.exception("preparing a replay ahead failed")
-
-        with self._runs_lock:
-            self._to_prepare.append(prepare)
 
     def _recorder(self, dev: Device) -> SharedRecorder | StageRecorder:
         """The shared encoder with one recording thread; an encoder per stage with several."""
@@ -1136,7 +1082,6 @@ class Scheduler:
         token = (run, i)
         with self._runs_lock:
             self._parked[id(token)] = token
-        self._device().captures.drop_ahead()  # replays prepared ahead give their memory back first
 
         def requeue() -> None:
             with self._runs_lock:
@@ -1163,14 +1108,9 @@ class Scheduler:
         with self._runs_lock:
             self._active.pop(run.seq, None)
             parked, self._parked = list(self._parked.values()), {}
-            prepares = []
-            if not self._active and self._to_prepare:
-                prepares, self._to_prepare = self._to_prepare, []
         for r, i in parked:
             if not r.stopped:
                 self.dispatch(r, [i])
-        if prepares:  # each checks that no run started meanwhile
-            self.gpu.submit_background(prepares, PREPARE_AFTER_IDLE_S)
 
     def _gpu_idle(self) -> None:
         dev = self._device_if_open()

@@ -14,7 +14,6 @@ import pytest
 
 import hetero
 from hetero import ops
-from hetero._gpu.capture import Capture
 
 pytestmark = pytest.mark.anyio
 
@@ -156,18 +155,17 @@ async def test_replays_with_several_recording_threads() -> None:
     assert 1 <= calls.n <= 2  # two threads may capture the first signature at once
 
 
-async def test_memory_returns_to_its_baseline() -> None:
+async def test_memory_returns_to_its_baseline(rt: hetero.Runtime) -> None:
     rng = np.random.default_rng(3)
     w = rng.standard_normal((16, 8), dtype=np.float32)
     x = rng.standard_normal((4, 16), dtype=np.float32)
     g = graph(block_ops, True)
-    with hetero.Runtime(cpu_threads=2, replay_ahead=0) as rt:  # prepared replays hold buffers of their own
+    await rt.run(g, x=x, w=w)
+    base = rt.memory_stats()
+    for _ in range(5):
         await rt.run(g, x=x, w=w)
-        base = rt.memory_stats()
-        for _ in range(5):
-            await rt.run(g, x=x, w=w)
-            assert rt.stats().stage("block").replayed
-        after = rt.memory_stats()
+        assert rt.stats().stage("block").replayed
+    after = rt.memory_stats()
     assert after.in_use_bytes == base.in_use_bytes == 0
     assert after.pooled_bytes == base.pooled_bytes  # the pool handed back the same buffers
 
@@ -438,15 +436,9 @@ async def test_traces_show_replayed_dispatches(tmp_path: Any) -> None:
         assert sum(1 for e in dispatches if not e["args"].get("replayed")) == 2
 
 
-async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups() -> None:
+async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups(rt: hetero.Runtime) -> None:
     """Alternating inputs miss the last replay's bind groups, but each op keeps the groups
-    of the buffers it bound before: no bind-cache lookup, and the results stay right.
-    (Replays prepared ahead are off: each binds buffers of its own.)"""
-    with hetero.Runtime(cpu_threads=2, replay_ahead=0) as rt:
-        await _alternate(rt)
-
-
-async def _alternate(rt: hetero.Runtime) -> None:
+    of the buffers it bound before: no bind-cache lookup, and the results stay right."""
     inputs: dict[int, hetero.Tensor] = {}
     data = {k: np.arange(256, dtype=np.float32) * (k + 1) for k in (0, 1)}
 
@@ -547,16 +539,10 @@ async def test_a_split_k_matmul_replays_its_partials_and_summing_pass(rt: hetero
     assert base is not None and after.in_use_bytes == base.in_use_bytes == 0
 
 
-async def test_steady_replays_take_back_their_buffers_and_find_their_bind_groups() -> None:
+async def test_steady_replays_take_back_their_buffers_and_find_their_bind_groups(rt: hetero.Runtime) -> None:
     """A CPU stage's arrays are uploaded together (odd sizes, strides, an empty one), and runs of
     two alternating shapes settle on the same buffers per shape: replays then bind what the
-    previous replay of their shape bound, with no bind-cache lookup, and the results stay right.
-    (Replays prepared ahead are off: each binds buffers of its own.)"""
-    with hetero.Runtime(cpu_threads=2, replay_ahead=0) as rt:
-        await _steady(rt)
-
-
-async def _steady(rt: hetero.Runtime) -> None:
+    previous replay of their shape bound, with no bind-cache lookup, and the results stay right."""
 
     def make(n: int) -> tuple[np.ndarray, ...]:
         x = np.arange(2 * n, dtype=np.float32)[::2] * n
@@ -599,103 +585,3 @@ async def _steady(rt: hetero.Runtime) -> None:
         assert rt.stats().stage("stage").capture == "replayed"
     assert binds.hits + binds.misses == lookups
     assert seen[0] == seen[2] and seen[1] == seen[3]  # each shape's replays bound the same buffers
-
-
-# -- replays prepared ahead ---------------------------------------------------------------------
-async def _prepared(rt: hetero.Runtime, n: int, key: str = "prepared") -> None:
-    """Wait until ``n`` replays were prepared ahead (``key="prepared_held"``: are held), as the
-    recording thread prepares them in the background."""
-    with anyio.fail_after(30):
-        while rt.device().captures.stats()[key] < n:
-            await anyio.sleep(0.005)
-
-
-async def test_replays_prepared_ahead_give_the_results_of_recorded_replays() -> None:
-    """A lone run's replay prepares the next one ahead; the run that takes it gets what a replay
-    recorded when needed gets, over several shapes, and memory in use returns to zero."""
-    rng = np.random.default_rng(11)
-    w = rng.standard_normal((16, 8), dtype=np.float32)
-    xs = [rng.standard_normal((rows, 16), dtype=np.float32) for rows in (3, 1, 5, 2)]
-    g = graph(block_ops, True)
-    results: dict[int, list[Any]] = {}
-    for ahead in (hetero.Runtime().options.replay_ahead, 0):
-        out = results[ahead] = []
-        with hetero.Runtime(cpu_threads=2, replay_ahead=ahead) as rt:
-            for k, x in enumerate(xs):
-                for n in range(4):  # captured, replayed (and the next prepared), then taken twice
-                    if ahead and n >= 2:
-                        await _prepared(rt, k + 1, "prepared_held")
-                    out.append(await rt.run(g, x=x, w=w))
-            if ahead:
-                await _prepared(rt, len(xs), "prepared_held")  # each shape's next replay
-            stats = rt.device().captures.stats()
-            mem = rt.memory_stats()
-            assert mem.in_use_bytes == 0
-            if ahead:
-                assert stats["prepared_used"] == 2 * len(xs)
-                assert stats["prepared_held"] == len(xs)
-                assert mem.ahead_bytes > 0
-                assert rt.device().captures.drop_ahead() == len(xs)
-                assert rt.memory_stats().ahead_bytes == 0
-                assert rt.memory_stats().in_use_bytes == 0
-            else:
-                assert stats["prepared"] == stats["prepared_used"] == 0
-                assert mem.ahead_bytes == 0
-    for a, b in zip(*results.values(), strict=True):
-        for u, v in zip(a, b):
-            np.testing.assert_array_equal(u, v) if isinstance(u, np.ndarray) else assert_equal(u, v)
-
-
-def assert_equal(a: Any, b: Any) -> None:
-    assert a == b
-
-
-async def test_a_stage_writing_its_argument_is_never_prepared_ahead(rt: hetero.Runtime) -> None:
-    """A prepared replay reads copies of its arguments: a stage writing one keeps recording its replays."""
-    def bump(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
-        y = gpu.empty(x.shape, np.float32)
-        gpu.dispatch(SCALE, -(-x.size // 64), x, y, _params(2.0, x.size))
-        gpu.dispatch(SCALE, -(-x.size // 64), y, x, _params(1.0, x.size))  # writes its argument
-        return x
-
-    g = hetero.Graph("bump")
-    g.output(g.gpu(bump, g.gpu(lambda gpu, v: ops.add(gpu, v, v), g.input("v"), name="double"),
-                   name="bump", capture=True))
-    v = np.arange(100, dtype=np.float32)
-    for _ in range(4):
-        np.testing.assert_array_equal(await rt.run(g, v=v), 2.0 * (2.0 * v) + 2.0)
-        assert rt.stats().stage("bump").capture in ("captured", "replayed")
-    caps = [c for c in rt.device().captures._entries.values() if isinstance(c, Capture)]
-    with anyio.fail_after(30):  # the runtime prepares in idle moments
-        while any(c.ahead_queued for c in caps):
-            await anyio.sleep(0.005)
-    assert [c.ahead_plan for c in caps if c.ahead_plan is not None] == [False]
-    assert rt.device().captures.stats()["prepared_used"] == 0
-
-
-async def test_replays_prepared_ahead_stay_within_their_memory(rt: hetero.Runtime) -> None:
-    """Past ``replay_ahead`` bytes the least recently prepared go back to the pool."""
-    w = np.ones((16, 8), np.float32)
-    x = np.ones((2, 16), np.float32)
-    for _ in range(2):
-        await rt.run(graph(block_ops, True, 1.0), x=x, w=w)
-    await _prepared(rt, 1)
-    cache = rt.device().captures
-    one = cache.ahead_bytes()
-    assert one > 0
-    cache.ahead_budget = 16 * one  # the most one prepared replay may take is 1/16 of the budget
-    for k in range(2, 24):  # signatures of the same sizes: another scale each
-        g = graph(block_ops, True, float(k))
-        for n in range(2):
-            await rt.run(g, x=x, w=w)
-        await _prepared(rt, k)  # one per signature: none was taken
-    assert cache.ahead_bytes() <= cache.ahead_budget
-    assert cache.stats()["prepared_held"] == 16
-    assert rt.memory_stats().in_use_bytes == 0
-
-
-def test_replay_ahead_is_a_number_of_bytes() -> None:
-    for bad in (-1, True, 1.5, "64M"):
-        with pytest.raises(ValueError, match="replay_ahead"):
-            hetero.Runtime(replay_ahead=bad)
-    assert hetero.Runtime(replay_ahead=0).options.replay_ahead == 0

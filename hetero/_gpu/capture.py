@@ -47,17 +47,15 @@ signature. Each holds its constant buffers alive.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import struct
 import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import wgpu
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib_path as _lib_path
 
 from .grid import grid_uniform
@@ -67,20 +65,9 @@ if TYPE_CHECKING:
     from .device import Kernel
     from .context import GPUContext
 
-__all__ = ["AHEAD_OF_BUDGET", "CaptureCache", "DEFAULT_AHEAD_BYTES", "DEFAULT_CACHE_ENTRIES", "prepare_ahead", "run_captured"]
-
-log = logging.getLogger("hetero")
+__all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
 
 DEFAULT_CACHE_ENTRIES = 1024
-# Device memory that replays prepared ahead may hold per device (Runtime(replay_ahead=...); at most
-# 1/AHEAD_OF_BUDGET of the memory budget), and the part of that one may take. A lone MiniLM sentence's
-# two stages hold ~1.4 MiB per length, so 256 MiB keep every length of short sentences.
-DEFAULT_AHEAD_BYTES = 256 << 20
-AHEAD_OF_BUDGET = 16
-_AHEAD_SHARE = 16
-# What the pool's storage tensors are made with (GPUContext.empty's usage).
-_COPY_SRC = wgpu.BufferUsage.COPY_SRC
-_STORAGE = wgpu.BufferUsage.STORAGE | _COPY_SRC | wgpu.BufferUsage.COPY_DST
 
 # The raw C functions (no per-call error capture: pass commands are validated when the
 # pass ends, and a replay only re-issues what was validated while capturing), called through
@@ -104,17 +91,6 @@ def _pass_functions() -> tuple[Any, Any, Any]:
 
 _set_pipeline, _set_bind_group, _dispatch = _pass_functions()
 _NULL = None
-
-
-def _copy_function() -> Any:
-    """``wgpuCommandEncoderCopyBufferToBuffer`` through ``ctypes.PyDLL``, as the pass functions above."""
-    u64, vp = ctypes.c_uint64, ctypes.c_void_p
-    copy = ctypes.PyDLL(_lib_path).wgpuCommandEncoderCopyBufferToBuffer
-    copy.argtypes, copy.restype = [vp, vp, u64, vp, u64, u64], None
-    return copy
-
-
-_copy_buffer = _copy_function()
 
 
 def _addr(obj: Any) -> int:
@@ -153,33 +129,6 @@ class _Op:
     whole_addr: int = 0  # whole's native handle
 
 
-@dataclass(eq=False, slots=True)
-class _Ahead:
-    """A replay prepared ahead: its command buffer, finished, over buffers it holds until taken."""
-
-    command_buffer: Any
-    blocks: list[Any]  # the temporaries' blocks, then the argument copies' (one reference each)
-    temps: list[Tensor]
-    args: list[Tensor | None]  # where each argument is copied to (None: no binding reads it)
-    copies: tuple[int, ...]  # bytes copied per argument
-    nbytes: int  # the blocks' size classes
-
-
-def _release_ahead(dropped: list[_Ahead]) -> None:
-    """Give prepared replays' blocks back to the pool (their command buffers are never submitted)."""
-    for ahead in dropped:
-        if ahead.blocks:
-            _release_blocks(ahead.blocks[0].pool, ahead.blocks)
-
-
-def _release_blocks(pool: Any, blocks: list[Any]) -> None:
-    """Release blocks booked as held ahead."""
-    if blocks:
-        pool.hold_ahead(blocks, False)
-        for b in blocks:
-            pool.release(b)
-
-
 @dataclass(frozen=True, slots=True)
 class _Ref:
     """A tensor of the stage's result: where it lives, with its own shape and dtype."""
@@ -195,8 +144,7 @@ class Capture:
     """A stage's captured work for one signature."""
 
     __slots__ = ("ops", "temps", "result", "workgroups", "work", "consts", "_memo_key", "_memo_groups", "_memo_addrs",
-                 "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer", "ahead", "ahead_plan",
-                 "ahead_queued", "_ahead_prefer")
+                 "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
                  result: Any, consts: list[Any]) -> None:
@@ -223,13 +171,6 @@ class Capture:
         # and the buffers the last replay got for them, asked for again by the next.
         self._requests: list[tuple[int, int, bool]] | None = None
         self._prefer: list[Any] | None = None
-        # A replay prepared ahead (see prepare_ahead): held in the CaptureCache's books, taken by a replay.
-        self.ahead: _Ahead | None = None
-        # Bytes each argument's copy takes (0: not bound), False if this capture is never prepared,
-        # None until decided (grid kernels' whole-grid bind groups are made by the first replay).
-        self.ahead_plan: tuple[int, ...] | bool | None = None
-        self.ahead_queued = False  # a preparation is queued on the recording thread
-        self._ahead_prefer: list[Any] | None = None  # the buffers of the previous preparation
 
 
 class CaptureCache:
@@ -243,13 +184,6 @@ class CaptureCache:
         self.captures = 0  # signatures captured
         self.replays = 0
         self.evictions = 0
-        # Replays prepared ahead: device memory they may hold (0: none are prepared), the
-        # captures holding one (least recently prepared first), their bytes; made and used.
-        self.ahead_budget = DEFAULT_AHEAD_BYTES
-        self._ahead: OrderedDict[int, Capture] = OrderedDict()
-        self._ahead_bytes = 0
-        self.prepared = 0
-        self.prepared_used = 0
 
     def get(self, key: Any) -> Capture | _Unreplayable | None:
         with self._lock:
@@ -259,62 +193,14 @@ class CaptureCache:
             return entry
 
     def put(self, key: Any, entry: Capture | _Unreplayable) -> None:
-        dropped: list[_Ahead] = []
         with self._lock:
             self._entries[key] = entry
             self._entries.move_to_end(key)
             if isinstance(entry, Capture):
                 self.captures += 1
             while len(self._entries) > self.max_entries:
-                _, old = self._entries.popitem(last=False)
+                self._entries.popitem(last=False)
                 self.evictions += 1
-                if isinstance(old, Capture) and old.ahead is not None:
-                    dropped.append(self._unlink_ahead(old))
-        _release_ahead(dropped)
-
-    # -- replays prepared ahead (see prepare_ahead) ------------------------------------------------------
-    def _unlink_ahead(self, cap: Capture) -> _Ahead:
-        """Under the lock: take ``cap``'s prepared replay out of the books (it must hold one)."""
-        ahead = cap.ahead
-        assert ahead is not None
-        cap.ahead = None
-        self._ahead.pop(id(cap), None)
-        self._ahead_bytes -= ahead.nbytes
-        return ahead
-
-    def put_ahead(self, cap: Capture, ahead: _Ahead) -> None:
-        """Keep ``ahead`` for ``cap``; the least recently prepared go back to the pool past the budget."""
-        dropped: list[_Ahead] = []
-        with self._lock:
-            if cap.ahead is not None:
-                dropped.append(self._unlink_ahead(cap))
-            cap.ahead = ahead
-            self._ahead[id(cap)] = cap
-            self._ahead_bytes += ahead.nbytes
-            self.prepared += 1
-            while self._ahead_bytes > self.ahead_budget and self._ahead:
-                dropped.append(self._unlink_ahead(next(iter(self._ahead.values()))))
-        _release_ahead(dropped)
-
-    def take_ahead(self, cap: Capture) -> _Ahead | None:
-        """``cap``'s prepared replay, out of the books (None if another thread dropped it meanwhile)."""
-        with self._lock:
-            if cap.ahead is None:
-                return None
-            self.prepared_used += 1
-            return self._unlink_ahead(cap)
-
-    def drop_ahead(self) -> int:
-        """Give every prepared replay's memory back to the pool (memory runs short, or the device closes);
-        returns how many there were."""
-        with self._lock:
-            dropped = [self._unlink_ahead(cap) for cap in list(self._ahead.values())]
-        _release_ahead(dropped)
-        return len(dropped)
-
-    def ahead_bytes(self) -> int:
-        with self._lock:
-            return self._ahead_bytes
 
     def warn_once(self, fn: Any, stage: str, reason: str) -> None:
         with self._lock:
@@ -338,11 +224,9 @@ class CaptureCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"entries": len(self._entries), "captures": self.captures, "replays": self.replays,
-                    "evictions": self.evictions, "prepared": self.prepared, "prepared_used": self.prepared_used,
-                    "prepared_held": len(self._ahead)}
+                    "evictions": self.evictions}
 
     def clear(self) -> None:
-        self.drop_ahead()
         with self._lock:
             self._entries.clear()
 
@@ -474,10 +358,6 @@ class Capturing:
 def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
     dev = ctx._dev
-    if cap.ahead is not None and ctx._recorder.shared and dev.tracer is None and not dev.stage_timing:
-        result = _take_ahead(ctx, cap, flat)
-        if result is not _MISS:
-            return result
     requests = cap._requests
     if requests is None:
         requests = cap._requests = ctx._pool_requests([nbytes for _, _, _, nbytes, _ in cap.temps])
@@ -485,16 +365,6 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     # (then the bind groups below are that replay's); the captured uploads are written together.
     blocks = ctx._take_many(requests, cap._prefer) if requests else []
     cap._prefer = [b.buffer for b in blocks]
-    temps = _temps(ctx, cap, blocks)
-    memo, alive = _bind_groups(dev, cap, flat, temps, memo=True)
-    _issue(ctx, cap, memo)
-    del alive
-    ctx.workgroups += cap.workgroups
-    return _result(cap, flat, temps)
-
-
-def _temps(ctx: GPUContext, cap: Capture, blocks: list[Any]) -> list[Tensor]:
-    """The temporaries over ``blocks``; the captured uploads into them are recorded into ``ctx``'s encoder."""
     temps: list[Tensor] = []
     writes: list[tuple[np.ndarray, Any, int]] = []
     for (shape, dtype, data, nbytes, size), b in zip(cap.temps, blocks):
@@ -503,71 +373,60 @@ def _temps(ctx: GPUContext, cap: Capture, blocks: list[Any]) -> list[Tensor]:
             writes.append((data, b.buffer, b.offset))
     if writes:
         ctx._write(writes)
-    return temps
-
-
-def _bind_groups(dev: Any, cap: Capture, flat: Sequence[Tensor | None], temps: list[Tensor], *,
-                 memo: bool) -> tuple[list[int], list[Any]]:
-    """Each op's bind group over these buffers (addresses, and the groups, to keep referenced while issued).
-
-    Those of the previous replay when every buffer is the same (and the pool destroyed none
-    since); else each op's own, by the buffers it binds now; else through the bind cache.
-    ``memo``: remember these as the previous replay's (a preparation ahead does not).
-    """
     binds = dev.binds
-    key: tuple[Any, ...] = ()
-    if memo:
-        key = tuple((t.buffer, t.offset) if t is not None else None for t in flat)
-        key += tuple((t.buffer, t.offset) for t in temps)
-        with cap._lock:
-            if cap._memo_key == key and cap._memo_gen == binds.generation:
-                # the groups stay referenced by the caller while their addresses are issued (another
-                # replay may swap the memo)
-                return cap._memo_addrs, cap._memo_groups
-    gen = binds.generation
-    stable = all(t is None or binds.is_stable(t.buffer) for t in flat)
+    # Bind groups: those of the previous replay when every buffer is the same (and the pool
+    # destroyed none since); else each op's own, by the buffers it binds now; else through
+    # the bind cache.
+    key = tuple((t.buffer, t.offset) for t in flat) + tuple((t.buffer, t.offset) for t in temps)
     with cap._lock:
-        if cap._op_gen != gen:
-            cap._op_groups = [{} for _ in cap.ops]
-            cap._op_gen = gen
-        caches = cap._op_groups
-    groups: list[Any] = []
-    for op, cache in zip(cap.ops, caches):
-        if op.group is not None:
-            groups.append(op.group)
-            continue
-        resources = []
-        for kind, ref, off, size in op.slots:
-            if kind == ARG:
-                t = flat[ref]
-                resources.append((t.buffer, t.offset + off, size))  # type: ignore[union-attr]
-            elif kind == TEMP:
-                t = temps[ref]
-                resources.append((t.buffer, t.offset + off, size))
-            else:
-                resources.append((ref, off, size))
-        if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
-            groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
-            continue
-        rkey = tuple((id(b), o) for b, o, _ in resources)
-        hit = cache.get(rkey)
-        if hit is None:
-            group = binds.bind_group((op.kernel.key, 0), op.layout, resources)
-            if len(cache) >= _OP_GROUPS:
-                cache.clear()
-            cache[rkey] = (group, tuple(b for b, _, _ in resources))  # the buffers: their ids stay theirs
-            groups.append(group)
-        else:
-            groups.append(hit[0])
-    addrs = [_addr(g) for g in groups]
-    if memo and stable:
+        same = cap._memo_key == key and cap._memo_gen == binds.generation
+        # the groups stay referenced here while their addresses are issued (another replay may swap the memo)
+        memo, alive = (cap._memo_addrs, cap._memo_groups) if same else (None, None)
+    if memo is None:
+        gen = binds.generation
+        stable = all(binds.is_stable(t.buffer) for t in flat)
         with cap._lock:
-            cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, addrs, gen
-    return addrs, groups
+            if cap._op_gen != gen:
+                cap._op_groups = [{} for _ in cap.ops]
+                cap._op_gen = gen
+            caches = cap._op_groups
+        groups: list[Any] = []
+        for op, cache in zip(cap.ops, caches):
+            if op.group is not None:
+                groups.append(op.group)
+                continue
+            resources = []
+            for kind, ref, off, size in op.slots:
+                if kind == ARG:
+                    t = flat[ref]
+                    resources.append((t.buffer, t.offset + off, size))
+                elif kind == TEMP:
+                    t = temps[ref]
+                    resources.append((t.buffer, t.offset + off, size))
+                else:
+                    resources.append((ref, off, size))
+            if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
+                groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
+                continue
+            rkey = tuple((id(b), o) for b, o, _ in resources)
+            hit = cache.get(rkey)
+            if hit is None:
+                group = binds.bind_group((op.kernel.key, 0), op.layout, resources)
+                if len(cache) >= _OP_GROUPS:
+                    cache.clear()
+                cache[rkey] = (group, tuple(b for b, _, _ in resources))  # the buffers: their ids stay theirs
+                groups.append(group)
+            else:
+                groups.append(hit[0])
+        memo = [_addr(g) for g in groups]
+        if stable:
+            with cap._lock:
+                cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, memo, gen
+        alive = groups
+    _issue(ctx, cap, memo)
+    del alive
+    ctx.workgroups += cap.workgroups
 
-
-def _result(cap: Capture, flat: list[Tensor], temps: list[Tensor]) -> Any:
-    """The stage's result (its captured template) over this run's arguments and temporaries."""
     def resolve(r: _Ref) -> Tensor:
         n = math.prod(r.shape)
         if r.kind == TEMP:
@@ -579,127 +438,6 @@ def _result(cap: Capture, flat: list[Tensor], temps: list[Tensor]) -> Any:
         return Tensor(r.ref, r.shape, r.dtype, r.offset)
 
     return map_values(cap.result, resolve, _Ref)
-
-
-# -- replays prepared ahead -----------------------------------------------------------------------
-_MISS = object()
-
-
-def _take_ahead(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
-    """A replay through ``cap``'s prepared command buffer: this run's arguments are copied to where it
-    reads them, and it is enqueued right after the shared encoder. ``_MISS`` if it cannot be used."""
-    dev = ctx._dev
-    ahead = dev.captures.take_ahead(cap)
-    if ahead is None:
-        return _MISS
-    for t, n in zip(flat, ahead.copies):
-        if n and (t.offset & 3 or t.offset + n > t.buffer.size or not t.buffer.usage & _COPY_SRC):
-            _release_ahead([ahead])  # an argument it cannot copy (a view at an odd offset)
-            return _MISS
-    dev.pool.hold_ahead(ahead.blocks, False)
-    ctx.blocks.extend(ahead.blocks)  # released with the stage's other blocks once it is enqueued
-    temps = ahead.temps
-    writes = [(data, t.buffer, t.offset) for (_, _, data, nbytes, _), t in zip(cap.temps, temps)
-              if data is not None and nbytes]
-    if writes:
-        ctx._write(writes)
-    rec: Any = ctx._recorder  # a SharedRecorder (replay() checked)
-    encoder = _addr(rec.encoder)
-    for t, to, n in zip(flat, ahead.args, ahead.copies):
-        if n:
-            _copy_buffer(encoder, _addr(t.buffer), t.offset, _addr(to.buffer), to.offset, n)  # type: ignore[union-attr]
-    rec.splice(ahead.command_buffer)
-    ctx.workgroups += cap.workgroups
-    return _result(cap, flat, temps)
-
-
-def _ahead_plan(cap: Capture, nargs: int, limit: int) -> tuple[int, ...] | bool | None:
-    """Bytes to copy per argument for a prepared replay of ``cap``; False if it cannot have one (a
-    kernel writes an argument, or a grid needs splitting); None while undecided."""
-    copies = [0] * nargs
-    for op in cap.ops:
-        if op.kernel.grid:
-            if op.groups[0] > limit:
-                return False
-            if op.whole is None:
-                return None
-        for j, (kind, ref, off, size) in enumerate(op.slots):
-            if kind == ARG:
-                if op.kernel.writes(j):
-                    return False  # the replay would write the copy, not the argument
-                copies[ref] = max(copies[ref], off + size)
-    return tuple((n + 3) & ~3 for n in copies)
-
-
-def prepare_ahead(dev: Any, cap: Capture, args: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> bool:
-    """Record a replay of ``cap`` now, into a command buffer of its own over buffers it holds, for the
-    next run of its signature to enqueue (on the recording thread, while it has nothing else to do).
-
-    ``args``: the shape and dtype of each flattened Tensor argument. Returns whether one was made.
-    """
-    cap.ahead_queued = False
-    cache = dev.captures
-    if cap.ahead is not None or cache.ahead_budget <= 0 or dev.lost is not None or dev.submission.closed:
-        return False
-    plan = cap.ahead_plan
-    if plan is None:
-        plan = cap.ahead_plan = _ahead_plan(cap, len(args), dev.limits["max-compute-workgroups-per-dimension"])
-    if not isinstance(plan, tuple) or len(plan) != len(args):
-        return False
-    cost = dev.cost
-    if sum(op.total * cost.ns_per_workgroup(op.kernel.key) for op in cap.ops) > cost.budget_ns:
-        return False  # a replay would split it across submissions
-    pool = dev.pool
-    requests = cap._requests
-    if requests is None:
-        requests = cap._requests = [(n, *pool.placement(n, _STORAGE)) for _, _, _, n, _ in cap.temps]
-    arg_requests = [(n, *pool.placement(n, _STORAGE)) for n in plan if n]
-    nbytes = sum(cls for _, cls, _ in requests) + sum(cls for _, cls, _ in arg_requests)
-    if nbytes * _AHEAD_SHARE > cache.ahead_budget:
-        cap.ahead_plan = False
-        return False
-    blocks: list[Any] = []
-    try:  # booked as held ahead at once: memory_stats() never counts them in use
-        pool.acquire_many(requests + arg_requests, _STORAGE, blocks, prefer=cap._ahead_prefer,
-                          stage="(a replay prepared ahead)", ahead=True)
-    except BaseException:  # noqa: BLE001 - MemoryWait above all: nothing is prepared then
-        _release_blocks(pool, blocks)
-        return False
-    temps = [tensor_of(b.buffer, shape, dtype, b.offset, b, size, n)
-             for (shape, dtype, _, n, size), b in zip(cap.temps, blocks)]
-    copies: list[Tensor | None] = []
-    rest = iter(blocks[len(requests):])
-    for (shape, dtype), n in zip(args, plan):
-        if n:
-            b = next(rest)
-            copies.append(tensor_of(b.buffer, shape, dtype, b.offset, b, math.prod(shape), n))
-        else:
-            copies.append(None)
-    try:
-        addrs, alive = _bind_groups(dev, cap, copies, temps, memo=False)
-        encoder = dev.device.create_command_encoder(label="hetero-ahead")
-        compute_pass = encoder.begin_compute_pass()
-        h = _addr(compute_pass)
-        pipeline = 0
-        for op, bg in zip(cap.ops, addrs):
-            if op.pipeline != pipeline:
-                pipeline = op.pipeline
-                _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg, 0, _NULL)
-            if op.kernel.grid:
-                _set_bind_group(h, 1, op.whole_addr, 0, _NULL)
-            _dispatch(h, *op.groups)
-        compute_pass.end()
-        command_buffer = encoder.finish()
-        del alive
-    except BaseException as e:  # noqa: BLE001 - a replay of this capture records as before
-        _release_blocks(pool, blocks)
-        cap.ahead_plan = False
-        log.debug("a replay of %d dispatches could not be prepared ahead: %s", len(cap.ops), e)
-        return False
-    cap._ahead_prefer = [b.buffer for b in blocks]
-    cache.put_ahead(cap, _Ahead(command_buffer, blocks, temps, copies, plan, nbytes))
-    return True
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
@@ -823,7 +561,6 @@ def run_captured(ctx: GPUContext, fn: Callable[..., Any], args: tuple[Any, ...],
     if isinstance(entry, Capture):
         result = replay(ctx, entry, flat)
         cache.replays += 1  # a counter for stats: a lost update under a race is harmless
-        ctx.replayed = (entry, flat)
         return result, "replayed"
     if isinstance(entry, _Unreplayable):
         return fn(ctx, *args, **kwargs), "fallback"

@@ -68,7 +68,6 @@ class GPUContext:
         self.uploads: list[Any] = []  # staging tickets of this stage's uploads
         self.downloads: list[tuple[Any, Tensor]] = []  # (staging ticket or None if empty, tensor) to the host
         self._capture: Capturing | None = None  # set while a capturing stage function runs (see capture)
-        self.replayed: tuple[Any, list[Tensor]] | None = None  # (capture, flat arguments) of a replayed stage
 
     @property
     def runtime_device(self) -> Device:

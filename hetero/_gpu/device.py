@@ -335,7 +335,7 @@ class Device:
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
                 flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False,
                 detach: Callable[[BaseException], None] | None = None) -> None:
-        """Append a command buffer (or a list of them) to the ordered batch (see :meth:`Submission.enqueue`)."""
+        """Append a command buffer to the ordered batch (see :meth:`Submission.enqueue`)."""
         self.submission.enqueue(command_buffer, on_done, flush=flush, on_submit=on_submit, locked=locked,
                                 detach=detach)
 
@@ -371,8 +371,8 @@ class Device:
         self.submission.close()
         self.ring.close()
         self.timer.close()
-        self.captures.clear()  # before the pool closes: replays prepared ahead give their blocks back
         self.pool.close()
+        self.captures.clear()
         self.binds.clear()
         self._kernels.clear()
         self._by_source.clear()

@@ -159,9 +159,6 @@ class MemoryStats:
     requested_bytes: int  # bytes asked for by blocks in use (<= in_use_bytes; the rest is rounding)
     blocks_in_use: int
     buffers: int  # live wgpu buffers (slabs and dedicated buffers)
-    # Held by prepared replays (see hetero._gpu.capture, "Replays prepared ahead"): part of
-    # pooled_bytes, not in_use_bytes, as the pool takes them back when memory runs short.
-    ahead_bytes: int = 0
 
     @classmethod
     def empty(cls, budget_bytes: int | None = None) -> MemoryStats:
@@ -337,7 +334,6 @@ class BufferPool:
         self._tick = 0
         self._generation = 0  # number of releases that returned memory to the pool
         self._in_use = 0
-        self._ahead = 0  # size classes of blocks held by prepared replays (out of _in_use)
         self._requested = 0
         self._blocks = 0
         self._peak = 0
@@ -397,16 +393,14 @@ class BufferPool:
         return self._placement(nbytes, int(usage))
 
     def acquire_many(self, requests: list[tuple[int, int, bool]], usage: int, out: list[Block], *,
-                     prefer: list[Any] | None = None, stage: str = "", overcommit: bool = False,
-                     ahead: bool = False) -> None:
+                     prefer: list[Any] | None = None, stage: str = "", overcommit: bool = False) -> None:
         """:meth:`acquire` for several requests under one lock, appending each block to ``out``.
 
         ``requests`` hold ``(nbytes, size class, slab)`` as :meth:`placement` gave them.
         ``prefer[i]``, where given, is a buffer request ``i`` takes if it
         is free (a replay asks for the buffers of the previous one: its bind groups stay
         valid). On :class:`MemoryWait` the blocks taken so far are in ``out``; the caller
-        releases them. ``ahead``: the blocks are booked as held by a prepared replay from the
-        start (see :meth:`hold_ahead`); on MemoryWait too.
+        releases them.
         """
         usage = int(usage)
         for nbytes, _, _ in requests:
@@ -414,14 +408,9 @@ class BufferPool:
         with self._lock:
             if self._closed:
                 raise RuntimeClosedError("the buffer pool is closed; create a new Runtime")
-            start = len(out)
-            try:
-                for i, (nbytes, cls, use_slab) in enumerate(requests):
-                    out.append(self._acquire_locked(cls, nbytes, usage, use_slab, stage, overcommit,
-                                                    prefer[i] if prefer is not None else None))
-            finally:
-                if ahead:
-                    self._book_ahead(out[start:], True)
+            for i, (nbytes, cls, use_slab) in enumerate(requests):
+                out.append(self._acquire_locked(cls, nbytes, usage, use_slab, stage, overcommit,
+                                                prefer[i] if prefer is not None else None))
 
     def _acquire_locked(self, cls: int, nbytes: int, usage: int, use_slab: bool, stage: str, overcommit: bool,
                         want: Any) -> Block:
@@ -570,23 +559,6 @@ class BufferPool:
             callbacks, self._callbacks = self._callbacks, []
         self._run(callbacks)
 
-    def hold_ahead(self, blocks: list[Block], held: bool) -> None:
-        """Count ``blocks`` (one reference each, acquired as usual) as held by a prepared replay
-        (``held``): pooled rather than in use, since they go back as soon as memory runs short;
-        ``held=False`` counts them in use again (before they are released or handed to a stage)."""
-        with self._lock:
-            self._book_ahead(blocks, held)
-
-    def _book_ahead(self, blocks: list[Block], held: bool) -> None:
-        sign = 1 if held else -1
-        size = sum(b.size for b in blocks)
-        self._in_use -= sign * size
-        self._ahead += sign * size
-        self._requested -= sign * sum(b.nbytes for b in blocks)
-        self._blocks -= sign * len(blocks)
-        if not held and self._in_use > self._peak:
-            self._peak = self._in_use
-
     def _check_owner(self, block: Block, what: str) -> None:
         if block._pool is not self:
             raise RuntimeError(f"cannot {what} a block that another buffer pool handed out")
@@ -686,7 +658,6 @@ class BufferPool:
                 requested_bytes=self._requested,
                 blocks_in_use=self._blocks,
                 buffers=self._buffers,
-                ahead_bytes=self._ahead,
             )
 
     def reset_peak(self) -> None:

@@ -301,16 +301,6 @@ class SharedRecorder(_Budget):
             if self._encoder is not None:
                 self._finish(flush=True, detach=True)
 
-    def splice(self, command_buffer: Any) -> None:
-        """Enqueue ``command_buffer`` (recorded elsewhere: a prepared replay) right after what the open
-        encoder holds, which is finished and sent with it (detached); then open a new encoder, so that
-        the stage being recorded commits into it, after ``command_buffer``: a commit that found no
-        encoder would count the stage complete at once."""
-        with self.lock:
-            self.encoder  # noqa: B018 - opened if none is, so that the command buffer is enqueued
-            self._finish(flush=False, detach=True, then=command_buffer)
-            self.encoder  # noqa: B018
-
     def flush_if_free(self) -> None:
         """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
         being recorded right now (its commit will find the GPU idle and submit).
@@ -332,12 +322,11 @@ class SharedRecorder(_Budget):
             raise
         self.lock.release()
 
-    def _finish(self, *, flush: bool, handoff: Any = None, detach: bool = False, then: Any = None) -> None:
+    def _finish(self, *, flush: bool, handoff: Any = None, detach: bool = False) -> None:
         """Finish the open encoder and enqueue it. ``handoff``: the recorder's lock, held once by
         this thread, which is released (always) as soon as the submission's lock is held.
         ``detach``: a submission it causes goes out on the submit thread (the recording thread's
-        own flushes: it records on meanwhile). ``then``: a command buffer enqueued right after this
-        encoder's, in the same batch (the encoder must be open)."""
+        own flushes: it records on meanwhile)."""
         if self._pass is not None:
             try:
                 self._pass.end()
@@ -369,8 +358,6 @@ class SharedRecorder(_Budget):
 
         try:
             command_buffer = encoder.finish()
-            if then is not None:
-                command_buffer = [command_buffer, then]
             callbacks = _chain(([calibrate] if calibrate else []) + done)
             if handoff is None:
                 self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
@@ -384,8 +371,6 @@ class SharedRecorder(_Budget):
             if handoff is not None:
                 handoff.release()
             failed(e)
-            if then is not None:
-                raise  # the stage splicing it in fails too: its commands will not run
 
 
 def _chain(callbacks: list[Callback]) -> Callback | None:

@@ -233,7 +233,7 @@ class Submission:
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
                 flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False,
                 detach: Callable[[BaseException], None] | None = None) -> None:
-        """Append a command buffer (or a list of them, in order) to the ordered batch; submit when it pays.
+        """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
         enqueued (and buffers it released reused) as soon as this returns.
@@ -254,10 +254,7 @@ class Submission:
         with self._submit_lock if not locked else contextlib.nullcontext():
             self._check_open()
             self.check_alive()
-            if type(command_buffer) is list:
-                self._batch.extend(command_buffer)
-            else:
-                self._batch.append(command_buffer)
+            self._batch.append(command_buffer)
             if on_done is not None:
                 self._batch_callbacks.append(on_done)
             if on_submit is not None:
