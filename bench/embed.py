@@ -2,7 +2,7 @@
 
     python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--corpus FILE]
                           [--max-words 40] [--latency N] [--compare-capture] [--profile]
-                          [--placement auto|cpu|gpu]
+                          [--latency-gap MS] [--placement auto|cpu|gpu]
 
 Text: ``--corpus FILE`` (one sentence per line), by default sentences from the standard
 library's docstrings (``bench._corpus``: at most ``--max-words`` words, mean about 13);
@@ -18,6 +18,8 @@ one event loop (hetero through ``aembed``), and for hetero each stage's median t
 those calls (started, recorded, submitted, completed: ms from the run's start, as
 ``rt.stats()`` reports them). ``--compare-capture``: hetero again with
 ``Runtime(capture=False)`` (every stage recorded every time), for both modes.
+``--latency-gap MS``: both implementations pause this long before each one-sentence call
+(not timed), as a client with think time between requests would.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
 wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``).
 
@@ -145,6 +147,8 @@ def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
         async with hetero.Runtime(capture=capture, placement=args.placement) as rt:
             for timed in (False, True):
                 for s in texts:
+                    if args.latency_gap:
+                        await anyio.sleep(args.latency_gap / 1e3)
                     t0 = time.perf_counter()
                     await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
                     if timed:
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also N one-sentence calls: p50/p99 latency (default: off)")
     p.add_argument("--compare-capture", action="store_true",
                    help="also measure hetero with Runtime(capture=False)")
+    p.add_argument("--latency-gap", type=float, default=0.0, metavar="MS",
+                   help="with --latency: pause before each call, untimed (default: none, calls back to back)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-torch", action="store_true", help="measure hetero only")
     p.add_argument("--int8", action="store_true", help="hetero with int8 linear layers")
@@ -275,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         if lat_texts:
             ms, timeline = hetero_latency(lat_texts, model, args, capture)
             lat[f"hetero capture={capture}"] = ms
-            print(json.dumps({"latency": "hetero", "capture": capture, "calls": len(ms), **percentiles(ms),
+            print(json.dumps({"latency": "hetero", "capture": capture, "gap_ms": args.latency_gap, "calls": len(ms),
+                              **percentiles(ms),
                               "model": args.model, "int8": args.int8}), flush=True)
             for row in timeline:
                 print(json.dumps({"latency_timeline": "hetero", "capture": capture, **row}), flush=True)
@@ -315,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         st_ms: list[float] = []
         for timed in (False, True):
             for s in lat_texts:
+                if args.latency_gap:
+                    time.sleep(args.latency_gap / 1e3)
                 t0 = time.perf_counter()
                 st.encode([s], batch_size=1, convert_to_numpy=True, show_progress_bar=False)
                 if dev == "cuda":
@@ -322,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                 if timed:
                     st_ms.append((time.perf_counter() - t0) * 1e3)
         ref = percentiles(st_ms)
-        print(json.dumps({"latency": "sentence-transformers", "calls": len(st_ms), **ref, "device": name}),
+        print(json.dumps({"latency": "sentence-transformers", "gap_ms": args.latency_gap, "calls": len(st_ms), **ref,
+                          "device": name}),
               flush=True)
         for impl, ms in lat.items():
             mine = percentiles(ms)
