@@ -642,6 +642,53 @@ def test_idle_gpu_flushes_committed_stages_unless_one_is_recording(shared_rt: he
     assert dev.submissions == before + 1
 
 
+class _EndFails:
+    """A compute pass whose end() fails (as a validation error of the pass would)."""
+
+    def __init__(self, compute_pass: Any) -> None:
+        self._pass = compute_pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pass, name)
+
+    def end(self) -> None:
+        self._pass.end()
+        raise RuntimeError("boom")
+
+
+def test_idle_flush_of_an_encoder_that_fails_lets_the_recorder_go(shared_rt: hetero.Runtime) -> None:
+    """Whatever fails while the idle flush finishes the shared encoder (here: ending its pass), the
+    recorder is let go, and every stage recorded into that encoder fails with the error and is settled."""
+    from hetero._gpu.recorder import SharedRecorder
+
+    dev = shared_rt.device()
+    rec = SharedRecorder(dev, max_stages=32)
+    done, errors = threading.Event(), []
+    with rec.lock:
+        ctx = hetero.GPUContext(dev, "fails", recorder=rec)
+        scale(ctx, ctx.upload(np.arange(64, dtype=np.float32)), 3.0)
+        rec.commit(done.set, errors.append, flush=False)
+    assert rec._pass is not None
+    rec._pass = _EndFails(rec._pass)
+    before = dev.submissions
+    rec.flush_if_free()
+    free: list[bool] = []
+
+    def take() -> None:  # from another thread: the recorder's lock is reentrant
+        free.append(rec.lock.acquire(timeout=5))
+        if free[0]:
+            rec.lock.release()
+
+    other = threading.Thread(target=take)
+    other.start()
+    other.join(timeout=10)
+    assert free == [True]
+    assert len(errors) == 1 and "shared by 1 stage(s) failed: RuntimeError: boom" in str(errors[0])
+    assert done.is_set() and dev.submissions == before
+    ctx.settle(ran=False)
+    ctx.release_blocks()
+
+
 def test_idle_flush_lets_the_recorder_go_before_it_submits(shared_rt: hetero.Runtime,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The fence thread's idle flush holds the recorder only to finish the encoder: the next stage

@@ -312,33 +312,23 @@ class SharedRecorder(_Budget):
         """
         if not self.lock.acquire(blocking=False):
             return
-        try:
-            if self._encoder is not None and self._stages > 0:
-                self._finish(flush=True, handoff=self.lock)
-                return  # _finish let the lock go
-        except BaseException:
-            if self.lock._is_owned():  # type: ignore[attr-defined]
-                self.lock.release()
-            raise
-        self.lock.release()
+        if self._encoder is not None and self._stages > 0:
+            self._finish(flush=True, handoff=self.lock)  # lets the lock go, whatever happens
+        else:
+            self.lock.release()
 
     def _finish(self, *, flush: bool, handoff: Any = None, detach: bool = False) -> None:
         """Finish the open encoder and enqueue it. ``handoff``: the recorder's lock, held once by
-        this thread, which is released (always) as soon as the submission's lock is held.
+        this thread, which is released in every case: as soon as the submission's lock is held,
+        or when nothing is submitted. Ending the pass, resolving timestamps and finishing are one
+        step: if any fails, every stage recorded into the encoder fails with that error.
         ``detach``: a submission it causes goes out on the submit thread (the recording thread's
         own flushes: it records on meanwhile)."""
-        if self._pass is not None:
-            try:
-                self._pass.end()
-            finally:
-                self._pass = None
+        compute_pass, encoder = self._pass, self._encoder
+        done, errors, submitted = self._done, self._errors, self._submitted
+        self._pass, self._encoder, self._done, self._errors, self._submitted, self._stages = None, None, [], [], [], 0
         calibrate = self._calibration()
         self._reset_budget()
-        timing = self._resolve_timing(self._encoder) if self._encoder is not None else None
-        if timing is not None:
-            calibrate = _chain([c for c in (calibrate, timing) if c is not None])
-        encoder, done, errors, submitted = self._encoder, self._done, self._errors, self._submitted
-        self._encoder, self._done, self._errors, self._submitted, self._stages = None, [], [], [], 0
         if encoder is None:
             if handoff is not None:
                 handoff.release()
@@ -357,6 +347,11 @@ class SharedRecorder(_Budget):
                 cb()
 
         try:
+            if compute_pass is not None:
+                compute_pass.end()
+            timing = self._resolve_timing(encoder)
+            if timing is not None:
+                calibrate = _chain([c for c in (calibrate, timing) if c is not None])
             command_buffer = encoder.finish()
             callbacks = _chain(([calibrate] if calibrate else []) + done)
             if handoff is None:
