@@ -1000,8 +1000,15 @@ class EmbeddingService:
         self._tokenize = TokenGroups(self.model)
 
     def _examples(self) -> dict[tuple[int, int], tuple[int, int]]:
-        return service_examples(self.model.config.max_seq_length, self.max_batch_tokens, self.max_batch_size,
-                                max(1, len(self._filler)))
+        return self.examples_for(self.model, self.max_batch_tokens, self.max_batch_size)
+
+    @staticmethod
+    def examples_for(model: Model, max_batch_tokens: int, max_batch_size: int | None = None
+                     ) -> dict[tuple[int, int], tuple[int, int]]:
+        """:func:`service_examples` of a service of ``model`` with these limits (before one exists:
+        e.g. to size a runtime's capture cache); its shortest sentence is the empty one."""
+        shortest = max(1, len(model.tokenizer.encode("").ids))
+        return service_examples(model.config.max_seq_length, max_batch_tokens, max_batch_size, shortest)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:

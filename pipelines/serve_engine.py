@@ -47,7 +47,7 @@ import numpy as np
 import hetero
 from hetero.errors import DeviceLostError, HeteroError, OverloadedError
 
-from .embed import EmbeddingService, service_shapes
+from .embed import EmbeddingService
 from .minilm import Model
 
 __all__ = ["EmbeddingEngine", "EngineClient", "EngineError"]
@@ -163,7 +163,7 @@ class EmbeddingEngine:
 
     def capture_entries(self) -> int:
         """The own runtime's ``capture_cache``: every GPU stage at every packed shape, twice over."""
-        shapes = service_shapes(self.model.config.max_seq_length, self.max_batch_tokens)
+        shapes = EmbeddingService.examples_for(self.model, self.max_batch_tokens)
         return max(1024, 2 * len(shapes) * (self.model.config.num_hidden_layers + 2))
 
     @contextlib.asynccontextmanager
