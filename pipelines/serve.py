@@ -547,9 +547,7 @@ def serve_workers(options: dict[str, Any], host: str, port: int, backend: str, w
     import shutil
     import tempfile
 
-    if isinstance(engines, bool) or not isinstance(engines, int) or not 1 <= engines <= workers:
-        raise HeteroError(f"--engines must be an integer from 1 to --workers ({workers}), got {engines!r}: each "
-                          "engine serves at least one front")
+    _check_engines(engines, workers)
     probe = listen_socket(host, port, reuse_port=True, listen=False)  # a port that is taken fails here
     port = probe.getsockname()[1]
     private = tempfile.mkdtemp(prefix="hetero-serve-")  # mode 0700: the engines' addresses and the metric files
@@ -701,6 +699,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _check_engines(engines: Any, workers: int) -> None:
+    """``engines`` engine processes behind ``workers`` fronts: each engine serves at least one front."""
+    if isinstance(engines, bool) or not isinstance(engines, int) or not 1 <= engines <= workers:
+        raise HeteroError(f"--engines must be an integer from 1 to --workers ({workers}), got {engines!r}: each "
+                          "engine serves at least one front")
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero serve`` with parsed ``args`` until SIGTERM or Ctrl-C; return the exit status."""
     out = out if out is not None else sys.stdout
@@ -710,9 +715,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                                    precapture=bool(getattr(args, "precapture", True)))
     workers = int(getattr(args, "workers", 1))
     engines = int(getattr(args, "engines", 1))
-    if engines > 1 and workers < engines:
-        raise HeteroError(f"--engines {engines} needs at least as many --workers (each engine serves at least one "
-                          f"front), got --workers {workers}")
+    _check_engines(engines, workers)  # before the model loads
     server = EmbeddingServer(**options)  # loads the model: a bad --model or limit fails here, once
 
     def ready(url: str) -> None:

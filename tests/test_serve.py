@@ -559,7 +559,7 @@ def test_engines_need_as_many_workers(tmp_path: Path, capsys: pytest.CaptureFixt
         serve_workers({}, "127.0.0.1", 0, "asyncio", 2, engines=3)
     d = write_random_model(tmp_path / "m", seed=8, **TINY)
     assert cli_main(["serve", "--model", str(d), "--workers", "2", "--engines", "3"]) == 1
-    assert "--engines 3 needs at least as many --workers" in capsys.readouterr().err
+    assert "--engines must be an integer from 1 to --workers (2), got 3" in capsys.readouterr().err
 
 
 def test_workers_on_a_taken_port_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
