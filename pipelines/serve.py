@@ -703,7 +703,7 @@ def _check_engines(engines: Any, workers: int) -> None:
     """``engines`` engine processes behind ``workers`` fronts: each engine serves at least one front."""
     if isinstance(engines, bool) or not isinstance(engines, int) or not 1 <= engines <= workers:
         raise HeteroError(f"--engines must be an integer from 1 to --workers ({workers}), got {engines!r}: each "
-                          "engine serves at least one front")
+                          "engine serves at least one front; lower --engines or raise --workers")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
