@@ -75,7 +75,8 @@ from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, mat
 from .minilm import Model, load_model
 
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
-           "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "SPLIT_SMALL", "EmbeddingService", "MapRuntime", "TokenGroups",
+           "PACKED_SPLIT_MAX_TOKENS", "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "SPLIT_SMALL", "EmbeddingService",
+           "MapRuntime", "TokenGroups",
            "aembed", "atoken_ids",
            "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
            "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
@@ -304,11 +305,15 @@ def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model
 # too small to fill it (hetero.kernels.matmul.small_output_config): its runs wait on the GPU
 # while the host idles. On the H200 a lone sentence's encoder took 0.48 ms of GPU time split
 # against 1.23, and in three alternated rounds 3.47-3.94 ms against 3.68-4.43 ms whole;
-# batch 32 1.89-2.05x sentence-transformers against 1.79x. The packed service graph leaves
-# the choice to the default (HETERO_MATMUL_SMALL_SPLIT, off): a busy server's engine is
-# short of host time, which the split's second dispatch takes, and with it 256 clients were
-# served 5-12% less in each of three pairs (BENCHMARKS.md, seventh session).
+# batch 32 1.89-2.05x sentence-transformers against 1.79x. The packed service graph splits
+# only batches of at most PACKED_SPLIT_MAX_TOKENS tokens (one to a few sentences: what an
+# idle server gets) and leaves larger ones to the default (HETERO_MATMUL_SMALL_SPLIT, off):
+# a busy server's engine is short of host time, which the split's second dispatch takes, and
+# splitting every output of at most 128 rows served 256 clients 5-12% less in each of three
+# pairs (BENCHMARKS.md, seventh session).
 SPLIT_SMALL: bool | None = True
+PACKED_SPLIT_MAX_TOKENS = 64
+"""Packed batches of at most this many tokens split K like the padded graph's (0: never)."""
 
 
 def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8: bool = False,
@@ -322,7 +327,7 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
     b, s, h = x.shape
     x2 = _view(x, (b * s, h))
 
-    split = None if packed else SPLIT_SMALL
+    split = SPLIT_SMALL if not packed or b * s <= PACKED_SPLIT_MAX_TOKENS else None
 
     def linear(t: Tensor, name: str, bias: bool = True) -> Tensor:  # HF Linear: t @ W.T + bias, W is [out, in]
         bt = w[p + name + ".bias"] if bias else None
@@ -424,25 +429,30 @@ many texts times the model's ``max_seq_length`` tokens), where one stage per lay
 layer's back before the next."""
 
 
-def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: bool = False) -> hetero.Graph:
+def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: bool = False,
+                    loop_tokenize: bool = False) -> hetero.Graph:
     """The graph ``texts -> float32 [len(texts), hidden]`` for ``model`` (built once per model and mode).
 
     ``int8``: the encoder's linear layers use int8 weights (:func:`matmul_int8`).
     ``cpu``: the float32 stages also carry their CPU implementations, placed by the
     runtime (see :func:`offers_cpu`); without, they are GPU stages only.
     ``fused``: a GPU-only graph (``int8`` or not ``cpu``) records the encoder in two stages
-    (see :data:`FUSED_MAX_BATCH`).
+    (see :data:`FUSED_MAX_BATCH`). ``loop_tokenize``: the tokenizer runs inline, on the thread
+    that starts the run (the event loop's), not handed to a CPU worker: for calls of at most
+    :data:`LOOP_TOKENIZE_MAX` texts, whose tokenizing costs less than the hand-off.
     """
     if fused and cpu and not int8:
         raise ValueError("embedding_graph: fused=True needs a GPU-only graph (cpu=False or int8=True): "
                          "stages with CPU implementations are placed one by one")
-    key = ("embed-int8" if int8 else ("embed" if cpu else "embed-gpu")) + ("-fused" if fused else "")
+    key = (("embed-int8" if int8 else ("embed" if cpu else "embed-gpu")) + ("-fused" if fused else "")
+           + ("-loop" if loop_tokenize else ""))
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
-        g.output(_encoder(g, g.cpu(tokenize, g.input("texts"), model, name="tokenize"), model, int8, cpu, fused))
+        tokens = g.cpu(tokenize, g.input("texts"), model, name="tokenize", inline=loop_tokenize)
+        g.output(_encoder(g, tokens, model, int8, cpu, fused))
         model.graphs[key] = g
         return g
 
@@ -625,7 +635,8 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     order = _order(items)
     chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
     cpu = await anyio.to_thread.run_sync(offers_cpu, runtime)  # may open the device: not on the loop
-    g = embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH)
+    g = embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH,
+                        loop_tokenize=len(items) <= LOOP_TOKENIZE_MAX)
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
     results = runtime.map(g, inputs, max_in_flight=max_in_flight)
@@ -698,7 +709,8 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
 
 # -- the batched service path ---------------------------------------------------------------------------------
-# Requests with more texts than this are tokenized on a worker thread, not on the event loop.
+# Requests (the service path) and embed() calls with more texts than this are tokenized on a worker
+# thread, not on the event loop.
 LOOP_TOKENIZE_MAX = 16
 # A served batch runs packed: its sentences' tokens one after another, no padding (attention
 # within each sentence, attention_varlen; everything else is per token). The packed length is
@@ -867,8 +879,10 @@ def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 1638
             return g
         g = hetero.Graph(key)
         ids = g.input("ids")
-        emb = _encoder(g, g.cpu(pack_bucketed, ids, model, max_batch_tokens, name="pack"), model, int8, cpu,
-                       fused=int8 or not cpu, packed=True)
+        # Packing is a few numpy calls over the batch's ids: inline, on the thread that starts
+        # the run (the batcher's, on the event loop), which the hand-off to a worker costs more.
+        packed = g.cpu(pack_bucketed, ids, model, max_batch_tokens, name="pack", inline=True)
+        emb = _encoder(g, packed, model, int8, cpu, fused=int8 or not cpu, packed=True)
         g.output(g.cpu(_real_rows, emb, ids, name="rows", inline=True))  # a copy of a few rows
         model.graphs[key] = g
         return g

@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ import pytest
 
 import hetero
 from hetero.pipelines import cli, minilm
-from hetero.pipelines.embed import (FUSED_MAX_BATCH, aembed, embed, embedding_graph, get_model, quantized_weights,
+from hetero.pipelines.embed import (FUSED_MAX_BATCH, LOOP_TOKENIZE_MAX, aembed, embed, embedding_graph, get_model, quantized_weights,
                                     tokenize)
 from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
                                      load_model)
@@ -166,6 +167,40 @@ def test_small_batches_may_record_the_encoder_in_one_stage(tiny: Model, monkeypa
         monkeypatch.setattr(embed_module, "FUSED_MAX_BATCH", 0)
         np.testing.assert_array_equal(embed(texts, model=tiny, runtime=rt, batch_size=3), plain_layers(tiny, texts))
         assert [s.name for s in rt.stats().stages if s.kind == "gpu"] == ["embeddings", "layer0", "layer1", "pool"]
+
+
+class _ThreadOfEncode:
+    """A tokenizer that notes the thread of each call."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.threads = tok, []
+
+    def encode(self, text: str) -> Any:
+        self.threads.append(threading.get_ident())
+        return self.tok.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> Any:
+        self.threads.append(threading.get_ident())
+        return self.tok.encode_batch(texts)
+
+
+@pytest.mark.anyio
+async def test_few_texts_are_tokenized_on_the_loop_thread_many_on_a_worker(tiny: Model, monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    """At most LOOP_TOKENIZE_MAX texts: the tokenizer runs inline when the run starts (no hand-off
+    to a CPU worker); more: on a worker, so that a long call never holds up the event loop."""
+    spy = _ThreadOfEncode(tiny.tokenizer)
+    monkeypatch.setattr(tiny, "tokenizer", spy)
+    loop = threading.get_ident()
+    async with hetero.Runtime(cpu_threads=2, placement="gpu") as rt:
+        few = await aembed(SENTENCES[:2], model=tiny, runtime=rt)
+        assert spy.threads == [loop]
+        spy.threads.clear()
+        many = SENTENCES * (LOOP_TOKENIZE_MAX // len(SENTENCES) + 1)
+        assert len(many) > LOOP_TOKENIZE_MAX
+        got = await aembed(many, model=tiny, runtime=rt, batch_size=len(many))
+        assert len(spy.threads) == 1 and spy.threads[0] != loop
+    np.testing.assert_allclose(got[:2], few, atol=1e-5)
 
 
 def plain_layers(model: Model, texts: list[str]) -> np.ndarray:

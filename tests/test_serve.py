@@ -78,10 +78,11 @@ async def test_packing_does_not_change_an_embedding(tiny: Model, shared_rt: hete
 
 
 @pytest.mark.anyio
-async def test_the_padded_graph_asks_for_the_small_split_the_service_graph_does_not(
+async def test_the_padded_graph_and_small_packed_batches_ask_for_the_small_split(
         tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """embed()'s runs wait on the GPU: their linear layers ask matmul for the K split on small
-    outputs (SPLIT_SMALL); a served batch's leave it to the default (off)."""
+    outputs (SPLIT_SMALL), and so do packed batches of at most PACKED_SPLIT_MAX_TOKENS tokens (a
+    lone client's); a larger served batch's leave it to the default (off)."""
     seen: list[Any] = []
     real = embed_mod.ops.matmul
 
@@ -94,8 +95,22 @@ async def test_the_padded_graph_asks_for_the_small_split_the_service_graph_does_
         await aembed([TEXTS[0]], model=tiny, runtime=rt)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
         seen.clear()
-        await rt.run(service_graph(tiny, cpu=False), ids=[ids_of(tiny, TEXTS[0])])
+        one = [ids_of(tiny, TEXTS[0])]
+        assert token_bucket(len(one[0])) <= embed_mod.PACKED_SPLIT_MAX_TOKENS
+        await rt.run(service_graph(tiny, cpu=False), ids=one)
+        assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
+        seen.clear()
+        many = [ids_of(tiny, t) for t in TEXTS[:5]]
+        assert sum(map(len, many)) > embed_mod.PACKED_SPLIT_MAX_TOKENS
+        await rt.run(service_graph(tiny, cpu=False), ids=many)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {None}
+
+
+def test_a_served_batch_is_packed_on_the_thread_that_starts_its_run(tiny: Model) -> None:
+    """Packing is inline (the batcher starts runs on the event loop): no hand-off to a CPU worker."""
+    for cpu in (True, False):
+        stages = {n.name: n for n in service_graph(tiny, cpu=cpu).nodes}
+        assert stages["pack"].options.inline and stages["pack"].kind == "cpu"
 
 
 @pytest.mark.anyio
