@@ -520,9 +520,12 @@ class Submission:
 # The fence thread's spin, on hosts with at least FENCE_SPIN_MIN_CPUS cores: for a new
 # submission before it sleeps (``_next_fence``), and polling a fresh one without blocking
 # before a blocking poll (``_await_completion``). Fewer cores: no spin (the spinner would
-# take the CPU a software GPU needs). See BENCHMARKS.md, "Where the rules of the GPU
-# runtime come from".
-FENCE_SPIN_US = 100.0
+# take the CPU a software GPU needs). Long enough to cover a small run's GPU work (a lone
+# sentence's encoder is about 1 ms): the thread sees it finish without a wake-up, and no
+# blocking poll holds up the next submission meanwhile (see FENCE_POLL_MAX_S). On the H200
+# 2 ms against 100 us: a lone sentence 2.99-3.15 ms against 3.05-3.57, batch 32 11% more
+# sentences/s in two alternated pairs (BENCHMARKS.md, ninth session).
+FENCE_SPIN_US = 2000.0
 FENCE_SPIN_MIN_CPUS = 8
 # After the spin the fence thread blocks in one poll. HETERO_FENCE_POLL_US=N makes it poll
 # without blocking instead, asleep in between for an eighth of the time waited so far (at
