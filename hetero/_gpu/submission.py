@@ -523,8 +523,8 @@ class Submission:
 # take the CPU a software GPU needs). Long enough to cover a small run's GPU work (a lone
 # sentence's encoder is about 1 ms): the thread sees it finish without a wake-up, and no
 # blocking poll holds up the next submission meanwhile (see FENCE_POLL_MAX_S). On the H200
-# 2 ms against 100 us: a lone sentence 2.99-3.15 ms against 3.05-3.57, batch 32 11% more
-# sentences/s in two alternated pairs (BENCHMARKS.md, ninth session).
+# 2 ms against 100 us, three alternated pairs: a lone sentence 2.99-3.15 ms against
+# 3.05-3.57, batch 32 11-13% more sentences/s (BENCHMARKS.md, ninth session).
 FENCE_SPIN_US = 2000.0
 FENCE_SPIN_MIN_CPUS = 8
 # After the spin the fence thread blocks in one poll. HETERO_FENCE_POLL_US=N makes it poll
