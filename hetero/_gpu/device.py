@@ -210,7 +210,8 @@ class Device:
     """
 
     def __init__(self, adapter: Any | None = None, *, max_batch: int = 32, memory_budget: int | None = None,
-                 gpu_budget_ms: float = 100.0, tracer: Tracer | None = None, gpu_timing: bool = False) -> None:
+                 gpu_budget_ms: float = 100.0, tracer: Tracer | None = None, gpu_timing: bool = False,
+                 trace_dispatches: bool = True) -> None:
         self.tracer = tracer
         # A name pattern or an index ("vulkan#1", 1) selects among the adapters; an adapter object is used as is.
         self.adapter = adapter if adapter is not None and not isinstance(adapter, (str, int)) else select_adapter(adapter)
@@ -237,6 +238,8 @@ class Device:
         # Timestamps around every stage cost a resolve and a readback per submission: on
         # when asked or tracing.
         self.stage_timing = (gpu_timing or tracer is not None) and self.timer.strategy == "inside-passes"
+        # A trace times every dispatch too, unless told not to (Runtime(trace_dispatches=False)).
+        self.dispatch_timing = tracer is not None and trace_dispatches
         if self.timer.strategy == "inside-passes":
             self.timer.align(submit=self.submit)
         # Uniforms by content and bind groups by what they bind (see bindcache); the pool
