@@ -101,6 +101,10 @@ def _sort_index(name: str) -> int:
     return 500
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=repr)  # the C encoder
+
+
 class Tracer:
     """Collects trace events from any thread; :meth:`write` dumps them as one JSON file."""
 
@@ -125,6 +129,8 @@ class Tracer:
         self.closed = False
         self.writes = 0
         self._last_write = 0.0
+        self._encoded: list[str] = []  # JSON of the first _encoded_count events, a run of them per write
+        self._encoded_count = 0
 
     # -- tracks ---------------------------------------------------------------------------
     def _thread_tid(self) -> int:
@@ -261,7 +267,9 @@ class Tracer:
         with self._lock:
             events = list(self._events)
             tracks = dict(self._tracks)
-        origin = self.origin_ns
+        return self._metadata(tracks) + [self._event(e) for e in events]
+
+    def _metadata(self, tracks: Mapping[int, tuple[str, int]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "ts": 0,
              "args": {"name": self.process_name}},
@@ -270,26 +278,27 @@ class Tracer:
             out.append({"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "ts": 0, "args": {"name": name}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "ts": 0,
                         "args": {"sort_index": order * 1000 + tid}})
-        for ph, name, cat, tid, ts_ns, x, args in events:
-            ts = (ts_ns - origin) / 1000.0
-            ev: dict[str, Any] = {"ph": ph, "name": name, "pid": PID, "tid": tid, "ts": ts}
-            if cat:
-                ev["cat"] = cat
-            if ph == "X":
-                ev["dur"] = x / 1000.0
-            elif ph == "i":
-                ev["s"] = "t"
-            elif ph in ("s", "f"):
-                ev["id"] = x
-                if ph == "f":
-                    ev["bp"] = "e"  # bind to the enclosing slice (the GPU span), not the next one
-            if args:
-                ev["args"] = args
-            out.append(ev)
         return out
 
-    def to_json(self) -> dict[str, Any]:
-        other = {
+    def _event(self, e: _Event) -> dict[str, Any]:
+        ph, name, cat, tid, ts_ns, x, args = e
+        ev: dict[str, Any] = {"ph": ph, "name": name, "pid": PID, "tid": tid, "ts": (ts_ns - self.origin_ns) / 1000.0}
+        if cat:
+            ev["cat"] = cat
+        if ph == "X":
+            ev["dur"] = x / 1000.0
+        elif ph == "i":
+            ev["s"] = "t"
+        elif ph in ("s", "f"):
+            ev["id"] = x
+            if ph == "f":
+                ev["bp"] = "e"  # bind to the enclosing slice (the GPU span), not the next one
+        if args:
+            ev["args"] = args
+        return ev
+
+    def _other(self) -> dict[str, Any]:
+        return {
             "clock": "time.perf_counter_ns, microseconds from origin",
             "origin_perf_counter_ns": self.origin_ns,
             "origin_unix_time": self._origin_wall,
@@ -297,17 +306,28 @@ class Tracer:
             "recording_errors": self.errors,
             **self.other_data,
         }
-        return {"traceEvents": self.events(), "displayTimeUnit": "ms", "otherData": other}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"traceEvents": self.events(), "displayTimeUnit": "ms", "otherData": self._other()}
 
     def write(self) -> str:
         """Rewrite the trace file with every event so far (atomically); return its path.
 
+        Events are encoded once: each write encodes those recorded since the last one and
+        joins them to the text kept from before (the whole file re-encoded at every write
+        held the interpreter for most of 0.2 s once a pass of MiniLM batches was in it).
         Unlike the recording methods this raises (``OSError``) when the file cannot be written.
         """
-        data = self.to_json()
         with self._write_lock:
-            # dumps: the C encoder
-            atomic_write_text(self.path, json.dumps(data, separators=(",", ":"), default=repr))
+            with self._lock:
+                new = self._events[self._encoded_count:]
+                tracks = dict(self._tracks)
+            if new:
+                self._encoded.append(_dumps([self._event(e) for e in new])[1:-1])
+                self._encoded_count += len(new)
+            body = ",".join([_dumps(self._metadata(tracks))[1:-1], *self._encoded])
+            atomic_write_text(self.path, '{"traceEvents":[' + body + '],"displayTimeUnit":"ms","otherData":'
+                              + _dumps(self._other()) + "}")
             self.writes += 1
             self._last_write = time.monotonic()
         return self.path

@@ -205,6 +205,11 @@ def test_writing_again_rewrites_the_whole_file(tmp_path: Path) -> None:
     check_trace(second)  # thread_name once per track, despite two writes
     names = [e["name"] for e in second["traceEvents"] if e["ph"] == "X"]
     assert names == ["run 0", "run 1"]
+    # events are encoded once, at the first write after them; the file is still the whole trace
+    tr.name_thread("a track named after the first write")
+    tr.counter("memory", now + 2500, {"in_use": 3})
+    tr.write()
+    assert load(path) == json.loads(json.dumps(tr.to_json(), default=repr))
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # no temporary files left
     # maybe_write throttles rewrites at run ends
     assert not tr.maybe_write(min_interval=60)
