@@ -13,6 +13,7 @@ import pytest
 
 import hetero
 from hetero import StageError, Tensor
+from hetero._bridge import loop_caller
 
 pytestmark = pytest.mark.anyio
 
@@ -365,14 +366,14 @@ async def test_spinning_fence_thread_reports_short_and_long_work(monkeypatch: py
         try:
             dev.enqueue(_record_busy(dev, buf), flush=True)  # usually runs far longer than the 300 µs spin
             fence = dev.fence()
+            # The fence thread stops polling once it saw the work finish: read on that thread, in a
+            # callback of the submission (the waiter can be woken earlier, inside that poll).
+            polling: list[bool] = []
+            seen, call = anyio.Event(), loop_caller()
+            dev.on_done(fence.index, lambda: (polling.append(dev.submission._fence_polling), call(seen.set)))
             await fence.wait()
-            assert fence.done()
-            # The fence thread stops polling once it saw the work finish. The waiter can be woken
-            # first (the work-done callback marks the submission complete inside that poll).
-            deadline = time.monotonic() + 10
-            while dev.submission._fence_polling:
-                assert time.monotonic() < deadline, "the fence thread kept polling after the work completed"
-                await anyio.sleep(0.001)
+            await seen.wait()
+            assert fence.done() and polling == [False]
             assert np.all(np.frombuffer(dev.queue.read_buffer(buf), np.float32) > 1000)
         finally:
             buf.destroy()
