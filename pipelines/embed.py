@@ -394,14 +394,15 @@ mean_pool_l2_packed.kernels = [SPAN_POOL_WGSL]  # type: ignore[attr-defined]
 
 
 def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model: Model,
-                 int8: bool, layers: int, packed: bool = False, bounds: Tensor | None = None) -> Tensor:
-    """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`).
+                 int8: bool, layers: int, bounds: Tensor | None = None) -> Tensor:
+    """The embeddings and the first ``layers`` layers in one GPU stage (see :data:`FUSED_MAX_BATCH`);
+    with ``bounds``, of packed sentences (``mask``: their spans).
 
-    ``bounds`` (packed) is not read here: taking it makes this stage its first GPU reader, so
-    it goes up with the tokens it is part of, and ``encoder1`` finds it on the device."""
+    ``bounds`` is not read here: taking it makes this stage its first GPU reader, so it goes
+    up with the tokens it is part of, and ``encoder1`` finds it on the device."""
     x = _embeddings(gpu, tokens, mask, model)
     for n in range(layers):
-        x = _layer(gpu, x, mask, model, n, int8, packed)
+        x = _layer(gpu, x, mask, model, n, int8, bounds is not None)
     return x
 
 
@@ -554,8 +555,7 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     # hetero._gpu.capture).
     if fused:
         half = model.config.num_hidden_layers // 2
-        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, packed=packed,
-                  bounds=bounds)
+        x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, bounds=bounds)
         return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True, bounds=bounds)
     # What the pooling reads: each row's mask, or packed, each sentence's token range.
     pool_by, pool_gpu, pool_cpu = ((bounds, mean_pool_l2_packed, mean_pool_l2_packed_cpu) if packed
@@ -1014,15 +1014,17 @@ class EmbeddingService:
         self._tokenize = TokenGroups(self.model)
 
     def _examples(self) -> dict[tuple[int, int], tuple[int, int]]:
-        return self.examples_for(self.model, self.max_batch_tokens, self.max_batch_size)
+        return self.examples_for(self.model, self.max_batch_tokens, self.max_batch_size, len(self._filler))
 
     @staticmethod
-    def examples_for(model: Model, max_batch_tokens: int, max_batch_size: int | None = None
-                     ) -> dict[tuple[int, int], tuple[int, int]]:
+    def examples_for(model: Model, max_batch_tokens: int, max_batch_size: int | None = None,
+                     shortest: int | None = None) -> dict[tuple[int, int], tuple[int, int]]:
         """:func:`service_examples` of a service of ``model`` with these limits (before one exists:
-        e.g. to size a runtime's capture cache); its shortest sentence is the empty one."""
-        shortest = max(1, len(model.tokenizer.encode("").ids))
-        return service_examples(model.config.max_seq_length, max_batch_tokens, max_batch_size, shortest)
+        e.g. to size a runtime's capture cache); its shortest sentence is the empty one, whose
+        token count ``shortest`` is, when the caller has it."""
+        if shortest is None:
+            shortest = len(model.tokenizer.encode("").ids)
+        return service_examples(model.config.max_seq_length, max_batch_tokens, max_batch_size, max(1, shortest))
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
