@@ -284,3 +284,38 @@ def test_clock_alignment_intervals() -> None:
     assert (c.lo_ns, c.hi_ns, c.samples) == (500, 600, 1)
     with pytest.raises(ValueError, match=r"clock alignment interval is empty: \[2, 1\]"):
         ClockAlignment(2, 1)
+
+
+def test_read_does_not_wait_for_the_promise_poll_thread(timer: GPUTimer, device: Any, loops: Loops) -> None:
+    """Reading the timestamps of finished work maps their buffer with a poll of its own: it does
+    not wait for wgpu-py's poll thread, which may sit in a poll that returns only once every
+    submission in flight has finished (here it is held until the end of the test)."""
+    frame = timer.frame()
+    encoder = device.create_command_encoder()
+    frame.mark(encoder, "done")
+    ticket = frame.resolve(encoder)
+    device.queue.submit([encoder.finish()])
+    device._poll_wait()  # a blocking poll: the work is finished before the read
+
+    poller = device._poller
+    held, released = threading.Event(), threading.Event()
+    original = poller._poll_func
+
+    def stuck_poll(block: bool) -> None:  # the poll thread, stuck as behind a long GPU job
+        held.set()
+        released.wait()
+
+    poller._poll_func = stuck_poll
+    got: list[list[GPUSpan]] = []
+    reader = threading.Thread(target=lambda: got.append(timer.read(ticket)), daemon=True)
+    try:
+        reader.start()
+        reader.join(timeout=30)  # a guard against hanging the suite, not a measurement
+        finished = not reader.is_alive()
+    finally:
+        poller._poll_func = original
+        released.set()
+        reader.join()
+    assert held.is_set()  # the read's map did wake the poll thread, and it stayed stuck
+    assert finished
+    assert [s.label for s in got[0]] == ["done"]

@@ -30,7 +30,8 @@ import wgpu
 
 from ..errors import GPUError, RuntimeClosedError
 
-__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "map_detached", "pad4"]
+__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "map_detached", "pad4",
+           "poll_now"]
 
 
 def map_detached(buffer: Any, mode: str, offset: int = 0, size: int | None = None) -> Any:
@@ -45,6 +46,19 @@ def map_detached(buffer: Any, mode: str, offset: int = 0, size: int | None = Non
     promise = buffer.map_async(mode, offset, size) if (offset or size is not None) else buffer.map_async(mode)
     promise._call_soon_threadsafe = None  # wgpu 0.32's GPUPromise: resolve without a loop
     return promise
+
+
+def poll_now(device: Any) -> None:
+    """Resolve, on this thread, the maps of buffers whose GPU work has already finished.
+
+    Call it after ``map_async`` and before ``sync_wait``. Left to itself, wgpu-py resolves
+    maps on its poll thread, which may be blocked in a poll that returns only once the
+    GPU has drained every submission in flight: a map of finished work would wait that
+    long (the whole queue, not its own submission).
+    """
+    from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding
+
+    _api.libf.wgpuDevicePoll(device._internal, False, _api.ffi.NULL)
 
 
 log = logging.getLogger("hetero")
@@ -104,10 +118,6 @@ class StagingPool:
         self.chunk_bytes = chunk_bytes
         self.max_pooled_bytes = max_pooled_bytes
         self._executor = executor
-        from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding (non-blocking polls)
-
-        self._ffi: Any = _api.ffi
-        self._lib: Any = _api.libf
         # Re-entrant: a finalizer (garbage collection) may run while this thread holds it.
         self.lock = threading.RLock()
         self._free: dict[tuple[str, int], collections.deque[Staging]] = {}
@@ -320,9 +330,7 @@ class StagingPool:
             self._live_bytes -= sum(s.size for s in stagings)
 
     def poll(self) -> None:
-        # Resolve the maps of buffers whose work already finished now, on this thread,
-        # rather than whenever wgpu-py's poll thread returns from its blocking poll.
-        self._lib.wgpuDevicePoll(self.device._internal, False, self._ffi.NULL)
+        poll_now(self.device)
 
     def release_mapped(self, s: Staging) -> None:
         # A finalizer: it runs on whichever thread dropped the last array, possibly in the

@@ -81,7 +81,7 @@ import numpy as np
 import wgpu
 from wgpu.backends.wgpu_native.extras import write_timestamp
 
-from .staging import map_detached
+from .staging import map_detached, poll_now
 
 __all__ = ["ClockAlignment", "GPUSpan", "GPUTimer", "TimerFrame", "TimerTicket", "timestamp_period"]
 
@@ -411,13 +411,17 @@ class GPUTimer:
         Maps the ticket's buffer (its submission has completed, so this does not wait for
         other work), then recycles it. Spans with an unwritten query are left out. The map
         submits nothing first (``READ_NOSYNC``): a submission from this thread, the fence
-        thread, would wait for whatever poll another thread is blocked in.
+        thread, would wait for whatever poll another thread is blocked in. It is resolved by
+        a poll on this thread (``poll_now``), not by wgpu-py's poll thread, which may be
+        blocked until every submission in flight has finished.
         """
         if ticket is None or ticket._done:
             return []
         try:
             buf = ticket.buffer
-            map_detached(buf, "READ_NOSYNC").sync_wait()
+            promise = map_detached(buf, "READ_NOSYNC")
+            poll_now(self.device)
+            promise.sync_wait()
             try:
                 raw = np.frombuffer(buf.read_mapped(0, ticket.nbytes), np.uint64)
             finally:
