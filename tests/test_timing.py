@@ -306,16 +306,19 @@ def test_read_does_not_wait_for_the_promise_poll_thread(timer: GPUTimer, device:
         released.wait()
 
     poller._poll_func = stuck_poll
+    token = poller.get_token()  # wakes the poll thread, into the stuck poll
     got: list[list[GPUSpan]] = []
     reader = threading.Thread(target=lambda: got.append(timer.read(ticket)), daemon=True)
     try:
+        assert held.wait(timeout=30)
         reader.start()
         reader.join(timeout=30)  # a guard against hanging the suite, not a measurement
         finished = not reader.is_alive()
     finally:
         poller._poll_func = original
+        token.set_done()
         released.set()
-        reader.join()
-    assert held.is_set()  # the read's map did wake the poll thread, and it stayed stuck
+        if reader.ident is not None:
+            reader.join()
     assert finished
     assert [s.label for s in got[0]] == ["done"]
