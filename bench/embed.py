@@ -282,7 +282,9 @@ def interleaved(texts: list[str], lat_texts: list[str], model: Any, st: Any, arg
         nonlocal rt
         async with hetero.Runtime(capture=True, placement=args.placement) as rt:
             # warm-up: every batch shape and every timed sentence's shape captured (hetero),
-            # the allocator's sizes (torch)
+            # the allocator's sizes (torch). Two hetero passes: on the H200 the first pass after
+            # the captures ran at 0.4x the later ones (BENCHMARKS.md, tenth session).
+            await pass_hetero()
             await pass_hetero()
             await pass_st()
             for s in lat_texts:
