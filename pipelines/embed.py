@@ -185,9 +185,7 @@ def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray
     """Token ids, token-type ids, position ids and attention mask, int32 ``[B, S]``, padded to the longest."""
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise TypeError("tokenize: texts must be a sequence of str")
-    # One text is encoded on this thread: encode_batch hands even one text to the tokenizer's
-    # thread pool, whose wake-up is most of a lone sentence's tokenizing on a many-core host.
-    encs = [model.tokenizer.encode(texts[0])] if len(texts) == 1 else model.tokenizer.encode_batch(list(texts))
+    encs = _encode(model, texts)
     b = len(encs)
     # The model's tokenizer never pads, so every token is real: the mask follows from
     # the lengths. Flat fills keep this GIL-holding part short (0.9 ms for 128 sentences
@@ -203,6 +201,14 @@ def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray
     types[real] = np.fromiter(itertools.chain.from_iterable(e.type_ids for e in encs), np.int32, total)
     pos = np.ascontiguousarray(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
     return ids, types, pos, real.astype(np.int32)
+
+
+def _encode(model: Model, texts: Sequence[str]) -> list[Any]:
+    """The tokenizer's encodings of ``texts``. One text is encoded on this thread: encode_batch
+    hands even one text to the tokenizer's thread pool, whose wake-up is most of a lone
+    sentence's tokenizing on a many-core host."""
+    tok = model.tokenizer
+    return [tok.encode(texts[0])] if len(texts) == 1 else tok.encode_batch(list(texts))
 
 
 def _mask(tokens: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -890,11 +896,7 @@ def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 1638
 
 def token_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
     """Token ids of each text (truncated at the model's ``max_seq_length``), int32."""
-    items = _check_texts(texts)
-    tok = model.tokenizer
-    if len(items) == 1:
-        return [np.asarray(tok.encode(items[0]).ids, np.int32)]
-    return [np.asarray(e.ids, np.int32) for e in tok.encode_batch(items)]
+    return [np.asarray(e.ids, np.int32) for e in _encode(model, _check_texts(texts))]
 
 
 async def atoken_ids(model: Model, texts: Sequence[str]) -> list[np.ndarray]:
