@@ -433,8 +433,16 @@ async def test_traces_show_replayed_dispatches(tmp_path: Any) -> None:
     assert [e["args"]["capture"] for e in records] == ["captured", "replayed"]
     dispatches = [e for e in events if e.get("args", {}).get("workgroups") is not None]
     if dispatches:  # the adapter writes timestamps inside passes
-        assert sum(1 for e in dispatches if e["args"].get("replayed")) == 2
+        replayed = [e for e in dispatches if e["args"].get("replayed")]
+        assert len(replayed) == 2
         assert sum(1 for e in dispatches if not e["args"].get("replayed")) == 2
+        # The replayed spans (written straight into the pass) are the replay's dispatches, in
+        # order, inside the replayed stage's GPU span.
+        stage = [e for e in events if e.get("name") == "f" and e.get("ph") == "X" and e.get("cat") != "gpu-record"]
+        last = max(stage, key=lambda e: e["ts"])
+        add, gelu = sorted(replayed, key=lambda e: e["ts"])
+        assert [add["name"], gelu["name"]] == [e["name"] for e in sorted(dispatches, key=lambda e: e["ts"])[:2]]
+        assert last["ts"] <= add["ts"] <= add["ts"] + add["dur"] <= gelu["ts"] + gelu["dur"] <= last["ts"] + last["dur"]
 
 
 async def test_a_trace_of_stages_only_times_no_dispatch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,7 +46,6 @@ signature. Each holds its constant buffers alive.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 import threading
@@ -56,8 +55,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib_path as _lib_path
 
+from . import passcmd
 from .grid import grid_uniform
 from .tensor import Tensor, map_values, tensor_of
 
@@ -69,33 +68,10 @@ __all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
 
 DEFAULT_CACHE_ENTRIES = 1024
 
-# The raw C functions (no per-call error capture: pass commands are validated when the
-# pass ends, and a replay only re-issues what was validated while capturing), called through
-# ctypes.PyDLL, which keeps the GIL: each only appends a command (well under a microsecond),
-# and a call through cffi, which releases the GIL, waits to get it back whenever another
-# Python thread runs meanwhile (on the CPU machine a replayed dispatch took 0.75 us alone and
-# 67-102 us beside a busy Python thread through cffi, 1.2 us either way through PyDLL).
-# Handles are passed as integer addresses (_addr), taken once per op and bind group. An error
-# callback wgpu-native made from one of them would run on this thread, which holds the GIL.
-def _pass_functions() -> tuple[Any, Any, Any]:
-    dll = ctypes.PyDLL(_lib_path)
-    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
-    set_pipeline = dll.wgpuComputePassEncoderSetPipeline
-    set_pipeline.argtypes, set_pipeline.restype = [vp, vp], None
-    set_bind_group = dll.wgpuComputePassEncoderSetBindGroup
-    set_bind_group.argtypes, set_bind_group.restype = [vp, u32, vp, ctypes.c_size_t, vp], None
-    dispatch = dll.wgpuComputePassEncoderDispatchWorkgroups
-    dispatch.argtypes, dispatch.restype = [vp, u32, u32, u32], None
-    return set_pipeline, set_bind_group, dispatch
-
-
-_set_pipeline, _set_bind_group, _dispatch = _pass_functions()
+# The pass commands of a replay go straight into wgpu-native, keeping the GIL (see passcmd).
+_set_pipeline, _set_bind_group, _dispatch = passcmd.set_pipeline, passcmd.set_bind_group, passcmd.dispatch
+_addr = passcmd.addr
 _NULL = None
-
-
-def _addr(obj: Any) -> int:
-    """The address of a wgpu-py object's native handle (valid while the object lives)."""
-    return int(_ffi.cast("uintptr_t", obj._internal))
 
 # Where a binding's buffer comes from.
 ARG, TEMP, CONST = 0, 1, 2
@@ -455,6 +431,7 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
     if not tracing and _issue_whole(rec, cost, cap, groups, budget, limit):
         return
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
+    begin_span, end_span = rec.begin_pass_span, rec.end_pass_span
     split_groups: list[Any] = []  # group-1 bind groups of split dispatches, held until the loop ends
     h: Any = None
     pipeline = 0
@@ -470,9 +447,9 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
                 _set_pipeline(h, pipeline)
             _set_bind_group(h, 0, bg, 0, _NULL)
             if tracing:
-                span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
+                span = begin_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
                 _dispatch(h, gx, gy, gz)
-                rec.end_span(span)
+                end_span(h, span)
             else:
                 _dispatch(h, gx, gy, gz)
             note(k.key, op.total, est)
@@ -501,9 +478,9 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
             _set_bind_group(h, 0, bg, 0, _NULL)
             _set_bind_group(h, 1, bg1, 0, _NULL)
             if tracing or cost.should_time(k.key):
-                span = rec.begin_span(k.label, ("dispatch", k.key, w * per_x, "replayed"))
+                span = begin_span(h, k.label, ("dispatch", k.key, w * per_x, "replayed"))
                 _dispatch(h, w, gy, gz)
-                rec.end_span(span)
+                end_span(h, span)
             else:
                 _dispatch(h, w, gy, gz)
             note(k.key, w * per_x, est)
@@ -538,9 +515,9 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[int], budget: f
             continue
         _set_bind_group(h, 1, op.whole_addr, 0, _NULL)
         if cost.should_time(k.key):  # cost-model samples of splittable kernels
-            span = rec.begin_span(k.label, ("dispatch", k.key, op.total, "replayed"))
+            span = rec.begin_pass_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
             _dispatch(h, gx, gy, gz)
-            rec.end_span(span)
+            rec.end_pass_span(h, span)
         else:
             _dispatch(h, gx, gy, gz)
     rec.note_many(est, len(cap.ops), cap.work)

@@ -81,6 +81,7 @@ import numpy as np
 import wgpu
 from wgpu.backends.wgpu_native.extras import write_timestamp
 
+from . import passcmd
 from .staging import map_detached, poll_now
 
 __all__ = ["ClockAlignment", "GPUSpan", "GPUTimer", "TimerFrame", "TimerTicket", "timestamp_period"]
@@ -234,13 +235,32 @@ class TimerFrame:
         return {"query_set": self._timer.query_set, "beginning_of_pass_write_index": start,
                 "end_of_pass_write_index": end}
 
+    def _write_in_pass(self, pass_address: int) -> int:
+        """:meth:`_write` into the open compute pass at ``pass_address``, straight into wgpu-native."""
+        timer = self._timer
+        if not timer.in_passes:
+            return _NO_SLOT
+        slot, pos = self._slot()
+        if slot < 0:
+            timer.dropped += 1
+            return _NO_SLOT
+        passcmd.write_timestamp(pass_address, timer.query_set_address, slot)
+        return pos
+
     def begin(self, target: Any, label: str, meta: Any = None) -> int:
         """Start a span: a timestamp written into ``target`` (the open pass, else the encoder).
 
         Returns a handle for :meth:`end`, or -1 when the device cannot write into
         ``target`` or no slot is free (``end(-1)`` is a no-op).
         """
-        pos = self._write(target)
+        return self._open(self._write(target), label, meta)
+
+    def begin_in_pass(self, pass_address: int, label: str, meta: Any = None) -> int:
+        """:meth:`begin` in the open compute pass whose native handle is at ``pass_address``,
+        for loops that issue their commands through :mod:`hetero._gpu.passcmd`."""
+        return self._open(self._write_in_pass(pass_address), label, meta)
+
+    def _open(self, pos: int, label: str, meta: Any) -> int:
         if pos < 0:
             return _NO_SLOT
         self._spans.append([label, pos, _NO_SLOT, meta])
@@ -249,9 +269,15 @@ class TimerFrame:
 
     def end(self, target: Any, handle: int) -> None:
         """End the span ``handle`` with a timestamp written into ``target``."""
-        if handle < 0:
-            return
-        pos = self._write(target)
+        if handle >= 0:
+            self._close(handle, self._write(target))
+
+    def end_in_pass(self, pass_address: int, handle: int) -> None:
+        """:meth:`end` in the open compute pass at ``pass_address`` (see :meth:`begin_in_pass`)."""
+        if handle >= 0:
+            self._close(handle, self._write_in_pass(pass_address))
+
+    def _close(self, handle: int, pos: int) -> None:
         span = self._spans[handle]
         if span[2] == _NO_SLOT:
             self._pending -= 1
@@ -342,9 +368,11 @@ class GPUTimer:
         self._default = TimerFrame(self)
         self._default_lock = threading.RLock()
         self.query_set: Any = None
+        self.query_set_address = 0  # its native handle, for passcmd.write_timestamp
         self.resolve_buffer: Any = None
         if self.available:
             self.query_set = device.create_query_set(label="hetero-timer", type="timestamp", count=self.capacity)
+            self.query_set_address = passcmd.addr(self.query_set)
             self.resolve_buffer = device.create_buffer(
                 label="hetero-timer-resolve", size=self.capacity * 8,
                 usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
@@ -528,5 +556,6 @@ class GPUTimer:
         with self._lock:
             self._buffers.clear()
         self.query_set = self.resolve_buffer = None
+        self.query_set_address = 0
         self.available = self.in_passes = self.in_encoders = False
         self.strategy = None
