@@ -670,13 +670,20 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
     if progress is None:
         progress = len(items) >= PROGRESS_MIN_TEXTS and sys.stderr.isatty()
     bar = tqdm(total=len(items), unit="sentence", desc="embed", disable=not progress)
+    # The rows go into place once every batch is in: numpy releases the GIL for such a copy,
+    # and while batches are in flight the event loop would wait to get it back from the
+    # threads recording and completing them (on the H200 a batch-32 pass's event loop was
+    # found on this store more than anywhere else; BENCHMARKS.md, tenth session).
+    done: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8,
                                             max_in_flight=max_in_flight):
-            out[idx] = emb
+            done.append((idx, emb))
             bar.update(len(idx))
     finally:
         bar.close()
+    for idx, emb in done:
+        out[idx] = emb
     return out
 
 
