@@ -61,18 +61,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from ._files import atomic_write_text
 
-__all__ = ["GPU_QUEUE", "Tracer"]
+__all__ = ["GPU_DISPATCHES", "GPU_QUEUE", "Tracer"]
 
 log = logging.getLogger("hetero")
 
 PID = 1
-GPU_QUEUE = "GPU queue"
+GPU_QUEUE = "GPU queue"  # a span per GPU stage
+GPU_DISPATCHES = "GPU dispatches"  # a span per timed dispatch
 DEFAULT_MAX_EVENTS = 2_000_000
 
 # Event tuples, as stored (cheap to build on a hot path); turned into dicts at write time.
@@ -214,6 +215,29 @@ class Tracer:
                  queue: str = GPU_QUEUE, cat: str = "gpu", flow_in: int | None = None) -> None:
         """A span on a GPU queue track; times already converted to the host clock (``perf_counter_ns``)."""
         self.span(name, cat, start_ns, end_ns, track=queue, args=args, flow_in=flow_in)
+
+    def gpu_spans(self, spans: Iterable[tuple[str, int, int, dict[str, Any] | None, str]], cat: str = "gpu") -> None:
+        """Many :meth:`gpu_span` at once: ``(name, start_ns, end_ns, args, queue)`` each, under
+        one lock (the GPU timestamps of a submission, a span per dispatch). The ``args`` dicts
+        are taken over, not copied: the caller makes a fresh one per span."""
+        try:
+            tids: dict[str, int] = {}
+            events: list[_Event] = []
+            for name, start_ns, end_ns, args, queue in spans:
+                tid = tids.get(queue)
+                if tid is None:
+                    tid = tids[queue] = self._track_tid(queue)
+                events.append(("X", name, cat, tid, start_ns, max(0, end_ns - start_ns), args or None))
+            with self._lock:
+                if self.closed:
+                    return
+                room = self.max_events - len(self._events)
+                if room < len(events):
+                    self.dropped += len(events) - max(0, room)
+                    events = events[:max(0, room)]
+                self._events.extend(events)
+        except Exception:  # noqa: BLE001
+            self._failed()
 
     @contextmanager
     def cpu_span(self, name: str, cat: str = "cpu", args: Mapping[str, Any] | None = None, *,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hetero._trace import GPU_QUEUE, Tracer
+from hetero._trace import GPU_DISPATCHES, GPU_QUEUE, Tracer
 
 NUMBER = (int, float)
 
@@ -231,6 +231,30 @@ def test_event_cap_counts_drops(tmp_path: Path) -> None:
     check_trace(data)
     assert sum(e["ph"] == "i" for e in data["traceEvents"]) == 10
     assert data["otherData"]["dropped_events"] == 5
+
+
+def test_gpu_spans_at_once(tmp_path: Path) -> None:
+    """A submission's GPU spans in one call land as single spans would: on their queues' tracks,
+    in order, clamped, within the event cap (the excess counted), nothing once closed."""
+    tr = Tracer(tmp_path / "t.json", max_events=4)
+    tr.gpu_span("first", 0, 10)
+    tr.gpu_spans([("stage", 100, 400, {"stage": "stage"}, GPU_QUEUE),
+                  ("add", 110, 150, {"workgroups": 1}, GPU_DISPATCHES),
+                  ("gelu", 160, 150, {"workgroups": 2, "replayed": True}, GPU_DISPATCHES),
+                  ("over", 500, 600, None, GPU_QUEUE)])
+    tr.close()
+    tr.gpu_spans([("late", 700, 800, None, GPU_QUEUE)])
+    data = load(tr.write())
+    names = check_trace(data)
+    spans = [(e["name"], names[e["tid"]], e["ts"], e["dur"], e.get("args")) for e in data["traceEvents"]
+             if e["ph"] == "X"]
+    origin = data["otherData"]["origin_perf_counter_ns"]
+    us = lambda ns: (ns - origin) / 1e3  # noqa: E731
+    assert [(n, track) for n, track, *_ in spans] == [("first", GPU_QUEUE), ("stage", GPU_QUEUE),
+                                                     ("add", GPU_DISPATCHES), ("gelu", GPU_DISPATCHES)]
+    assert spans[1][2:] == (pytest.approx(us(100)), pytest.approx(0.3), {"stage": "stage"})
+    assert spans[3][3] == 0 and spans[3][4] == {"workgroups": 2, "replayed": True}  # an end before the start
+    assert data["otherData"]["dropped_events"] == 1
 
 
 def test_unwritable_path(tmp_path: Path) -> None:

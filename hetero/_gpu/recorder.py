@@ -35,6 +35,8 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._trace import GPU_DISPATCHES, GPU_QUEUE
+
 if TYPE_CHECKING:
     from .device import Device
     from .timing import TimerFrame
@@ -119,14 +121,19 @@ class _Budget:
                     key, workgroups = rest[0], rest[1]
                     dev.cost.observe(key, workgroups, span.end_ns - span.start_ns, source="timestamp")
             if tracer is not None:
-                for span in timer.to_host(spans):
-                    if span.meta[0] == "stage":
-                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, {"stage": span.label})
+                off = timer.offset_ns
+                events = []
+                for span in spans:
+                    meta = span.meta
+                    if meta[0] == "stage":
+                        events.append((span.label, span.start_ns + off, span.end_ns + off, {"stage": span.label},
+                                       GPU_QUEUE))
                     else:
-                        args: dict[str, Any] = {"workgroups": span.meta[2]}
-                        if len(span.meta) > 3:  # ("dispatch", key, workgroups, "replayed")
+                        args: dict[str, Any] = {"workgroups": meta[2]}
+                        if len(meta) > 3:  # ("dispatch", key, workgroups, "replayed")
                             args["replayed"] = True
-                        tracer.gpu_span(span.label, span.start_ns, span.end_ns, args, queue="GPU dispatches")
+                        events.append((span.label, span.start_ns + off, span.end_ns + off, args, GPU_DISPATCHES))
+                tracer.gpu_spans(events)
 
         if late:
             return lambda: dev.defer(read)

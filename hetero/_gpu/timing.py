@@ -467,9 +467,14 @@ class GPUTimer:
             out.append(GPUSpan(label, t0, max(t0, t1), meta))
         return out
 
+    @property
+    def offset_ns(self) -> int:
+        """What moves a device time to the host clock (``time.perf_counter_ns``); 0 if not aligned."""
+        return self.alignment.offset_ns if self.alignment is not None else 0
+
     def to_host(self, spans: Sequence[GPUSpan]) -> list[GPUSpan]:
         """Spans moved to the host clock (``time.perf_counter_ns``); unchanged if not aligned."""
-        off = self.alignment.offset_ns if self.alignment is not None else 0
+        off = self.offset_ns
         return [GPUSpan(s.label, s.start_ns + off, s.end_ns + off, s.meta) for s in spans]
 
     # -- clock alignment --------------------------------------------------------------------
