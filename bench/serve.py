@@ -2,7 +2,7 @@
 
     python -m bench serve [--model minilm|random|tiny|DIR] [--concurrency 1,16,256] [--duration 10]
                           [--load 0.85] [--backend asyncio|trio] [--workers 1] [--engines 1] [--int8]
-                          [--processes N]
+                          [--processes N] [--interleave R]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
@@ -34,6 +34,13 @@ coordinated omission: a request delayed behind a slow one counts its wait); load
 with at most four clients wake each client 2 ms early and yield until its send time, since a
 timer alone fires up to a millisecond late. The first
 ``--warmup`` seconds of each level are not counted.
+
+``--interleave R``: with the server up and before the sweep, R rounds each timing
+``--single`` calls of ``embed([s])`` in this process and as many requests of one client of
+the server (one at a time on a keep-alive connection), back to back and at one client's
+pace, which side goes first alternating; per round and over the rounds, the served p50 over
+``embed([s])``'s measured in the same state of the machine. (The references above are
+measured minutes before the sweep, and this machine kind's speed moves in between.)
 
 One JSON line per reference, one per level (throughput, p50/p90/p99, 429s and other
 failures, the server's batch-size histogram over the level from ``/metrics``, ratios to the
@@ -308,6 +315,52 @@ def check_embedding(body: bytes) -> None:
         raise ValueError(f"bench serve: not one base64 embedding: {body[:200]!r}")
 
 
+async def served_one_at_a_time(host: str, port: int, texts: list[str], n: int, gap: float = 0.0) -> list[float]:
+    """:func:`one_at_a_time` through the server: seconds of each of ``n`` single-sentence
+    requests (the same sentences), one at a time on one keep-alive connection, ``gap``
+    seconds idle before each."""
+    times = []
+    async with RawClient(host, port) as client:
+        for i in range(n):
+            request = raw_request(f"{host}:{port}", texts[(i * 7919) % len(texts)])
+            if gap:
+                await anyio.sleep(gap)
+            t0 = time.perf_counter()
+            status, body = await client.post(request)
+            times.append(time.perf_counter() - t0)
+            if status != 200:
+                raise SystemExit(f"bench serve: a one-client request got {status}: {body[:200]!r}")
+    return times
+
+
+def interleaved(embed_one: Any, port: int, texts: list[str], args: argparse.Namespace, gap: float) -> None:
+    """``--interleave R``: R rounds, each timing ``embed([s])`` in this process and one client of
+    the server, back to back and at one client's pace, in alternating order; per round and
+    over the rounds, the served p50 over ``embed([s])``'s in the same state of the machine."""
+    anyio.run(served_one_at_a_time, "127.0.0.1", port, texts, args.single)  # warm: the sentences' shapes
+    ratios: dict[str, list[float]] = {"back_to_back": [], "paced": []}
+
+    def p50_ms(side: str, pause: float) -> float:
+        if side == "embed_one":
+            times = one_at_a_time(embed_one, texts, args.single, pause)
+        else:
+            times = anyio.run(served_one_at_a_time, "127.0.0.1", port, texts, args.single, pause)
+        return float(np.median(times)) * 1e3
+
+    for r in range(args.interleave):
+        row: dict[str, float] = {}
+        for mode, pause in (("back_to_back", 0.0), ("paced", gap)):
+            for side in ("embed_one", "served") if r % 2 == 0 else ("served", "embed_one"):
+                row[f"{mode}_{side}_p50_ms"] = p50_ms(side, pause)
+            ratios[mode].append(row[f"{mode}_served_p50_ms"] / row[f"{mode}_embed_one_p50_ms"])
+        emit(interleaved="round", round=r, first="embed_one" if r % 2 == 0 else "served", calls=args.single,
+             gap_ms=round(gap * 1e3, 1), **{k: round(v, 3) for k, v in row.items()},
+             **{f"{mode}_ratio": round(v[-1], 4) for mode, v in ratios.items()})
+    emit(interleaved="summary", rounds=args.interleave, calls=args.single, gap_ms=round(gap * 1e3, 1),
+         **{f"{mode}_ratio_median": round(float(np.median(v)), 4) for mode, v in ratios.items()},
+         **{f"{mode}_ratio_max": round(max(v), 4) for mode, v in ratios.items()})
+
+
 def load_process(url: str, texts: list[str], clients: int, rate: float, duration: float, start_wall: float,
                  seed: int, timeout: float, client: str = "httpx") -> tuple[list[tuple[float, float, int]], float]:
     """Run ``clients`` Poisson clients (``rate`` requests/s in all) from ``start_wall`` for ``duration`` s.
@@ -474,7 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                    help="the load's HTTP client: httpx, or prepared requests on raw keep-alive connections, "
                         "which costs the load processes a fraction of the CPU (default: %(default)s)")
+    p.add_argument("--interleave", type=int, default=0, metavar="R",
+                   help="with the server up, R rounds alternating embed([s]) and one client of the server, "
+                        "back to back and at one client's pace (default: off)")
     args = p.parse_args(argv)
+    if args.interleave < 0:
+        p.error(f"--interleave must be 0 (off) or a number of rounds, got {args.interleave}")
     levels = [int(x) for x in args.concurrency.split(",") if x]
     rates = [float(x) for x in args.rates.split(",")] if args.rates else None
     if rates is not None and len(rates) != len(levels):
@@ -522,8 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         service_one, service_paced = anyio.run(service_latency, rt, model, texts, args, gap)
         service_many = anyio.run(service_throughput, rt, model, texts, args) if args.service_clients else None
         adapter = rt.device().summary["summary"]
-    finally:
+    except BaseException:
         rt.close()
+        raise
+    if not args.interleave:
+        rt.close()  # else it stays open for the interleaved rounds, with the server up
     bulk_rate = len(texts) / t_bulk
     emit(impl="embed() bulk", **common, batch=args.batch, seconds=round(t_bulk, 4),
          sentences_per_s=round(bulk_rate, 1), adapter=adapter)
@@ -594,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench serve: the server did not become ready within 600 s: {server_log()}")
             time.sleep(0.05)
+        if args.interleave:
+            interleaved(embed_one, port, texts, args, gap)
+            rt.close()
         from bench.serve import load_process as worker  # by module name: picklable from `python -m bench.serve` too
 
         ctx = get_context("spawn")
@@ -652,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit(**line, **common)
                 summary[clients] = line
     finally:
+        rt.close()  # idempotent
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(60)
