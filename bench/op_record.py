@@ -10,7 +10,9 @@ groups and uniforms). Ops: ``dispatch_only`` (a one-binding kernel through
 (``transpose_b``, bias, a [384, 384] weight). The same four again with a pure-Python
 thread spinning beside the stage: what the GIL does to a recording thread (each wgpu call
 releases the GIL and may wait up to the switch interval to get it back); three of them
-replayed beside that thread too (a replay's pass commands keep the GIL).
+replayed beside that thread too (a replay's pass commands keep the GIL); and the same three
+once more on a traced Runtime (``traced``: two GPU timestamps around every dispatch, where
+the adapter can write them inside passes).
 
 Prints one JSON line per op with the device's bind-cache counters (uniforms, bind groups,
 hits, misses) after it.
@@ -26,8 +28,10 @@ their ratio.
 from __future__ import annotations
 
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -124,10 +128,15 @@ def main() -> None:
     th = threading.Thread(target=busy, daemon=True)
     th.start()
     try:
+        busy_kinds = ("dispatch_only", "gelu", "matmul")
         with hetero.Runtime() as rt:
-            busy_kinds = ("dispatch_only", "gelu", "matmul")
             recorded = measure(rt, busy_kinds, r, arrays, with_busy_python_thread=True)
             measure_replay(rt, busy_kinds, r, arrays, recorded, with_busy_python_thread=True)
+        with tempfile.TemporaryDirectory(prefix="hetero-op-record-") as d, \
+                hetero.Runtime(trace=Path(d) / "trace.json") as rt:
+            # traced: two GPU timestamps around every dispatch, where the adapter writes them in passes
+            recorded = measure(rt, busy_kinds, r, arrays, with_busy_python_thread=True, traced=True)
+            measure_replay(rt, busy_kinds, r, arrays, recorded, with_busy_python_thread=True, traced=True)
     finally:
         stop[0] = True
 
