@@ -61,7 +61,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -172,13 +172,18 @@ class Tracer:
 
     # -- recording ------------------------------------------------------------------------
     def _add(self, ev: _Event) -> None:
+        self._add_many((ev,))
+
+    def _add_many(self, events: Sequence[_Event]) -> None:
+        """Record ``events`` in order, as many as the cap leaves room for (the rest counted dropped)."""
         with self._lock:
             if self.closed:
                 return
-            if len(self._events) >= self.max_events:
-                self.dropped += 1
-                return
-            self._events.append(ev)
+            room = max(0, self.max_events - len(self._events))
+            if room < len(events):
+                self.dropped += len(events) - room
+                events = events[:room]
+            self._events.extend(events)
 
     def _failed(self) -> None:
         self.errors += 1
@@ -228,14 +233,7 @@ class Tracer:
                 if tid is None:
                     tid = tids[queue] = self._track_tid(queue)
                 events.append(("X", name, cat, tid, start_ns, max(0, end_ns - start_ns), args or None))
-            with self._lock:
-                if self.closed:
-                    return
-                room = self.max_events - len(self._events)
-                if room < len(events):
-                    self.dropped += len(events) - max(0, room)
-                    events = events[:max(0, room)]
-                self._events.extend(events)
+            self._add_many(events)
         except Exception:  # noqa: BLE001
             self._failed()
 

@@ -27,6 +27,7 @@ import threading
 from typing import Any, Callable
 
 import wgpu
+from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding (non-blocking polls)
 
 from ..errors import GPUError, RuntimeClosedError
 
@@ -56,8 +57,6 @@ def poll_now(device: Any) -> None:
     GPU has drained every submission in flight: a map of finished work would wait that
     long (the whole queue, not its own submission).
     """
-    from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding
-
     _api.libf.wgpuDevicePoll(device._internal, False, _api.ffi.NULL)
 
 

@@ -209,11 +209,9 @@ class TimerFrame:
                 return _NO_SLOT
         else:
             return _NO_SLOT
-        slot, pos = self._slot()
-        if slot < 0:
-            timer.dropped += 1
-            return _NO_SLOT
-        write_timestamp(target, timer.query_set, slot)
+        slot, pos = self._take_slot()
+        if slot >= 0:
+            write_timestamp(target, timer.query_set, slot)
         return pos
 
     def pass_writes(self, label: str, meta: Any = None) -> dict[str, Any] | None:
@@ -240,12 +238,17 @@ class TimerFrame:
         timer = self._timer
         if not timer.in_passes:
             return _NO_SLOT
+        slot, pos = self._take_slot()
+        if slot >= 0:
+            passcmd.write_timestamp(pass_address, timer.query_set_address, slot)
+        return pos
+
+    def _take_slot(self) -> tuple[int, int]:
+        """:meth:`_slot` for one timestamp write, counting it as dropped when none is free."""
         slot, pos = self._slot()
         if slot < 0:
-            timer.dropped += 1
-            return _NO_SLOT
-        passcmd.write_timestamp(pass_address, timer.query_set_address, slot)
-        return pos
+            self._timer.dropped += 1
+        return slot, pos
 
     def begin(self, target: Any, label: str, meta: Any = None) -> int:
         """Start a span: a timestamp written into ``target`` (the open pass, else the encoder).
