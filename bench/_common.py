@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -173,6 +174,68 @@ def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
             n, ms = out.get(e["name"], (0, 0.0))
             out[e["name"]] = (n + 1, ms + e["dur"] / 1000.0)
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
+
+# What the run whose stage ran next was doing while the GPU idled (gpu_idle_causes), in its order.
+IDLE_CAUSES = ("run not started", "CPU stages", "waiting to be recorded", "recording", "recorded, not yet running")
+
+
+def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> dict[str, float]:
+    """Why the GPU idled between ``since_us`` and ``until_us`` (trace time), from a trace with
+    per-stage GPU spans (the "GPU queue" track): ms of idle time per cause, plus ``gaps`` and
+    ``busy_ms``.
+
+    Each gap before a stage's GPU span is charged to what that stage's run was doing, in
+    :data:`IDLE_CAUSES` order: its run had not started; its CPU stages were running (the
+    latest of them to end before the stage's recording began); it waited for the recording
+    thread; it was being recorded; it was recorded but not yet running on the GPU (held
+    for a later submission, being submitted, or queued behind the GPU's own start-up).
+    The GPU spans come from timestamps, the rest from the host clock; their offset is
+    calibrated, so a cause under about 0.1 ms per gap is within the clocks' agreement."""
+    events = trace["traceEvents"]
+    names = {e["tid"]: e.get("args", {}).get("name") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu: list[dict[str, Any]] = []
+    recorded: dict[tuple[int, str], tuple[float, float]] = {}
+    cpu_ends: dict[int, list[float]] = {}
+    starts: dict[int, float] = {}
+    for e in events:
+        ph, cat = e.get("ph"), e.get("cat")
+        if ph == "X" and names.get(e.get("tid")) == "GPU queue":
+            gpu.append(e)
+        elif ph == "X" and cat == "gpu-record":
+            recorded[(e["args"]["run"], e["name"])] = (e["ts"], e["ts"] + e["dur"])
+        elif ph == "X" and cat == "cpu" and "run" in e.get("args", {}):
+            cpu_ends.setdefault(e["args"]["run"], []).append(e["ts"] + e["dur"])
+        elif ph == "i" and cat == "run":
+            m = re.match(r"run (\d+) of ", e["name"])
+            if m:
+                starts[int(m.group(1))] = e["ts"]
+    gpu.sort(key=lambda e: e["ts"])
+    out = dict.fromkeys(IDLE_CAUSES, 0.0)
+    gaps, busy, end = 0, 0.0, None
+    for e in gpu:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if b <= since_us or a >= until_us:
+            end = b if end is None else max(end, b)
+            continue
+        busy += max(0.0, min(b, until_us) - max(a, since_us, end if end is not None else a))
+        idle_from = max(end if end is not None else since_us, since_us)
+        end = b if end is None else max(end, b)
+        if a <= idle_from or "run" not in e.get("args", {}):
+            continue
+        run = e["args"]["run"]
+        rec = recorded.get((run, e["name"]))
+        if rec is None:
+            continue
+        gaps += 1
+        cpu_done = max((t for t in cpu_ends.get(run, ()) if t <= rec[0] + 1.0), default=idle_from)
+        cur = idle_from
+        for cause, mark in zip(IDLE_CAUSES, (starts.get(run, idle_from), cpu_done, rec[0], rec[1], a)):
+            mark = min(max(mark, cur), a)
+            out[cause] += (mark - cur) / 1e3
+            cur = mark
+    return {"gaps": gaps, "busy_ms": round(busy / 1e3, 2), **{k: round(v, 2) for k, v in out.items()}}
 
 
 def bench_model(name: str, prefix: str) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:

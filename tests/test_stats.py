@@ -102,6 +102,9 @@ async def test_runtime_trace_holds_cpu_gpu_fence_transfer_and_memory_events(tmp_
     if timed:  # lavapipe writes timestamps inside passes: the stage appears on the GPU queue track
         gpu = [e for e in events if e["cat"] == "gpu" and e["name"] == "double"]
         assert len(gpu) == 2 and all(tracks[e["tid"]] == "GPU queue" for e in gpu)
+        # each GPU span names its run, as the stage's recording span does
+        recorded = sorted(e["args"]["run"] for e in events if e["cat"] == "gpu-record" and e["name"] == "double")
+        assert sorted(e["args"]["run"] for e in gpu) == recorded and len(set(recorded)) == 2
         assert rt.stats().stage("double").gpu_ms is not None
     assert any(e["ph"] == "C" and e["name"] == "gpu memory" for e in data["traceEvents"])
 

@@ -114,8 +114,8 @@ class _Budget:
             spans = timer.read(ticket)
             for span in spans:
                 kind, *rest = span.meta
-                if kind == "stage":
-                    timeline, i = rest
+                if kind == "stage":  # ("stage", timeline, index, run seq)
+                    timeline, i = rest[0], rest[1]
                     timeline.gpu_ns[i] = (timeline.gpu_ns[i] or 0) + span.end_ns - span.start_ns
                 elif kind == "dispatch":
                     key, workgroups = rest[0], rest[1]
@@ -126,8 +126,8 @@ class _Budget:
                 for span in spans:
                     meta = span.meta
                     if meta[0] == "stage":
-                        events.append((span.label, span.start_ns + off, span.end_ns + off, {"stage": span.label},
-                                       GPU_QUEUE))
+                        events.append((span.label, span.start_ns + off, span.end_ns + off,
+                                       {"stage": span.label, "run": meta[3]}, GPU_QUEUE))
                     else:
                         args: dict[str, Any] = {"workgroups": meta[2]}
                         if len(meta) > 3:  # ("dispatch", key, workgroups, "replayed")
