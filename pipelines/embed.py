@@ -603,6 +603,23 @@ def offers_cpu(runtime: object) -> bool:
 
 
 # -- batching -----------------------------------------------------------------------------------------------
+# offers_cpu's answer per Runtime: its placement and adapter do not change while it lives.
+_offered: weakref.WeakKeyDictionary[hetero.Runtime, bool] = weakref.WeakKeyDictionary()
+
+
+async def _offers_cpu(runtime: MapRuntime) -> bool:
+    """:func:`offers_cpu`, asked on a worker thread (it may open the device, or ask a cluster)
+    the first time for a Runtime, then remembered: a lone sentence's call would otherwise
+    pay a thread round trip before its run starts."""
+    known = _offered.get(runtime) if isinstance(runtime, hetero.Runtime) else None
+    if known is not None:
+        return known
+    cpu = await anyio.to_thread.run_sync(offers_cpu, runtime)
+    if isinstance(runtime, hetero.Runtime):
+        _offered[runtime] = cpu
+    return cpu
+
+
 def _check_texts(texts: Sequence[str]) -> list[str]:
     if isinstance(texts, str):
         raise TypeError("embed: texts must be a sequence of str, got a single str (wrap it in a list)")
@@ -640,7 +657,7 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     m = get_model(model)
     order = _order(items)
     chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    cpu = await anyio.to_thread.run_sync(offers_cpu, runtime)  # may open the device: not on the loop
+    cpu = await _offers_cpu(runtime)
     g = embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH,
                         loop_tokenize=len(items) <= LOOP_TOKENIZE_MAX)
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)

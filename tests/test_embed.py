@@ -203,6 +203,29 @@ async def test_few_texts_are_tokenized_on_the_loop_thread_many_on_a_worker(tiny:
     np.testing.assert_allclose(got[:2], few, atol=1e-5)
 
 
+@pytest.mark.anyio
+async def test_the_graph_choice_is_asked_once_per_runtime(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aembed asks offers_cpu (on a worker thread: it may open the device) once per Runtime, then
+    remembers: a lone sentence's call does not pay that thread round trip again."""
+    from hetero.pipelines import embed as E
+
+    asked: list[int] = []
+    real = E.offers_cpu
+
+    def counting(rt: object) -> bool:
+        asked.append(threading.get_ident())
+        return real(rt)
+
+    monkeypatch.setattr(E, "offers_cpu", counting)
+    async with hetero.Runtime(cpu_threads=1, placement="gpu") as a, hetero.Runtime(cpu_threads=1) as b:
+        for _ in range(3):
+            await aembed(SENTENCES[:1], model=tiny, runtime=a)
+        assert len(asked) == 1 and asked[0] != threading.get_ident()
+        await aembed(SENTENCES[:1], model=tiny, runtime=b)
+        await aembed(SENTENCES[:1], model=tiny, runtime=b)
+        assert len(asked) == 2
+
+
 def plain_layers(model: Model, texts: list[str]) -> np.ndarray:
     """``texts`` embedded in batches of 3 on the graph of one stage per layer, nothing captured."""
     with hetero.Runtime(cpu_threads=2, capture=False, placement="gpu") as rt:
