@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import re
@@ -177,7 +178,8 @@ def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
 
 
 # What the run whose stage ran next was doing while the GPU idled (gpu_idle_causes), in its order.
-IDLE_CAUSES = ("run not started", "CPU stages", "waiting to be recorded", "recording", "recorded, not yet running")
+IDLE_CAUSES = ("run not started", "CPU stages", "waiting to be recorded", "recording", "waiting to be submitted",
+               "submitting", "submitted, not yet running")
 
 
 def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> dict[str, float]:
@@ -188,8 +190,11 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
     Each gap before a stage's GPU span is charged to what that stage's run was doing, in
     :data:`IDLE_CAUSES` order: its run had not started; its CPU stages were running (the
     latest of them to end before the stage's recording began); it waited for the recording
-    thread; it was being recorded; it was recorded but not yet running on the GPU (held
-    for a later submission, being submitted, or queued behind the GPU's own start-up).
+    thread; it was being recorded; it waited to be submitted (held in an open encoder for
+    a later submission, or handed to another thread that had not yet begun submitting);
+    its submission was in the queue's submit call; it was submitted but not yet running
+    (the GPU's own start-up). The submission carrying a stage is taken to be the first
+    ``submit`` span to begin after its recording ended (submissions go out in order).
     The GPU spans come from timestamps, the rest from the host clock; their offset is
     calibrated, so a cause under about 0.1 ms per gap is within the clocks' agreement."""
     events = trace["traceEvents"]
@@ -199,6 +204,7 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
     recorded: dict[tuple[int, str], tuple[float, float]] = {}
     cpu_ends: dict[int, list[float]] = {}
     starts: dict[int, float] = {}
+    submits: list[tuple[float, float]] = []
     for e in events:
         ph, cat = e.get("ph"), e.get("cat")
         if ph == "X" and names.get(e.get("tid")) == "GPU queue":
@@ -207,11 +213,15 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
             recorded[(e["args"]["run"], e["name"])] = (e["ts"], e["ts"] + e["dur"])
         elif ph == "X" and cat == "cpu" and "run" in e.get("args", {}):
             cpu_ends.setdefault(e["args"]["run"], []).append(e["ts"] + e["dur"])
+        elif ph == "X" and cat == "submit":
+            submits.append((e["ts"], e["ts"] + e["dur"]))
         elif ph == "i" and cat == "run":
             m = re.match(r"run (\d+) of ", e["name"])
             if m:
                 starts[int(m.group(1))] = e["ts"]
     gpu.sort(key=lambda e: e["ts"])
+    submits.sort()
+    sub_starts = [a for a, _ in submits]
     out = dict.fromkeys(IDLE_CAUSES, 0.0)
     gaps, busy, end = 0, 0.0, None
     for e in gpu:
@@ -230,8 +240,10 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
             continue
         gaps += 1
         cpu_done = max((t for t in cpu_ends.get(run, ()) if t <= rec[0] + 1.0), default=idle_from)
+        k = bisect.bisect_left(sub_starts, rec[1])
+        sub = submits[k] if k < len(submits) else (a, a)  # no submit spans (an older trace): all "waiting"
         cur = idle_from
-        for cause, mark in zip(IDLE_CAUSES, (starts.get(run, idle_from), cpu_done, rec[0], rec[1], a)):
+        for cause, mark in zip(IDLE_CAUSES, (starts.get(run, idle_from), cpu_done, rec[0], rec[1], sub[0], sub[1], a)):
             mark = min(max(mark, cur), a)
             out[cause] += (mark - cur) / 1e3
             cur = mark

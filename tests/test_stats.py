@@ -96,7 +96,7 @@ async def test_runtime_trace_holds_cpu_gpu_fence_transfer_and_memory_events(tmp_
     assert any(n.startswith("hetero-fence") for n in names)
     events = [e for e in data["traceEvents"] if e["ph"] == "X"]
     cats = {e["cat"] for e in events}
-    assert {"cpu", "gpu-record", "fence", "transfer"} <= cats
+    assert {"cpu", "gpu-record", "fence", "transfer", "submit"} <= cats
     by_name = {(e["cat"], e["name"]) for e in events}
     assert ("cpu", "prep") in by_name and ("gpu-record", "double") in by_name
     if timed:  # lavapipe writes timestamps inside passes: the stage appears on the GPU queue track

@@ -282,12 +282,15 @@ def test_gpu_idle_causes_charges_each_gap_to_the_next_stages_run() -> None:
               {"ph": "i", "pid": 1, "tid": 1, "cat": "run", "name": "run 1 of 'g' starts", "ts": 3000.0, "s": "t"},
               span(2, "cpu", "prep", 0.0, 500.0, run=0), span(3, "gpu-record", "s", 500.0, 500.0, run=0),
               span(9, "gpu", "s", 1000.0, 1000.0, stage="s", run=0),
+              span(3, "submit", "submit #1", 1000.0, 0.0),
               # run 1 starts 1 ms after the GPU went idle, then 1 ms of CPU, 0.5 ms waiting, 1 ms recording,
-              # and 0.25 ms before its GPU span
+              # 0.1 ms before its submission, 0.1 ms submitting and 0.05 ms before its GPU span
               span(2, "cpu", "prep", 3000.0, 1000.0, run=1), span(3, "gpu-record", "s", 4500.0, 1000.0, run=1),
+              span(3, "submit", "submit #2", 5600.0, 100.0),
               span(9, "gpu", "s", 5750.0, 1000.0, stage="s", run=1),
               span(9, "gpu", "s2", 6000.0, 500.0, stage="s2", run=1)]  # inside the one before: no gap
     causes = gpu_idle_causes({"traceEvents": events}, 0.0, 7000.0)
     # the first gap is the window's first millisecond: run 0's CPU stage, then its recording
     assert causes == {"gaps": 2, "busy_ms": 2.0, "run not started": 1.0, "CPU stages": 1.5,
-                      "waiting to be recorded": 0.5, "recording": 1.5, "recorded, not yet running": 0.25}
+                      "waiting to be recorded": 0.5, "recording": 1.5, "waiting to be submitted": 0.1,
+                      "submitting": 0.1, "submitted, not yet running": 0.05}

@@ -336,11 +336,9 @@ class Device:
         return self.submission.submit(command_buffers)
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
-                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False,
-                detach: Callable[[BaseException], None] | None = None) -> None:
+                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False) -> None:
         """Append a command buffer to the ordered batch (see :meth:`Submission.enqueue`)."""
-        self.submission.enqueue(command_buffer, on_done, flush=flush, on_submit=on_submit, locked=locked,
-                                detach=detach)
+        self.submission.enqueue(command_buffer, on_done, flush=flush, on_submit=on_submit, locked=locked)
 
     def flush(self) -> None:
         """Finish open shared encoders, then submit whatever is batched (nothing once closed)."""

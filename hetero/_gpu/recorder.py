@@ -296,7 +296,7 @@ class SharedRecorder(_Budget):
                 self._submitted.append(on_submit)
             self._errors.append(on_error)
             if flush or self._stages >= self.max_stages:
-                self._finish(flush=True, detach=True)
+                self._finish(flush=True)
 
     def abandon(self, settle: Callback) -> None:
         """A failed stage's commands stay in the encoder: settle its tickets once they ran."""
@@ -316,7 +316,7 @@ class SharedRecorder(_Budget):
         """The GPU-time budget is reached (mid-stage, on the recording thread): submit the open encoder now."""
         with self.lock:
             if self._encoder is not None:
-                self._finish(flush=True, detach=True)
+                self._finish(flush=True)
 
     def flush_if_free(self) -> None:
         """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
@@ -334,13 +334,12 @@ class SharedRecorder(_Budget):
         else:
             self.lock.release()
 
-    def _finish(self, *, flush: bool, handoff: Any = None, detach: bool = False) -> None:
+    def _finish(self, *, flush: bool, handoff: Any = None) -> None:
         """Finish the open encoder and enqueue it. ``handoff``: the recorder's lock, held once by
         this thread, which is released in every case: as soon as the submission's lock is held,
-        or when nothing is submitted. Ending the pass, resolving timestamps and finishing are one
-        step: if any fails, every stage recorded into the encoder fails with that error.
-        ``detach``: a submission it causes goes out on the submit thread (the recording thread's
-        own flushes: it records on meanwhile)."""
+        or when nothing is submitted. Ending the pass, resolving timestamps, finishing and the
+        submission this causes are one step: if any fails, every stage recorded into the encoder
+        fails with that error."""
         compute_pass, encoder = self._pass, self._encoder
         done, errors, submitted = self._done, self._errors, self._submitted
         self._pass, self._encoder, self._done, self._errors, self._submitted, self._stages = None, None, [], [], [], 0
@@ -372,8 +371,7 @@ class SharedRecorder(_Budget):
             command_buffer = encoder.finish()
             callbacks = _chain(([calibrate] if calibrate else []) + done)
             if handoff is None:
-                self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted),
-                                  detach=failed if detach else None)
+                self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted))
             else:
                 with self._dev.submission.ordered(handoff):
                     handoff = None

@@ -1,4 +1,4 @@
-"""Submission and fences: one device's queue, its batch of command buffers, its submit and fence threads.
+"""Submission and fences: one device's queue, its batch of command buffers, its fence thread.
 
 Fence design. ``queue.on_submitted_work_done`` raises ``TypeError`` in wgpu 0.32.0,
 so hetero does not use it. Each submission goes through wgpu-native's
@@ -13,13 +13,14 @@ fence thread only after that.
 This reaches below wgpu-py's Python API into its cffi binding, which is why
 pyproject.toml pins wgpu to the tested version.
 
-Submit thread. A submission costs a few hundred microseconds of host time on a large
-GPU (wgpu-native's tracking of every resource the command buffers use, then the
-driver), nearly all of it in C with the GIL released. The recording thread hands the
-batches its own flushes send to a submit thread (``enqueue(detach=)``) and records the
-next stage meanwhile. Order holds: while a handed-over batch waits, every batch goes
-the same way; ``flush()``, ``fence()``, ``submit()`` and ``close()`` return only once
-the handed-over batches were submitted.
+Who submits. Whoever flushes: the recording thread submits its own flushes (a fence, a
+lone run's early submission, the GPU-time split) in the call, and the fence thread the
+batch collected while the GPU was busy. A submission costs a few hundred microseconds of
+host time on a large GPU, nearly all of it in C with the GIL released, so handing it to a
+thread of its own looks free; it is not: that thread needs the GIL before and after the
+call, and the recording thread, replaying the next stage, keeps it. On the H200 a lone
+run's first stage reached the GPU 1.5 ms after it was recorded that way, against 0.46 ms
+submitted in place (BENCHMARKS.md, eleventh session).
 
 Closing. A submission that names a destroyed buffer aborts the process inside
 ``wgpuQueueSubmit``, so teardown and submission exclude each other: every
@@ -92,13 +93,6 @@ class Submission:
         self._batch_callbacks: list[Callable[[], None]] = []
         self._batch_submitted: list[Callable[[int], None]] = []
         self._submit_lock = threading.Lock()
-        # Batches handed to the submit thread (enqueue(detach=True)), not yet submitted: while
-        # any are, every batch goes that way (queue order); _drained is notified when none are.
-        self._detached = 0
-        self._drained = threading.Condition(self._submit_lock)
-        self._handoff: queue.SimpleQueue[tuple[list[Any], list[Callable[[], None]], list[Callable[[int], None]],
-                                               Callable[[BaseException], None] | None] | None] = queue.SimpleQueue()
-        self._submit_thread: threading.Thread | None = None
         self._inflight = 0  # our submissions not yet completed
         self._fence_polling = False  # the fence thread is polling for a submission (see completed())
         # Submission indices: the newest submitted, and the newest known to be complete
@@ -139,23 +133,19 @@ class Submission:
                                      "create a new Runtime")
 
     def submit(self, command_buffers: list[Any]) -> int:
-        """Submit in one call and return the submission index (refused once the device is closed).
-
-        Batches enqueued before are submitted first (those handed to the submit thread too)."""
-        with self._submit_lock:
-            self._drained.wait_for(self._all_submitted)
+        """Submit in one call and return the submission index (refused once the device is closed)."""
         return self._submit_now(command_buffers)
 
-    def _all_submitted(self) -> bool:
-        """No batch waits on the submit thread (read under the submission's lock)."""
-        return not self._detached
-
     def _submit_now(self, command_buffers: list[Any]) -> int:
+        t0 = time.perf_counter_ns() if self.tracer is not None else 0
         handles = self._new_array("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
         with self._queue_lock:
             self._check_open()
             self.check_alive()
             index = int(self._lib.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+        if self.tracer is not None:
+            self.tracer.span(f"submit #{index}", "submit", t0, time.perf_counter_ns(),
+                             args={"command_buffers": len(command_buffers)})
         with self._index_lock:
             if index > self._submitted:
                 self._submitted = index
@@ -231,8 +221,7 @@ class Submission:
             yield
 
     def enqueue(self, command_buffer: Any, on_done: Callable[[], None] | None = None, *,
-                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False,
-                detach: Callable[[BaseException], None] | None = None) -> None:
+                flush: bool = False, on_submit: Callable[[int], None] | None = None, locked: bool = False) -> None:
         """Append a command buffer to the ordered batch; submit when it pays.
 
         Everything enqueued runs in enqueue order, so a stage's consumers may be
@@ -246,10 +235,7 @@ class Submission:
         and submit them together when it completes, when ``max_batch`` are waiting,
         when a fence is awaited, or when the recording workers go idle.
         ``locked``: the caller holds the submission's lock (inside :meth:`ordered`).
-        ``detach``: submit on the submit thread rather than in this call, and report a failed
-        submission to ``detach(error)`` (this call then never raises for it): a submission
-        costs a few hundred microseconds of host time on a large GPU, mostly in wgpu-native
-        with the GIL released, which the recording thread spends recording the next stage.
+        A submission this causes happens in this call (see the module doc, "Who submits").
         """
         with self._submit_lock if not locked else contextlib.nullcontext():
             self._check_open()
@@ -260,7 +246,7 @@ class Submission:
             if on_submit is not None:
                 self._batch_submitted.append(on_submit)
             if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
-                self._flush_locked(detach)
+                self._flush_locked()
 
     @property
     def idle(self) -> bool:
@@ -276,21 +262,12 @@ class Submission:
         with self._submit_lock:
             if self._batch and not self.closed:
                 self._flush_locked()
-            self._drained.wait_for(self._all_submitted)  # submitted, not merely handed over, on return
 
-    def _flush_locked(self, detach: Callable[[BaseException], None] | None = None) -> None:
+    def _flush_locked(self) -> None:
         batch, callbacks, submitted = self._batch, self._batch_callbacks, self._batch_submitted
         self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
         if self.loss.lost is not None:
             return  # submitting on a lost device aborts the process; runs were failed already
-        if detach is not None or self._detached:
-            self._detached += 1
-            self._inflight += 1
-            if self._submit_thread is None:
-                self._submit_thread = threading.Thread(target=self._submit_loop, name="hetero-submit", daemon=True)
-                self._submit_thread.start()
-            self._handoff.put((batch, callbacks, submitted, detach))
-            return
         index = self._submit_now(batch)
         self._inflight += 1
         self._submitted_batch(index, callbacks, submitted)
@@ -306,38 +283,6 @@ class Submission:
         self.on_done(index, self._retired)  # first: the next batch goes out before downloads run
         for cb in callbacks:
             self.on_done(index, cb)
-
-    def _submit_loop(self) -> None:
-        """The submit thread: submit handed-over batches in order (see ``enqueue(detach=)``)."""
-        while True:
-            item = self._handoff.get()
-            if item is None:
-                return
-            batch, callbacks, submitted, on_error = item
-            index: int | None = None
-            failed: BaseException | None = None
-            if self.loss.lost is None:
-                try:
-                    index = self._submit_now(batch)
-                except BaseException as e:  # noqa: BLE001 - reported to the stages that handed it over
-                    failed = e
-            with self._submit_lock:
-                try:
-                    if index is not None:
-                        self._submitted_batch(index, callbacks, submitted)
-                    else:
-                        self._inflight -= 1
-                except BaseException:  # pragma: no cover - a defect: whoever waits for the drain must not hang
-                    log.exception("completing a handed-over submission failed")
-                finally:
-                    self._detached -= 1
-                    if not self._detached:
-                        self._drained.notify_all()
-            if failed is not None and on_error is not None:
-                try:
-                    on_error(failed)
-                except BaseException:  # pragma: no cover - the callback handles its own errors
-                    log.exception("reporting a failed submission failed")
 
     def _retired(self) -> None:
         """On the fence thread: a submission completed; send what was collected meanwhile."""
@@ -500,7 +445,6 @@ class Submission:
             try:
                 if self._batch:
                     self._flush_locked()
-                self._drained.wait_for(self._all_submitted)
             except Exception:  # noqa: BLE001
                 log.debug("hetero: final submission failed", exc_info=True)
             finally:
@@ -510,9 +454,6 @@ class Submission:
                 self._batch, self._batch_callbacks, self._batch_submitted = [], [], []
         # Everything submitted registered its fence before the sentinel: the fence thread
         # returns once all of it completed (and its callbacks, which submit nothing now, ran).
-        if self._submit_thread is not None:
-            self._handoff.put(None)
-            self._submit_thread.join(timeout=CLOSE_WAIT_S)
         self._fences.put(None)
         self._fence_thread.join(timeout=CLOSE_WAIT_S)
 
