@@ -386,8 +386,7 @@ class Run:
             self.holds[i] -= 1
             blocks = self.held.pop(i, None) if self.holds[i] <= 0 else None
         if blocks:
-            for b in blocks:
-                b.pool.release(b)
+            blocks[0].pool.release_many(blocks)  # one pool: see hold()
 
     def recording_done(self) -> None:
         with self.lock:
@@ -403,9 +402,12 @@ class Run:
                 return
             self.cleaned = True
             held, self.held = self.held, {}
+        by_pool: dict[int, list[Any]] = {}
         for blocks in held.values():
             for b in blocks:
-                b.pool.release(b)
+                by_pool.setdefault(id(b.pool), []).append(b)
+        for blocks in by_pool.values():
+            blocks[0].pool.release_many(blocks)
         for i in list(self.open_placements):
             self.sched.placement_done(self, i, None)
         self.sched.run_ended(self)

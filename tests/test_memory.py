@@ -162,6 +162,32 @@ def test_refcounts_and_double_release(pool: BufferPool) -> None:
     assert pool.stats().in_use_bytes == 8192
 
 
+def test_release_many_under_one_lock_runs_waiters_once(pool: BufferPool) -> None:
+    """release_many: every block released (a retained one keeps its other reference), on_free
+    callbacks run once; a list releasing a block more often than it has references, or naming
+    a released one, is refused before any block is released."""
+    a, b, c = (pool.acquire(4096, STORAGE) for _ in range(3))
+    pool.retain(c)
+    woken: list[str] = []
+    pool.on_free(lambda: woken.append("free"))
+    with pytest.raises(RuntimeError, match=r"cannot release a block 2 times with 1 reference"):
+        pool.release_many([a, b, a])
+    assert (a.refcount, b.refcount) == (1, 1) and pool.stats().in_use_bytes == 3 * 4096 and woken == []
+    pool.release_many([a, b, c])
+    assert (a.refcount, b.refcount, c.refcount) == (0, 0, 1)
+    assert pool.stats().in_use_bytes == 4096 and pool.stats().blocks_in_use == 1 and woken == ["free"]
+    with pytest.raises(RuntimeError, match=r"already released"):
+        pool.release_many([c, a])
+    assert c.refcount == 1
+    pool.on_free(lambda: woken.append("again"))
+    pool.release_many([c])
+    assert pool.stats().in_use_bytes == 0 and woken == ["free", "again"]
+    pool.release_many([])  # nothing to do: no callback, no error
+    # the released blocks are handed out again, each once
+    x, y, z = (pool.acquire(4096, STORAGE) for _ in range(3))
+    assert not overlaps(x, y) and not overlaps(y, z) and not overlaps(x, z)
+
+
 def test_blocks_of_another_pool_are_refused(device: Any, pool: BufferPool) -> None:
     other = BufferPool(device)
     b = other.acquire(10, STORAGE)

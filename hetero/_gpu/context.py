@@ -212,10 +212,9 @@ class GPUContext:
 
     def release_blocks(self) -> None:
         """Drop this context's references to its blocks (after submission, or when discarded)."""
-        pool = self._dev.pool
         blocks, self.blocks = self.blocks, []
-        for b in blocks:
-            pool.release(b)
+        if blocks:
+            self._dev.pool.release_many(blocks)
 
     # -- kernels ----------------------------------------------------------------------
     def kernel(self, wgsl: str, entry_point: str = "main", label: str = "",

@@ -92,7 +92,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import wgpu
 
@@ -530,32 +530,52 @@ class BufferPool:
 
     def release(self, block: Block) -> None:
         """Drop a reference; at zero the block returns to the pool and on_free callbacks run."""
-        if block.usage & _MAPPABLE and block._refs == 1 and block.buffer.map_state != "unmapped":
-            raise RuntimeError(
-                f"cannot release a block whose buffer is {block.buffer.map_state}; unmap it first "
-                "(a mapped buffer in a submission aborts the process)"
-            )
+        self.release_many((block,))
+
+    def release_many(self, blocks: Iterable[Block]) -> None:
+        """:meth:`release` for each of ``blocks`` under one lock (a stage's temporaries), on_free
+        callbacks run once. A block that cannot be released raises before any is."""
+        blocks = list(blocks)
+        for block in blocks:
+            if block.usage & _MAPPABLE and block._refs == 1 and block.buffer.map_state != "unmapped":
+                raise RuntimeError(
+                    f"cannot release a block whose buffer is {block.buffer.map_state}; unmap it first "
+                    "(a mapped buffer in a submission aborts the process)"
+                )
+        freed = False
         with self._lock:
-            self._check_owner(block, "release")
-            block._refs -= 1
-            if block._refs:
-                return
-            self._in_use -= block.size
-            self._requested -= block.nbytes
-            self._blocks -= 1
-            self._tick += 1
-            self._generation += 1
-            home = block._home
-            if self._closed:
-                pass  # close() destroyed everything; only the books are kept straight
-            elif isinstance(home, _Slab):
-                home.free.append(block.offset)
-                if len(home.free) == home.nblocks:
+            for block in blocks:
+                self._check_owner(block, "release")
+            if len(blocks) > 1:  # a block listed more often than it has references
+                counts: dict[int, int] = {}
+                for block in blocks:
+                    n = counts[id(block)] = counts.get(id(block), 0) + 1
+                    if n > block._refs:
+                        raise RuntimeError(f"cannot release a block {n} times with {block._refs} reference(s) "
+                                           f"({block!r}); each acquire or retain takes exactly one release")
+            for block in blocks:
+                block._refs -= 1
+                if block._refs:
+                    continue
+                freed = True
+                self._in_use -= block.size
+                self._requested -= block.nbytes
+                self._blocks -= 1
+                self._tick += 1
+                home = block._home
+                if self._closed:
+                    pass  # close() destroyed everything; only the books are kept straight
+                elif isinstance(home, _Slab):
+                    home.free.append(block.offset)
+                    if len(home.free) == home.nblocks:
+                        home.tick = self._tick
+                else:
+                    del self._live_dedicated[id(home)]
                     home.tick = self._tick
-            else:
-                del self._live_dedicated[id(home)]
-                home.tick = self._tick
-                self._free_dedicated.setdefault(home.key, []).append(home)
+                    self._free_dedicated.setdefault(home.key, []).append(home)
+            if not freed:
+                return
+            self._generation += 1
             callbacks, self._callbacks = self._callbacks, []
         self._run(callbacks)
 
