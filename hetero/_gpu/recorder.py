@@ -320,7 +320,9 @@ class SharedRecorder(_Budget):
 
     def flush_if_free(self) -> None:
         """The GPU went idle (on the fence thread): submit committed stages, unless a stage is
-        being recorded right now (its commit will find the GPU idle and submit).
+        being recorded right now. Then they go with that stage if its commit submits (a fence,
+        a large stage or a lone run's, see ``hetero._scheduler``), else with the next stage that
+        does, or when the recording workers run out of stages.
 
         The recorder is held only to finish the encoder: the submission's lock is taken
         before the recorder is let go (so whatever is recorded next is enqueued after this),
