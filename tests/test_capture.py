@@ -95,6 +95,8 @@ async def test_results_equal_with_and_without_capture_over_random_shapes(budget_
             np.testing.assert_array_equal(got[1], want[1])
         assert calls.n == len(set(shapes))
         assert rt.device().captures.stats()["replays"] == 3 * len(shapes) - len(set(shapes))
+        caps = _captures(rt)
+        assert caps and all(_no_dispatch_binds_one_block_twice(c) for c in caps)
 
 
 async def test_fn_runs_once_per_signature_and_a_new_shape_captures_anew(shared_rt: hetero.Runtime) -> None:
@@ -115,6 +117,85 @@ async def test_fn_runs_once_per_signature_and_a_new_shape_captures_anew(shared_r
         np.testing.assert_array_equal(out[0], ref[0])
     assert seen == [(1, "captured"), (1, "replayed"), (2, "captured"), (2, "replayed"), (3, "captured"),
                     (3, "replayed")]
+
+
+def _captures(rt: hetero.Runtime) -> list[Any]:
+    from hetero._gpu.capture import Capture
+
+    return [c for c in rt.device().captures._entries.values() if isinstance(c, Capture)]
+
+
+def _no_dispatch_binds_one_block_twice(cap: Any) -> bool:
+    from hetero._gpu.capture import TEMP
+
+    for op in cap.ops:
+        blocks = [cap.block_of[ref] for kind, ref, _, _ in op.slots if kind == TEMP]
+        if len(set(blocks)) != len(blocks):
+            return False
+    return True
+
+
+async def test_temporaries_whose_lifetimes_do_not_overlap_share_a_block() -> None:
+    """A chain of six temporaries replays in three blocks (one for the odd links, one for the even
+    ones, one for the result), with the results of plain recording, and memory back at the end."""
+    calls = Counter()
+
+    def chain6(gpu: hetero.GPUContext, x: hetero.Tensor) -> hetero.Tensor:
+        calls()
+        t = x
+        for i in range(6):
+            nxt = gpu.empty(x.shape, np.float32)
+            gpu.dispatch(SCALE, -(-x.size // 64), t, nxt, _params(1.0 + i, x.size))
+            t = nxt
+        return t
+
+    def graph6(capture: bool) -> hetero.Graph:
+        g = hetero.Graph("chain6")
+        g.output(g.gpu(chain6, g.input("x"), capture=capture, name="chain"))
+        return g
+
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    want = x
+    for i in range(6):
+        want = (1.0 + i) * want + 1.0
+    async with hetero.Runtime(cpu_threads=1) as rt:
+        for _ in range(3):
+            np.testing.assert_allclose(await rt.run(graph6(True), x=x), want, rtol=1e-6)
+        np.testing.assert_array_equal(await rt.run(graph6(True), x=x), await rt.run(graph6(False), x=x))
+        assert calls.n == 2  # one capture, and the plain run
+        (cap,) = _captures(rt)
+        assert len(cap.temps) == 6 and len(cap.block_bytes) == 3
+        assert cap.block_of == [0, 1, 0, 1, 0, 2] and _no_dispatch_binds_one_block_twice(cap)
+        assert rt.memory_stats().in_use_bytes == 0
+
+
+def test_block_sharing_rules() -> None:
+    """Lifetimes: an upload from the stage's start; overlapping lives never share; a free block that
+    holds the temporary is preferred, else the largest free one grows; a result has its own block."""
+    from hetero._gpu.capture import ARG, TEMP, _Op, _Ref, share_blocks
+
+    def op(*temps: int) -> _Op:
+        return _Op(None, 0, (1, 1, 1), 1, tuple((TEMP, j, 0, 4) for j in temps) + ((ARG, 0, 0, 4),), None, None)
+
+    def temp(nbytes: int, data: Any = None) -> tuple[Any, ...]:
+        return ((nbytes // 4,), np.dtype(np.float32), data, nbytes, nbytes // 4)
+
+    # t0 (made first, used by ops 0-1), t1 (an upload, used by op 3), t2 (made after op 1, op 2),
+    # t3 (made after op 2, the result)
+    ops_ = [op(0), op(0), op(2), op(1, 3)]
+    temps = [temp(64), temp(16, np.zeros(4, np.float32)), temp(256), temp(32)]
+    result = _Ref(TEMP, 3, 0, (8,), np.dtype(np.float32))
+    block_of, sizes = share_blocks(ops_, temps, result, created=[0, 0, 2, 3])
+    # t1 lives from the start (an upload) to op 3: its own block; t2 takes t0's block (free from op 2)
+    # and grows it; t3, the result, gets a block of its own size though t0's is free again
+    assert block_of == [0, 1, 0, 2] and sizes == [256, 16, 32]
+    # without the result: t3 takes the free block that holds it (t0's, grown by t2)
+    block_of, sizes = share_blocks(ops_, temps, None, created=[0, 0, 2, 3])
+    assert block_of == [0, 1, 0, 0] and sizes == [256, 16]
+    # a result made first: nothing made after it shares its block
+    block_of, sizes = share_blocks([op(0), op(1)], [temp(8), temp(8)], _Ref(TEMP, 0, 0, (2,), np.dtype(np.float32)),
+                                 created=[0, 1])
+    assert block_of == [0, 1]
 
 
 async def test_int_dtype_and_aliasing_are_part_of_the_signature(shared_rt: hetero.Runtime) -> None:

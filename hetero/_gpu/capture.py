@@ -16,9 +16,12 @@ be resubmitted, so a replay re-issues the captured dispatches into this run's en
   *constant* (uniform bytes, ``gpu.resident`` tensors, any buffer hetero keeps alive).
   The stage's return value is kept as a template over the same slots.
 * **Replay.** Later runs of the signature do not call ``fn``. Temporaries are taken
-  from the buffer pool as the capture took them (same shapes and dtypes, so memory
-  budget, waits for memory and lifetimes are unchanged), all in one step and each in
-  the buffer the previous replay had where it is free; uploads are re-issued with
+  from the buffer pool all in one step, each pool block in the buffer the previous
+  replay had where it is free. Temporaries whose lifetimes (from their creation, or the
+  stage's start for an upload, to the last dispatch that binds them) do not overlap
+  share a block: no dispatch binds two temporaries of one block, and a stage holds
+  fewer blocks (waits for memory and the budget apply to them as to any block); a
+  temporary in the stage's result has a block of its own. Uploads are re-issued with
   the captured data (through one staging buffer); bind groups are reused from the
   previous replay when every buffer is the same one and the pool destroyed nothing
   since (the common case once runs settle), else found per op or through the bind
@@ -119,15 +122,17 @@ class _Ref:
 class Capture:
     """A stage's captured work for one signature."""
 
-    __slots__ = ("ops", "temps", "result", "workgroups", "work", "consts", "_memo_key", "_memo_groups", "_memo_addrs",
-                 "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
+    __slots__ = ("ops", "temps", "block_of", "block_bytes", "result", "workgroups", "work", "consts", "_memo_key",
+                 "_memo_groups", "_memo_addrs", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
-                 result: Any, consts: list[Any]) -> None:
+                 result: Any, consts: list[Any], created: list[int]) -> None:
         self.ops = ops
         # (shape, dtype, data or None, nbytes, elements): checked when captured, not again per replay
         self.temps = [(shape, dt, data, math.prod(shape) * dt.itemsize, math.prod(shape))
                       for shape, dt, data in temps]
+        # The pool block of each temporary (an index) and each block's bytes (see share_blocks).
+        self.block_of, self.block_bytes = share_blocks(ops, self.temps, result, created)
         self.result = result
         self.workgroups = sum(op.total for op in ops)
         self.work: dict[Any, int] = {}  # workgroups per kernel (the recorder's calibration books)
@@ -143,10 +148,58 @@ class Capture:
         self._op_groups: list[dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = [{} for _ in ops]
         self._op_gen = -1
         self._lock = threading.Lock()
-        # The pool requests (nbytes, size class, slab) of the temporaries, made on the first replay;
+        # The pool requests (nbytes, size class, slab) of the blocks, made on the first replay;
         # and the buffers the last replay got for them, asked for again by the next.
         self._requests: list[tuple[int, int, bool]] | None = None
         self._prefer: list[Any] | None = None
+
+
+def share_blocks(ops: list[_Op], temps: list[tuple[Any, ...]], result: Any,
+                created: list[int]) -> tuple[list[int], list[int]]:
+    """Pool blocks for a stage's temporaries: ``(block of each temporary, bytes of each block)``.
+
+    A temporary lives from the dispatch after its creation (``created[j]``: dispatches
+    captured before it; 0 for an upload, which a replay writes before any dispatch) to the
+    last dispatch that binds it, both included. Temporaries whose lives do not overlap may
+    share a block (so no dispatch binds two of one block); each takes, among the blocks free
+    by its start, the smallest that holds it, else the largest (grown to fit), else a new
+    one. A temporary in the stage's result gets a block of its own, of its own size: that
+    block is held after the stage, until its consumers are recorded.
+    """
+    n = len(temps)
+    start = [0 if temps[j][2] is not None else created[j] for j in range(n)]
+    end = list(start)
+    for i, op in enumerate(ops):
+        for kind, ref, _, _ in op.slots:
+            if kind == TEMP:
+                end[ref] = max(end[ref], i)
+    returned: set[int] = set()
+    map_values(result, lambda r: returned.add(r.ref) if r.kind == TEMP else None, _Ref)
+    block_of = [0] * n
+    sizes: list[int] = []
+    free_from: list[int] = []  # the first dispatch at which each block is free
+    never = len(ops) + 1
+    for j in sorted(range(n), key=lambda j: (start[j], j)):
+        need = temps[j][3]
+        if j in returned:
+            block_of[j] = len(sizes)
+            sizes.append(need)
+            free_from.append(never)
+            continue
+        free = [k for k in range(len(sizes)) if free_from[k] <= start[j]]
+        fits = [k for k in free if sizes[k] >= need]
+        if fits:
+            k = min(fits, key=lambda k: (sizes[k], k))
+        elif free:
+            k = max(free, key=lambda k: (sizes[k], -k))
+            sizes[k] = need
+        else:
+            k = len(sizes)
+            sizes.append(need)
+            free_from.append(0)
+        block_of[j] = k
+        free_from[k] = end[j] + 1
+    return block_of, sizes
 
 
 class CaptureCache:
@@ -258,6 +311,7 @@ class Capturing:
             self._by_buffer.setdefault(id(t.buffer), []).append(i)
         self._temps: list[Tensor] = []
         self._temp_data: list[np.ndarray | None] = []
+        self._created: list[int] = []  # dispatches captured before each temporary was made
         self._temp_of_block: dict[int, int] = {}
         self._ops: list[_Op] = []
         self._consts: dict[int, Any] = {}
@@ -271,6 +325,7 @@ class Capturing:
         self._temp_of_block[id(t.block)] = len(self._temps)
         self._temps.append(t)
         self._temp_data.append(None)
+        self._created.append(len(self._ops))
 
     def on_upload(self, t: Tensor, data: np.ndarray) -> None:
         j = self._temp_of_block[id(t.block)]
@@ -327,7 +382,7 @@ class Capturing:
         if self.reason is not None:
             return _Unreplayable(self.reason)
         temps = [(t.shape, t.dtype, d) for t, d in zip(self._temps, self._temp_data)]
-        return Capture(self._ops, temps, template, list(self._consts.values()))
+        return Capture(self._ops, temps, template, list(self._consts.values()), self._created)
 
 
 # -- replaying ------------------------------------------------------------------------------------
@@ -336,14 +391,15 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     dev = ctx._dev
     requests = cap._requests
     if requests is None:
-        requests = cap._requests = ctx._pool_requests([nbytes for _, _, _, nbytes, _ in cap.temps])
-    # Every temporary in one step, each in the buffer the previous replay had where it is free
+        requests = cap._requests = ctx._pool_requests(cap.block_bytes)
+    # Every block in one step, each in the buffer the previous replay had where it is free
     # (then the bind groups below are that replay's); the captured uploads are written together.
     blocks = ctx._take_many(requests, cap._prefer) if requests else []
     cap._prefer = [b.buffer for b in blocks]
     temps: list[Tensor] = []
     writes: list[tuple[np.ndarray, Any, int]] = []
-    for (shape, dtype, data, nbytes, size), b in zip(cap.temps, blocks):
+    for (shape, dtype, data, nbytes, size), k in zip(cap.temps, cap.block_of):
+        b = blocks[k]
         temps.append(tensor_of(b.buffer, shape, dtype, b.offset, b, size, nbytes))
         if data is not None and nbytes:
             writes.append((data, b.buffer, b.offset))
