@@ -122,8 +122,9 @@ class _Ref:
 class Capture:
     """A stage's captured work for one signature."""
 
-    __slots__ = ("ops", "temps", "block_of", "block_bytes", "result", "workgroups", "work", "consts", "_memo_key",
-                 "_memo_groups", "_memo_addrs", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
+    __slots__ = ("ops", "temps", "block_of", "block_bytes", "uploads", "result", "workgroups", "work", "consts",
+                 "_memo_key", "_memo_groups", "_memo_addrs", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests",
+                 "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
                  result: Any, consts: list[Any], created: list[int]) -> None:
@@ -133,6 +134,9 @@ class Capture:
                       for shape, dt, data in temps]
         # The pool block of each temporary (an index) and each block's bytes (see share_blocks).
         self.block_of, self.block_bytes = share_blocks(ops, self.temps, result, created)
+        # The captured uploads: (data, block index), written at the start of each replay.
+        self.uploads = [(data, k) for (_, _, data, nbytes, _), k in zip(self.temps, self.block_of)
+                        if data is not None and nbytes]
         self.result = result
         self.workgroups = sum(op.total for op in ops)
         self.work: dict[Any, int] = {}  # workgroups per kernel (the recorder's calibration books)
@@ -396,20 +400,15 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     # (then the bind groups below are that replay's); the captured uploads are written together.
     blocks = ctx._take_many(requests, cap._prefer) if requests else []
     cap._prefer = [b.buffer for b in blocks]
-    temps: list[Tensor] = []
-    writes: list[tuple[np.ndarray, Any, int]] = []
-    for (shape, dtype, data, nbytes, size), k in zip(cap.temps, cap.block_of):
-        b = blocks[k]
-        temps.append(tensor_of(b.buffer, shape, dtype, b.offset, b, size, nbytes))
-        if data is not None and nbytes:
-            writes.append((data, b.buffer, b.offset))
-    if writes:
-        ctx._write(writes)
+    # A temporary is its block's start (no Tensor is made for it unless the result holds it).
+    block_of = cap.block_of
+    if cap.uploads:
+        ctx._write([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
     binds = dev.binds
     # Bind groups: those of the previous replay when every buffer is the same (and the pool
     # destroyed none since); else each op's own, by the buffers it binds now; else through
     # the bind cache.
-    key = tuple((t.buffer, t.offset) for t in flat) + tuple((t.buffer, t.offset) for t in temps)
+    key = tuple((t.buffer, t.offset) for t in flat) + tuple((b.buffer, b.offset) for b in blocks)
     with cap._lock:
         same = cap._memo_key == key and cap._memo_gen == binds.generation
         # the groups stay referenced here while their addresses are issued (another replay may swap the memo)
@@ -433,8 +432,8 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
                     t = flat[ref]
                     resources.append((t.buffer, t.offset + off, size))
                 elif kind == TEMP:
-                    t = temps[ref]
-                    resources.append((t.buffer, t.offset + off, size))
+                    b = blocks[block_of[ref]]
+                    resources.append((b.buffer, b.offset + off, size))
                 else:
                     resources.append((ref, off, size))
             if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
@@ -462,8 +461,8 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     def resolve(r: _Ref) -> Tensor:
         n = math.prod(r.shape)
         if r.kind == TEMP:
-            t = temps[r.ref]
-            return tensor_of(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block, n, n * r.dtype.itemsize)
+            b = blocks[block_of[r.ref]]
+            return tensor_of(b.buffer, r.shape, r.dtype, b.offset + r.offset, b, n, n * r.dtype.itemsize)
         if r.kind == ARG:
             t = flat[r.ref]
             return tensor_of(t.buffer, r.shape, r.dtype, t.offset + r.offset, t.block, n, n * r.dtype.itemsize)
