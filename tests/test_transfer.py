@@ -177,6 +177,28 @@ def test_destination_offset(dev: Device, ring: StagingRing, offset: int) -> None
     np.testing.assert_array_equal(download(dev, ring, buf, offset, a.shape, a.dtype), a)
 
 
+def test_copies_go_straight_into_the_encoder(dev: Device) -> None:
+    """passcmd.copy_buffer_to_buffer (the ring's copies): the bytes arrive; misaligned arguments
+    are refused at once; a range past a buffer fails the encoder when it is finished."""
+    from hetero._gpu import passcmd
+
+    src, dst = new_buffer(dev, 256), new_buffer(dev, 256)
+    data = np.arange(64, dtype=np.uint32)
+    dev.device.queue.write_buffer(src, 0, data)
+    enc = dev.device.create_command_encoder()
+    passcmd.copy_buffer_to_buffer(enc, src, 16, dst, 128, 64)
+    submit_wait(dev, enc)
+    got = np.frombuffer(dev.device.queue.read_buffer(dst), np.uint32)
+    np.testing.assert_array_equal(got[32:48], data[4:20])
+    assert not got[:32].any() and not got[48:].any()
+    enc = dev.device.create_command_encoder()
+    with pytest.raises(ValueError, match="multiples of 4"):
+        passcmd.copy_buffer_to_buffer(enc, src, 2, dst, 0, 4)
+    passcmd.copy_buffer_to_buffer(enc, src, 0, dst, 0, 512)  # past both buffers
+    with pytest.raises(wgpu.GPUValidationError, match="overrunning the bounds"):
+        enc.finish()
+
+
 def test_bad_ranges(dev: Device, ring: StagingRing) -> None:
     buf = new_buffer(dev, 64)
     enc = dev.device.create_command_encoder()

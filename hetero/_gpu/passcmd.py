@@ -1,17 +1,20 @@
-"""Compute-pass commands called straight into wgpu-native, for loops that issue many of them.
+"""Recording commands called straight into wgpu-native: compute-pass commands for loops that
+issue many of them, and buffer copies.
 
 Rules:
 
 - These are the raw C functions, called through ``ctypes.PyDLL``, which keeps the GIL. Each
-  only appends a command to an open compute pass (well under a microsecond). A call
-  through cffi (wgpu-py's methods) releases the GIL, and waits to get it back whenever
-  another Python thread runs meanwhile: on the CPU machine a replayed dispatch took 0.75 us
-  alone and 67-102 us beside a busy Python thread through cffi, 1.2 us either way through
-  PyDLL.
-- No per-call error capture: pass commands are validated when the pass ends, and the
-  callers only issue what was validated before (a captured stage's commands, timestamps
-  into the timer's own query set). An error callback wgpu-native made from one of them
-  would run on the calling thread, which holds the GIL.
+  only appends a command to an open compute pass, or (a copy) to a command encoder with no
+  pass open (well under a microsecond). A call through cffi (wgpu-py's methods) releases
+  the GIL, and waits to get it back whenever another Python thread runs meanwhile: on the
+  CPU machine a replayed dispatch took 0.75 us alone and 67-102 us beside a busy Python
+  thread through cffi, 1.2 us either way through PyDLL.
+- No per-call error capture: a command's error invalidates its encoder, which reports it
+  when the pass ends or the encoder is finished (failing every stage recorded into it), and
+  the callers only issue what was validated before (a captured stage's commands,
+  timestamps into the timer's own query set, copies whose ranges the transfer ring
+  checked). An error callback wgpu-native made from one of them would run on the calling
+  thread, which holds the GIL.
 - Handles are integer addresses (:func:`addr`), taken once per object; the object must stay
   alive while its address is in use.
 """
@@ -23,12 +26,12 @@ from typing import Any
 
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib_path as _lib_path
 
-__all__ = ["addr", "dispatch", "set_bind_group", "set_pipeline", "write_timestamp"]
+__all__ = ["addr", "copy_buffer_to_buffer", "dispatch", "set_bind_group", "set_pipeline", "write_timestamp"]
 
 
-def _functions() -> tuple[Any, Any, Any, Any]:
+def _functions() -> tuple[Any, Any, Any, Any, Any]:
     dll = ctypes.PyDLL(_lib_path)
-    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64
     set_pipeline = dll.wgpuComputePassEncoderSetPipeline
     set_pipeline.argtypes, set_pipeline.restype = [vp, vp], None
     set_bind_group = dll.wgpuComputePassEncoderSetBindGroup
@@ -37,10 +40,21 @@ def _functions() -> tuple[Any, Any, Any, Any]:
     dispatch.argtypes, dispatch.restype = [vp, u32, u32, u32], None
     write_timestamp = dll.wgpuComputePassEncoderWriteTimestamp  # needs timestamp-query-inside-passes
     write_timestamp.argtypes, write_timestamp.restype = [vp, vp, u32], None
-    return set_pipeline, set_bind_group, dispatch, write_timestamp
+    copy = dll.wgpuCommandEncoderCopyBufferToBuffer
+    copy.argtypes, copy.restype = [vp, vp, u64, vp, u64, u64], None
+    return set_pipeline, set_bind_group, dispatch, write_timestamp, copy
 
 
-set_pipeline, set_bind_group, dispatch, write_timestamp = _functions()
+set_pipeline, set_bind_group, dispatch, write_timestamp, _copy = _functions()
+
+
+def copy_buffer_to_buffer(encoder: Any, source: Any, source_offset: int, destination: Any, destination_offset: int,
+                          size: int) -> None:
+    """``encoder.copy_buffer_to_buffer(...)`` of wgpu-py objects, keeping the GIL (see the rules above)."""
+    if (source_offset | destination_offset | size) & 3:
+        raise ValueError(f"copy_buffer_to_buffer: offsets and size must be multiples of 4, got {source_offset}, "
+                         f"{destination_offset}, {size}")
+    _copy(addr(encoder), addr(source), source_offset, addr(destination), destination_offset, size)
 
 
 def addr(obj: Any) -> int:

@@ -82,6 +82,7 @@ import wgpu
 from wgpu.backends.wgpu_native.extras import write_timestamp
 
 from . import passcmd
+from .passcmd import copy_buffer_to_buffer as _copy
 from .staging import map_detached, poll_now
 
 __all__ = ["ClockAlignment", "GPUSpan", "GPUTimer", "TimerFrame", "TimerTicket", "timestamp_period"]
@@ -324,7 +325,7 @@ class TimerFrame:
                         continue
                     offset = chunk * CHUNK * 8  # a multiple of 256, as resolve_query_set requires
                     encoder.resolve_query_set(timer.query_set, chunk * CHUNK, used, timer.resolve_buffer, offset)
-                    encoder.copy_buffer_to_buffer(timer.resolve_buffer, offset, buffer, k * CHUNK * 8, used * 8)
+                    _copy(encoder, timer.resolve_buffer, offset, buffer, k * CHUNK * 8, used * 8)
             except BaseException:
                 timer._give_back(buffer)
                 raise

@@ -91,6 +91,7 @@ import numpy as np
 import wgpu
 
 from .hostcopy import HostCopies, Prefaulted, PREFAULT_MIN
+from .passcmd import copy_buffer_to_buffer as _copy
 from .staging import (AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, StagingPool, loop_on_this_thread,
                       map_detached, pad4)
 from ..errors import GPUError
@@ -297,7 +298,7 @@ class StagingRing:
                                   lambda stagings: self.copies.fill(stagings, chunks, a))
         try:
             for s, (offset, length) in zip(stagings, chunks):
-                encoder.copy_buffer_to_buffer(s.buffer, 0, dst_buffer, dst_offset + offset, pad4(length))
+                _copy(encoder, s.buffer, 0, dst_buffer, dst_offset + offset, pad4(length))
         except BaseException:
             self.pool.forget(stagings)  # the encoder may hold them: drop, never reuse
             raise
@@ -340,7 +341,7 @@ class StagingRing:
         try:
             for (a, buf, off), start in zip(items, starts):
                 if a.nbytes:
-                    encoder.copy_buffer_to_buffer(s.buffer, start, buf, off, pad4(a.nbytes))
+                    _copy(encoder, s.buffer, start, buf, off, pad4(a.nbytes))
         except BaseException:
             self.pool.forget([s])  # the encoder may hold it: drop, never reuse
             raise
@@ -383,7 +384,7 @@ class StagingRing:
             raise
         try:
             for s, (offset, length) in zip(stagings, chunks):
-                encoder.copy_buffer_to_buffer(src_buffer, src_offset + offset, s.buffer, 0, pad4(length))
+                _copy(encoder, src_buffer, src_offset + offset, s.buffer, 0, pad4(length))
         except BaseException:
             self.pool.forget(stagings)
             raise
