@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import gc
 import threading
 import time
 from typing import Any
@@ -833,6 +834,34 @@ async def test_a_lone_run_submits_enough_recorded_work_while_the_gpu_is_idle() -
     assert sa.submitted is not None and sb.started is not None and sb.submitted is not None
     assert sa.submitted < sb.submitted and sb.started < sb.submitted  # a went out on its own, first
     assert submissions == 2
+
+
+async def test_the_fence_thread_lets_go_of_submitted_encoders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared recorder's command encoders, passes and command buffers are released (a call into
+    wgpu-native that lets the GIL go) in the fence thread's housekeeping, not on the recording thread."""
+    from wgpu.backends.wgpu_native import _api
+
+    threads: dict[str, set[str]] = {}
+    real = _api.GPUObjectBase._release
+
+    def spy(self: Any) -> None:
+        if self._internal is not None:
+            threads.setdefault(type(self).__name__, set()).add(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(_api.GPUObjectBase, "_release", spy)
+    x = np.arange(1000, dtype=np.float32)
+    async with hetero.Runtime() as rt:
+        np.testing.assert_allclose(await rt.run(chain(3), x=x), 8.0 * x)
+        gc.collect()
+        threads.clear()  # opening the device submits work of its own (the timer's clock alignment)
+        for _ in range(3):
+            np.testing.assert_allclose(await rt.run(chain(3), x=x), 8.0 * x)
+        gc.collect()
+    for kind in ("GPUCommandEncoder", "GPUComputePassEncoder", "GPUCommandBuffer"):
+        assert threads.get(kind), kind
+        assert not any(t.startswith("hetero-gpu") for t in threads[kind]), (kind, threads[kind])
+    assert "hetero-fence" in threads["GPUCommandEncoder"]
 
 
 async def test_a_failed_submission_fails_its_stages(monkeypatch: pytest.MonkeyPatch) -> None:

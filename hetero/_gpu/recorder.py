@@ -261,6 +261,7 @@ class SharedRecorder(_Budget):
         self.lock = threading.RLock()  # held while a stage records, and to finish the encoder
         self._encoder: Any = None
         self._pass: Any = None
+        self._ended: list[Any] = []  # passes ended in the open encoder, let go with it (see _finish)
         self._stages = 0
         self._done: list[Callback] = []
         self._errors: list[ErrorCallback] = []
@@ -274,6 +275,7 @@ class SharedRecorder(_Budget):
         with self.lock:
             if self._pass is not None:
                 self._pass.end()
+                self._ended.append(self._pass)
                 self._pass = None
             if self._encoder is None:
                 self._encoder = self._dev.device.create_command_encoder(label="hetero-shared")
@@ -342,9 +344,10 @@ class SharedRecorder(_Budget):
         or when nothing is submitted. Ending the pass, resolving timestamps, finishing and the
         submission this causes are one step: if any fails, every stage recorded into the encoder
         fails with that error."""
-        compute_pass, encoder = self._pass, self._encoder
+        compute_pass, encoder, ended = self._pass, self._encoder, self._ended
         done, errors, submitted = self._done, self._errors, self._submitted
         self._pass, self._encoder, self._done, self._errors, self._submitted, self._stages = None, None, [], [], [], 0
+        self._ended = []
         calibrate = self._calibration()
         self._reset_budget()
         if encoder is None:
@@ -371,7 +374,10 @@ class SharedRecorder(_Budget):
             if timing is not None:
                 calibrate = _chain([c for c in (calibrate, timing) if c is not None])
             command_buffer = encoder.finish()
-            callbacks = _chain(([calibrate] if calibrate else []) + done)
+            # the pass and the encoder are let go on the fence thread (see Submission.drop_later)
+            keep = [compute_pass, encoder, *ended]
+            del compute_pass, encoder
+            callbacks = _chain(([calibrate] if calibrate else []) + done + [self._dev.submission.drop_later(keep)])
             if handoff is None:
                 self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted))
             else:

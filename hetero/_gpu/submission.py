@@ -271,6 +271,7 @@ class Submission:
         index = self._submit_now(batch)
         self._inflight += 1
         self._submitted_batch(index, callbacks, submitted)
+        self.on_done(index, self.drop_later(batch))  # its command buffers are released by the fence thread
 
     def _submitted_batch(self, index: int, callbacks: list[Callable[[], None]],
                          submitted: list[Callable[[int], None]]) -> None:
@@ -339,6 +340,19 @@ class Submission:
         self._deferred.append(callback)
         if len(self._deferred) >= MAX_DEFERRED:
             self._run_deferred()
+
+    def drop_later(self, objects: list[Any]) -> Callable[[], None]:
+        """A fence callback after which ``objects`` (wgpu-py objects a submission used: command
+        buffers, encoders, passes) are let go in the fence thread's housekeeping.
+
+        Letting one go calls into wgpu-native through cffi, which releases the GIL and, on the
+        recording thread, waits to get it back whenever another Python thread runs; a replayed
+        run lets go of six. The list is emptied then; until then it keeps them alive.
+        """
+        def drop() -> None:
+            self.defer(objects.clear)
+
+        return drop
 
     def _run_deferred(self) -> None:
         while self._deferred:
