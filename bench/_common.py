@@ -178,6 +178,53 @@ def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
 
 
+class TraceIndex:
+    """What :func:`gpu_idle_causes` and :func:`lone_timeline` read of a hetero trace (the JSON of
+    ``Runtime(trace=..., trace_dispatches=False)``), by run where the events name one."""
+
+    def __init__(self, trace: dict[str, Any]) -> None:
+        events = trace["traceEvents"]
+        names = {e["tid"]: e.get("args", {}).get("name") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        self.starts: dict[int, float] = {}  # run -> its start instant
+        self.gpu: list[dict[str, Any]] = []  # per-stage GPU spans (the "GPU queue" track), by start
+        self.recorded: dict[tuple[int, str], tuple[float, float]] = {}  # (run, stage) -> its recording
+        self.cpu: dict[int, list[tuple[str, float]]] = {}  # run -> (CPU stage, end)
+        self.submits: list[tuple[float, float]] = []  # queue submissions, by start
+        self.downloads: list[float] = []  # the ends of downloads, in order
+        for e in events:
+            ph, cat = e.get("ph"), e.get("cat")
+            if ph == "i" and cat == "run":
+                m = re.match(r"run (\d+) of ", e["name"])
+                if m:
+                    self.starts[int(m.group(1))] = e["ts"]
+                continue
+            if ph != "X":
+                continue
+            a, b = e["ts"], e["ts"] + e["dur"]
+            run = e.get("args", {}).get("run")
+            if names.get(e.get("tid")) == "GPU queue":
+                self.gpu.append(e)
+            elif cat == "submit":
+                self.submits.append((a, b))
+            elif cat == "transfer" and e["name"] == "download":
+                self.downloads.append(b)
+            elif run is not None and cat == "gpu-record":
+                self.recorded[(run, e["name"])] = (a, b)
+            elif run is not None and cat == "cpu":
+                self.cpu.setdefault(run, []).append((e["name"], b))
+        self.gpu.sort(key=lambda e: e["ts"])
+        self.submits.sort()
+        self.downloads.sort()
+        self._submit_starts = [a for a, _ in self.submits]
+
+    def submission_after(self, t: float) -> tuple[float, float] | None:
+        """The submission that carried a stage recorded until ``t``: the first to begin after it
+        (submissions go out in order); None if there is none (or the trace has no submit spans)."""
+        k = bisect.bisect_left(self._submit_starts, t)
+        return self.submits[k] if k < len(self.submits) else None
+
+
 # What the run whose stage ran next was doing while the GPU idled (gpu_idle_causes), in its order.
 IDLE_CAUSES = ("run not started", "CPU stages", "waiting to be recorded", "recording", "waiting to be submitted",
                "submitting", "submitted, not yet running")
@@ -194,38 +241,14 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
     thread; it was being recorded; it waited to be submitted (held in an open encoder for
     a later submission, or handed to another thread that had not yet begun submitting);
     its submission was in the queue's submit call; it was submitted but not yet running
-    (the GPU's own start-up). The submission carrying a stage is taken to be the first
-    ``submit`` span to begin after its recording ended (submissions go out in order).
+    (the GPU's own start-up). The submission carrying a stage is
+    :meth:`TraceIndex.submission_after` its recording.
     The GPU spans come from timestamps, the rest from the host clock; their offset is
     calibrated, so a cause under about 0.1 ms per gap is within the clocks' agreement."""
-    events = trace["traceEvents"]
-    names = {e["tid"]: e.get("args", {}).get("name") for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu: list[dict[str, Any]] = []
-    recorded: dict[tuple[int, str], tuple[float, float]] = {}
-    cpu_ends: dict[int, list[float]] = {}
-    starts: dict[int, float] = {}
-    submits: list[tuple[float, float]] = []
-    for e in events:
-        ph, cat = e.get("ph"), e.get("cat")
-        if ph == "X" and names.get(e.get("tid")) == "GPU queue":
-            gpu.append(e)
-        elif ph == "X" and cat == "gpu-record":
-            recorded[(e["args"]["run"], e["name"])] = (e["ts"], e["ts"] + e["dur"])
-        elif ph == "X" and cat == "cpu" and "run" in e.get("args", {}):
-            cpu_ends.setdefault(e["args"]["run"], []).append(e["ts"] + e["dur"])
-        elif ph == "X" and cat == "submit":
-            submits.append((e["ts"], e["ts"] + e["dur"]))
-        elif ph == "i" and cat == "run":
-            m = re.match(r"run (\d+) of ", e["name"])
-            if m:
-                starts[int(m.group(1))] = e["ts"]
-    gpu.sort(key=lambda e: e["ts"])
-    submits.sort()
-    sub_starts = [a for a, _ in submits]
+    ix = TraceIndex(trace)
     out = dict.fromkeys(IDLE_CAUSES, 0.0)
     gaps, busy, end = 0, 0.0, None
-    for e in gpu:
+    for e in ix.gpu:
         a, b = e["ts"], e["ts"] + e["dur"]
         if b <= since_us or a >= until_us:
             end = b if end is None else max(end, b)
@@ -236,15 +259,15 @@ def gpu_idle_causes(trace: dict[str, Any], since_us: float, until_us: float) -> 
         if a <= idle_from or "run" not in e.get("args", {}):
             continue
         run = e["args"]["run"]
-        rec = recorded.get((run, e["name"]))
+        rec = ix.recorded.get((run, e["name"]))
         if rec is None:
             continue
         gaps += 1
-        cpu_done = max((t for t in cpu_ends.get(run, ()) if t <= rec[0] + 1.0), default=idle_from)
-        k = bisect.bisect_left(sub_starts, rec[1])
-        sub = submits[k] if k < len(submits) else (a, a)  # no submit spans (an older trace): all "waiting"
+        cpu_done = max((t for _, t in ix.cpu.get(run, ()) if t <= rec[0] + 1.0), default=idle_from)
+        sub = ix.submission_after(rec[1]) or (a, a)  # no submit spans (an older trace): all "waiting"
         cur = idle_from
-        for cause, mark in zip(IDLE_CAUSES, (starts.get(run, idle_from), cpu_done, rec[0], rec[1], sub[0], sub[1], a)):
+        steps = (ix.starts.get(run, idle_from), cpu_done, rec[0], rec[1], sub[0], sub[1], a)
+        for cause, mark in zip(IDLE_CAUSES, steps):
             mark = min(max(mark, cur), a)
             out[cause] += (mark - cur) / 1e3
             cur = mark
@@ -257,40 +280,17 @@ def lone_timeline(trace: dict[str, Any], calls: list[tuple[int, int]]) -> dict[s
     from the call's start, in order, plus ``calls`` (how many were matched to exactly one run).
 
     Marks: the run's start; each CPU stage done; each GPU stage's recording (start and end),
-    its submission (the end of the first ``submit`` span to begin after its recording ended)
-    and its GPU span; the last download done; the call's return."""
-    events = trace["traceEvents"]
+    its submission (the end of :meth:`TraceIndex.submission_after` its recording) and its GPU
+    span; the last download done; the call's return."""
+    ix = TraceIndex(trace)
     origin = trace["otherData"]["origin_perf_counter_ns"]
-    names = {e["tid"]: e.get("args", {}).get("name") for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    starts: dict[int, float] = {}
-    spans: dict[int, list[tuple[str, float, float]]] = {}
-    submits: list[tuple[float, float]] = []
-    downloads: list[float] = []
-    for e in events:
-        ph, cat = e.get("ph"), e.get("cat")
-        if ph == "i" and cat == "run":
-            m = re.match(r"run (\d+) of ", e["name"])
-            if m:
-                starts[int(m.group(1))] = e["ts"]
-            continue
-        if ph != "X":
-            continue
-        a, b = e["ts"], e["ts"] + e["dur"]
-        run = e.get("args", {}).get("run")
-        if cat == "submit":
-            submits.append((a, b))
-        elif cat == "transfer" and e["name"] == "download":
-            downloads.append(b)
-        elif run is not None and cat == "cpu":
-            spans.setdefault(run, []).append((f"{e['name']} done", b, b))
-        elif run is not None and cat == "gpu-record":
-            spans.setdefault(run, []).append((f"{e['name']} recording", a, b))
-        elif run is not None and names.get(e.get("tid")) == "GPU queue":
-            spans.setdefault(run, []).append((f"{e['name']} on the GPU", a, b))
-    submits.sort()
-    sub_starts = [a for a, _ in submits]
-    downloads.sort()
+    recorded: dict[int, list[tuple[str, float, float]]] = {}
+    for (run, stage), (x, y) in ix.recorded.items():
+        recorded.setdefault(run, []).append((stage, x, y))
+    on_gpu: dict[int, list[tuple[str, float, float]]] = {}
+    for e in ix.gpu:
+        if "run" in e.get("args", {}):
+            on_gpu.setdefault(e["args"]["run"], []).append((e["name"], e["ts"], e["ts"] + e["dur"]))
     marks: dict[str, list[float]] = {}
 
     def note(mark: str, us: float) -> None:
@@ -299,28 +299,26 @@ def lone_timeline(trace: dict[str, Any], calls: list[tuple[int, int]]) -> dict[s
     matched = 0
     for t0, t1 in calls:
         a, b = (t0 - origin) / 1e3, (t1 - origin) / 1e3
-        runs = [r for r, ts in starts.items() if a <= ts <= b]
+        runs = [r for r, ts in ix.starts.items() if a <= ts <= b]
         if len(runs) != 1:
             continue
         matched += 1
         run = runs[0]
-        note("run starts", starts[run] - a)
-        for mark, x, y in spans.get(run, ()):
-            if mark.endswith(" done"):
-                note(mark, y - a)
-            elif mark.endswith(" recording"):
-                stage = mark[:-len(" recording")]
-                note(f"{stage} recording starts", x - a)
-                note(f"{stage} recorded", y - a)
-                k = bisect.bisect_left(sub_starts, y)
-                if k < len(submits) and submits[k][1] <= b:
-                    note(f"{stage} submitted", submits[k][1] - a)
-            else:
-                note(f"{mark} from", x - a)
-                note(f"{mark} until", y - a)
-        k = bisect.bisect_right(downloads, b) - 1
-        if k >= 0 and downloads[k] >= a:
-            note("downloaded", downloads[k] - a)
+        note("run starts", ix.starts[run] - a)
+        for name, y in ix.cpu.get(run, ()):
+            note(f"{name} done", y - a)
+        for stage, x, y in recorded.get(run, ()):
+            note(f"{stage} recording starts", x - a)
+            note(f"{stage} recorded", y - a)
+            sub = ix.submission_after(y)
+            if sub is not None and sub[1] <= b:
+                note(f"{stage} submitted", sub[1] - a)
+        for stage, x, y in on_gpu.get(run, ()):
+            note(f"{stage} on the GPU from", x - a)
+            note(f"{stage} on the GPU until", y - a)
+        k = bisect.bisect_right(ix.downloads, b) - 1
+        if k >= 0 and ix.downloads[k] >= a:
+            note("downloaded", ix.downloads[k] - a)
         note("call returns", b - a)
     medians = sorted(((m, float(statistics.median(v))) for m, v in marks.items()), key=lambda kv: kv[1])
     return {"calls": matched, **{m: round(v, 1) for m, v in medians}}

@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -146,42 +146,52 @@ def percentiles(ms: list[float]) -> dict[str, float]:
             "mean_ms": round(float(np.mean(ms)), 3)}
 
 
-def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
-                   capture: bool) -> tuple[list[float], list[dict[str, Any]]]:
-    """Milliseconds per one-sentence ``aembed`` call, after a warm pass over the same sentences,
-    and each stage's median timeline over the timed calls (``rt.stats()``: ms from the run's start)."""
+def lone_calls(texts: list[str], model: Any, args: argparse.Namespace, on_call: Callable[[Any, int, int], None],
+               **runtime: Any) -> None:
+    """One-sentence ``aembed`` calls on a ``Runtime(placement=--placement, **runtime)``: one per
+    sentence to warm up (every shape captured), then one per sentence timed, each after the
+    ``--latency-gap`` pause; ``on_call(rt, start_ns, end_ns)`` after each timed call."""
     import anyio
 
     import hetero
     from hetero.pipelines.embed import aembed
 
-    times: list[float] = []
-    marks = ("started", "recorded", "submitted", "completed")
-    stages: dict[str, dict[str, Any]] = {}
-
     async def main() -> None:
-        async with hetero.Runtime(capture=capture, placement=args.placement) as rt:
+        async with hetero.Runtime(placement=args.placement, **runtime) as rt:
             for timed in (False, True):
                 for s in texts:
                     if args.latency_gap:
                         await anyio.sleep(args.latency_gap / 1e3)
-                    t0 = time.perf_counter()
+                    t0 = time.perf_counter_ns()
                     await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
                     if timed:
-                        times.append((time.perf_counter() - t0) * 1e3)
-                        for st in rt.stats().stages:
-                            row = stages.setdefault(st.name, {"kind": st.kind, **{m: [] for m in marks}})
-                            for m in marks:
-                                v = getattr(st, m + "_s")
-                                if v is not None:
-                                    row[m].append(v * 1e3)
+                        on_call(rt, t0, time.perf_counter_ns())
 
     anyio.run(main)
+
+
+def hetero_latency(texts: list[str], model: Any, args: argparse.Namespace,
+                   capture: bool) -> tuple[list[float], list[dict[str, Any]]]:
+    """Milliseconds per one-sentence ``aembed`` call (:func:`lone_calls`), and each stage's median
+    timeline over the timed calls (``rt.stats()``: ms from the run's start)."""
+    times: list[float] = []
+    marks = ("started", "recorded", "submitted", "completed")
+    stages: dict[str, dict[str, Any]] = {}
+
+    def on_call(rt: Any, t0: int, t1: int) -> None:
+        times.append((t1 - t0) / 1e6)
+        for st in rt.stats().stages:
+            row = stages.setdefault(st.name, {"kind": st.kind, **{m: [] for m in marks}})
+            for m in marks:
+                v = getattr(st, m + "_s")
+                if v is not None:
+                    row[m].append(v * 1e3)
+
+    lone_calls(texts, model, args, on_call, capture=capture)
     timeline = [{"stage": name, "kind": row["kind"],
                  **{f"{m}_ms": round(float(np.median(row[m])), 3) for m in marks if row[m]}}
                 for name, row in stages.items()]
     return times, timeline
-
 
 
 def traced_pass(texts: list[str], model: Any, args: argparse.Namespace, flight: dict[str, int], path: Path,
@@ -240,27 +250,10 @@ def profile(texts: list[str], model: Any, args: argparse.Namespace, flight: dict
 
 def traced_lone_calls(texts: list[str], model: Any, args: argparse.Namespace,
                       path: Path) -> tuple[dict[str, Any], list[tuple[int, int]]]:
-    """One-sentence ``aembed`` calls on a Runtime traced per stage, after a warm call per sentence:
-    the trace, and each timed call's ``(start, end)`` in ``perf_counter_ns``."""
-    import anyio
-
-    import hetero
-    from hetero.pipelines.embed import aembed
-
+    """:func:`lone_calls` on a Runtime traced per stage: the trace, and each timed call's
+    ``(start, end)`` in ``perf_counter_ns``."""
     calls: list[tuple[int, int]] = []
-
-    async def main() -> None:
-        async with hetero.Runtime(trace=path, trace_dispatches=False, placement=args.placement) as rt:
-            for timed in (False, True):
-                for s in texts:
-                    if args.latency_gap:
-                        await anyio.sleep(args.latency_gap / 1e3)
-                    t0 = time.perf_counter_ns()
-                    await aembed([s], model=model, runtime=rt, int8=args.int8, progress=False)
-                    if timed:
-                        calls.append((t0, time.perf_counter_ns()))
-
-    anyio.run(main)
+    lone_calls(texts, model, args, lambda rt, t0, t1: calls.append((t0, t1)), trace=path, trace_dispatches=False)
     return json.loads(path.read_text()), calls
 
 
