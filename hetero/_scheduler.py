@@ -402,12 +402,9 @@ class Run:
                 return
             self.cleaned = True
             held, self.held = self.held, {}
-        by_pool: dict[int, list[Any]] = {}
-        for blocks in held.values():
-            for b in blocks:
-                by_pool.setdefault(id(b.pool), []).append(b)
-        for blocks in by_pool.values():
-            blocks[0].pool.release_many(blocks)
+        blocks = [b for value in held.values() for b in value]
+        if blocks:
+            blocks[0].pool.release_many(blocks)  # a run's blocks are its device's
         for i in list(self.open_placements):
             self.sched.placement_done(self, i, None)
         self.sched.run_ended(self)

@@ -177,8 +177,8 @@ def test_block_sharing_rules() -> None:
     def op(*temps: int) -> _Op:
         return _Op(None, 0, (1, 1, 1), 1, tuple((TEMP, j, 0, 4) for j in temps) + ((ARG, 0, 0, 4),), None, None)
 
-    def temp(nbytes: int, data: Any = None) -> tuple[Any, ...]:
-        return ((nbytes // 4,), np.dtype(np.float32), data, nbytes, nbytes // 4)
+    def temp(nbytes: int, data: Any = None) -> tuple[int, Any]:
+        return (nbytes, data)
 
     # t0 (made first, used by ops 0-1), t1 (an upload, used by op 3), t2 (made after op 1, op 2),
     # t3 (made after op 2, the result)

@@ -126,17 +126,14 @@ class Capture:
                  "_memo_key", "_memo_groups", "_memo_addrs", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests",
                  "_prefer")
 
-    def __init__(self, ops: list[_Op], temps: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray | None]],
-                 result: Any, consts: list[Any], created: list[int]) -> None:
+    def __init__(self, ops: list[_Op], temps: list[tuple[int, np.ndarray | None]], result: Any,
+                 consts: list[Any], created: list[int]) -> None:
         self.ops = ops
-        # (shape, dtype, data or None, nbytes, elements): checked when captured, not again per replay
-        self.temps = [(shape, dt, data, math.prod(shape) * dt.itemsize, math.prod(shape))
-                      for shape, dt, data in temps]
+        self.temps = temps  # (bytes, captured upload or None) of each temporary
         # The pool block of each temporary (an index) and each block's bytes (see share_blocks).
-        self.block_of, self.block_bytes = share_blocks(ops, self.temps, result, created)
+        self.block_of, self.block_bytes = share_blocks(ops, temps, result, created)
         # The captured uploads: (data, block index), written at the start of each replay.
-        self.uploads = [(data, k) for (_, _, data, nbytes, _), k in zip(self.temps, self.block_of)
-                        if data is not None and nbytes]
+        self.uploads = [(data, k) for (nbytes, data), k in zip(temps, self.block_of) if data is not None and nbytes]
         self.result = result
         self.workgroups = sum(op.total for op in ops)
         self.work: dict[Any, int] = {}  # workgroups per kernel (the recorder's calibration books)
@@ -158,9 +155,10 @@ class Capture:
         self._prefer: list[Any] | None = None
 
 
-def share_blocks(ops: list[_Op], temps: list[tuple[Any, ...]], result: Any,
-                created: list[int]) -> tuple[list[int], list[int]]:
-    """Pool blocks for a stage's temporaries: ``(block of each temporary, bytes of each block)``.
+def share_blocks(ops: list[_Op], temps: list[tuple[int, np.ndarray | None]], result: Any,
+                 created: list[int]) -> tuple[list[int], list[int]]:
+    """Pool blocks for a stage's temporaries, given as ``(bytes, captured upload or None)``:
+    ``(block of each temporary, bytes of each block)``.
 
     A temporary lives from the dispatch after its creation (``created[j]``: dispatches
     captured before it; 0 for an upload, which a replay writes before any dispatch) to the
@@ -171,7 +169,7 @@ def share_blocks(ops: list[_Op], temps: list[tuple[Any, ...]], result: Any,
     block is held after the stage, until its consumers are recorded.
     """
     n = len(temps)
-    start = [0 if temps[j][2] is not None else created[j] for j in range(n)]
+    start = [0 if temps[j][1] is not None else created[j] for j in range(n)]
     end = list(start)
     for i, op in enumerate(ops):
         for kind, ref, _, _ in op.slots:
@@ -184,7 +182,7 @@ def share_blocks(ops: list[_Op], temps: list[tuple[Any, ...]], result: Any,
     free_from: list[int] = []  # the first dispatch at which each block is free
     never = len(ops) + 1
     for j in sorted(range(n), key=lambda j: (start[j], j)):
-        need = temps[j][3]
+        need = temps[j][0]
         if j in returned:
             block_of[j] = len(sizes)
             sizes.append(need)
@@ -385,14 +383,13 @@ class Capturing:
         template = map_values(result, ref, Tensor)
         if self.reason is not None:
             return _Unreplayable(self.reason)
-        temps = [(t.shape, t.dtype, d) for t, d in zip(self._temps, self._temp_data)]
+        temps = [(t.nbytes, d) for t, d in zip(self._temps, self._temp_data)]
         return Capture(self._ops, temps, template, list(self._consts.values()), self._created)
 
 
 # -- replaying ------------------------------------------------------------------------------------
 def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
-    dev = ctx._dev
     requests = cap._requests
     if requests is None:
         requests = cap._requests = ctx._pool_requests(cap.block_bytes)
@@ -404,57 +401,8 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     block_of = cap.block_of
     if cap.uploads:
         ctx._write([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
-    binds = dev.binds
-    # Bind groups: those of the previous replay when every buffer is the same (and the pool
-    # destroyed none since); else each op's own, by the buffers it binds now; else through
-    # the bind cache.
-    key = tuple((t.buffer, t.offset) for t in flat) + tuple((b.buffer, b.offset) for b in blocks)
-    with cap._lock:
-        same = cap._memo_key == key and cap._memo_gen == binds.generation
-        # the groups stay referenced here while their addresses are issued (another replay may swap the memo)
-        memo, alive = (cap._memo_addrs, cap._memo_groups) if same else (None, None)
-    if memo is None:
-        gen = binds.generation
-        stable = all(binds.is_stable(t.buffer) for t in flat)
-        with cap._lock:
-            if cap._op_gen != gen:
-                cap._op_groups = [{} for _ in cap.ops]
-                cap._op_gen = gen
-            caches = cap._op_groups
-        groups: list[Any] = []
-        for op, cache in zip(cap.ops, caches):
-            if op.group is not None:
-                groups.append(op.group)
-                continue
-            resources = []
-            for kind, ref, off, size in op.slots:
-                if kind == ARG:
-                    t = flat[ref]
-                    resources.append((t.buffer, t.offset + off, size))
-                elif kind == TEMP:
-                    b = blocks[block_of[ref]]
-                    resources.append((b.buffer, b.offset + off, size))
-                else:
-                    resources.append((ref, off, size))
-            if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
-                groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
-                continue
-            rkey = tuple((id(b), o) for b, o, _ in resources)
-            hit = cache.get(rkey)
-            if hit is None:
-                group = binds.bind_group((op.kernel.key, 0), op.layout, resources)
-                if len(cache) >= _OP_GROUPS:
-                    cache.clear()
-                cache[rkey] = (group, tuple(b for b, _, _ in resources))  # the buffers: their ids stay theirs
-                groups.append(group)
-            else:
-                groups.append(hit[0])
-        memo = [_addr(g) for g in groups]
-        if stable:
-            with cap._lock:
-                cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, memo, gen
-        alive = groups
-    _issue(ctx, cap, memo)
+    addrs, alive = _bind_groups(ctx._dev.binds, cap, flat, blocks)
+    _issue(ctx, cap, addrs)
     del alive
     ctx.workgroups += cap.workgroups
 
@@ -469,6 +417,60 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
         return Tensor(r.ref, r.shape, r.dtype, r.offset)
 
     return map_values(cap.result, resolve, _Ref)
+
+
+def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]) -> tuple[list[int], list[Any]]:
+    """Each op's bind group over this replay's arguments and blocks: their native addresses, and the
+    groups (to keep referenced while the addresses are issued: another replay may swap the memo).
+
+    Those of the previous replay when every buffer is the same (and the bind cache destroyed
+    none since); else each op's own, by the buffers it binds now; else through the bind cache.
+    """
+    key = tuple((t.buffer, t.offset) for t in flat) + tuple((b.buffer, b.offset) for b in blocks)
+    with cap._lock:
+        if cap._memo_key == key and cap._memo_gen == binds.generation:
+            return cap._memo_addrs, cap._memo_groups
+    gen = binds.generation
+    stable = all(binds.is_stable(t.buffer) for t in flat)
+    with cap._lock:
+        if cap._op_gen != gen:
+            cap._op_groups = [{} for _ in cap.ops]
+            cap._op_gen = gen
+        caches = cap._op_groups
+    block_of = cap.block_of
+    groups: list[Any] = []
+    for op, cache in zip(cap.ops, caches):
+        if op.group is not None:
+            groups.append(op.group)
+            continue
+        resources = []
+        for kind, ref, off, size in op.slots:
+            if kind == ARG:
+                t = flat[ref]
+                resources.append((t.buffer, t.offset + off, size))
+            elif kind == TEMP:
+                b = blocks[block_of[ref]]
+                resources.append((b.buffer, b.offset + off, size))
+            else:
+                resources.append((ref, off, size))
+        if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
+            groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
+            continue
+        rkey = tuple((id(b), o) for b, o, _ in resources)
+        hit = cache.get(rkey)
+        if hit is None:
+            group = binds.bind_group((op.kernel.key, 0), op.layout, resources)
+            if len(cache) >= _OP_GROUPS:
+                cache.clear()
+            cache[rkey] = (group, tuple(b for b, _, _ in resources))  # the buffers: their ids stay theirs
+            groups.append(group)
+        else:
+            groups.append(hit[0])
+    addrs = [_addr(g) for g in groups]
+    if stable:
+        with cap._lock:
+            cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, addrs, gen
+    return addrs, groups
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:

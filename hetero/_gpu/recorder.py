@@ -376,7 +376,6 @@ class SharedRecorder(_Budget):
             command_buffer = encoder.finish()
             # the pass and the encoder are let go on the fence thread (see Submission.drop_later)
             keep = [compute_pass, encoder, *ended]
-            del compute_pass, encoder
             callbacks = _chain(([calibrate] if calibrate else []) + done + [self._dev.submission.drop_later(keep)])
             if handoff is None:
                 self._dev.enqueue(command_buffer, callbacks, flush=flush, on_submit=_chain_submitted(submitted))
