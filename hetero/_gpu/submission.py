@@ -488,7 +488,9 @@ FENCE_SPIN_MIN_CPUS = 8
 # the queue's fence lock until the submission completes, and every wgpuQueueSubmit from
 # another thread waits for it (gfx-rs/wgpu#9470, fixed after 29). Why it is off: on the H200
 # neither a lone run nor served batches got faster with it (BENCHMARKS.md, "Wave 2 on the
-# H200, seventh session"), and on a software GPU the poller takes CPU the GPU needs.
+# H200, seventh session"; again with 256 served clients offered 7,000-11,000 requests/s in
+# five alternated pairs, twelfth session, though there the fence thread sat in its blocking
+# poll a third of the time), and on a software GPU the poller takes CPU the GPU needs.
 FENCE_POLL_MAX_S = 0.001
 
 
