@@ -836,9 +836,11 @@ async def test_a_lone_run_submits_enough_recorded_work_while_the_gpu_is_idle() -
     assert submissions == 2
 
 
-async def test_the_fence_thread_lets_go_of_submitted_encoders(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shared recorder's command encoders, passes and command buffers are released (a call into
-    wgpu-native that lets the GIL go) in the fence thread's housekeeping, not on the recording thread."""
+@pytest.mark.parametrize("gpu_threads", [1, 2])  # one shared encoder; an encoder per stage
+async def test_the_fence_thread_lets_go_of_submitted_encoders(monkeypatch: pytest.MonkeyPatch,
+                                                              gpu_threads: int) -> None:
+    """The recorders' command encoders, passes and command buffers are released (a call into
+    wgpu-native that lets the GIL go) in the fence thread's housekeeping, not on a recording thread."""
     from wgpu.backends.wgpu_native import _api
 
     threads: dict[str, set[str]] = {}
@@ -851,7 +853,7 @@ async def test_the_fence_thread_lets_go_of_submitted_encoders(monkeypatch: pytes
 
     monkeypatch.setattr(_api.GPUObjectBase, "_release", spy)
     x = np.arange(1000, dtype=np.float32)
-    async with hetero.Runtime() as rt:
+    async with hetero.Runtime(gpu_threads=gpu_threads) as rt:
         np.testing.assert_allclose(await rt.run(chain(3), x=x), 8.0 * x)
         gc.collect()
         threads.clear()  # opening the device submits work of its own (the timer's clock alignment)

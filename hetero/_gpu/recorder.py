@@ -199,6 +199,7 @@ class StageRecorder(_Budget):
         self._dev = device
         self._encoder: Any = None
         self._pass: Any = None
+        self._ended: list[Any] = []  # passes ended in the open encoder, let go with it (see _enqueue)
         self.lock: AbstractContextManager[Any] = nullcontext()
         self._reset_budget()
         self._init_timing()
@@ -208,6 +209,7 @@ class StageRecorder(_Budget):
         """The encoder, with no pass open (ready for copies or a pass of the caller's)."""
         if self._pass is not None:
             self._pass.end()
+            self._ended.append(self._pass)
             self._pass = None
         if self._encoder is None:
             self._encoder = self._dev.device.create_command_encoder()
@@ -223,25 +225,29 @@ class StageRecorder(_Budget):
     def commit(self, on_done: Callback | None, on_error: ErrorCallback, *, flush: bool,
                on_submit: SubmitCallback | None = None) -> None:
         """The stage is recorded: finish its encoder and enqueue it (raises if that fails)."""
-        calibrate = self._calibration()
-        encoder, self._encoder = self.encoder, None
-        self._reset_budget()
-        timing = self._resolve_timing(encoder)
-        command_buffer = encoder.finish()
-        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, timing, on_done) if c is not None]),
-                          flush=flush, on_submit=on_submit)
+        self._enqueue(on_done, flush=flush, on_submit=on_submit)
 
     def split(self) -> None:
         """The GPU-time budget is reached mid-stage: submit what the stage recorded so far."""
+        self._enqueue(None, flush=True)
+
+    def _enqueue(self, on_done: Callback | None, *, flush: bool, on_submit: SubmitCallback | None = None) -> None:
+        """Finish the open encoder and enqueue it; it and its passes are let go on the fence
+        thread (see Submission.drop_later), as the shared recorder's are."""
         calibrate = self._calibration()
         encoder, self._encoder = self.encoder, None
+        ended, self._ended = self._ended, []
         self._reset_budget()
         timing = self._resolve_timing(encoder)
-        self._dev.enqueue(encoder.finish(), _chain([c for c in (calibrate, timing) if c is not None]), flush=True)
+        command_buffer = encoder.finish()
+        drop = self._dev.submission.drop_later([encoder, *ended])
+        self._dev.enqueue(command_buffer, _chain([c for c in (calibrate, timing, on_done, drop) if c is not None]),
+                          flush=flush, on_submit=on_submit)
 
     def abandon(self, settle: Callback) -> None:
         """The stage failed before commit: nothing of it will run, settle at once."""
         self._encoder = self._pass = None
+        self._ended = []
         if self._frame is not None:
             self._frame.discard()
         settle()

@@ -270,20 +270,15 @@ class Submission:
             return  # submitting on a lost device aborts the process; runs were failed already
         index = self._submit_now(batch)
         self._inflight += 1
-        self._submitted_batch(index, callbacks, submitted)
-        self.on_done(index, self.drop_later(batch))  # its command buffers are released by the fence thread
-
-    def _submitted_batch(self, index: int, callbacks: list[Callable[[], None]],
-                         submitted: list[Callable[[int], None]]) -> None:
-        """Batch ``index`` went out (under the submission's lock): its callbacks, and fences in index order."""
         if submitted:
             now = time.perf_counter_ns()
             for on_submit in submitted:
                 on_submit(now)
         self.submissions += 1
-        self.on_done(index, self._retired)  # first: the next batch goes out before downloads run
-        for cb in callbacks:
-            self.on_done(index, cb)
+        # One fence per submission (fences are registered in index order, under this lock): first
+        # the next batch goes out, before downloads run; then the stages' callbacks, in order;
+        # then the batch's command buffers are let go in the fence thread's housekeeping.
+        self.on_done(index, _each([self._retired, *callbacks, self.drop_later(batch)]))
 
     def _retired(self) -> None:
         """On the fence thread: a submission completed; send what was collected meanwhile."""
@@ -492,6 +487,19 @@ FENCE_SPIN_MIN_CPUS = 8
 # five alternated pairs, twelfth session, though there the fence thread sat in its blocking
 # poll a third of the time), and on a software GPU the poller takes CPU the GPU needs.
 FENCE_POLL_MAX_S = 0.001
+
+
+def _each(callbacks: list[Callable[[], None]]) -> Callable[[], None]:
+    """One fence callback that runs ``callbacks`` in order, each whatever the others raised
+    (as separate fences would)."""
+    def run() -> None:
+        for cb in callbacks:
+            try:
+                cb()
+            except BaseException:  # pragma: no cover - callbacks handle their own errors
+                log.exception("fence callback failed")
+
+    return run
 
 
 # The one work-done callback of every device's submissions. userdata1 carries the
