@@ -20,44 +20,17 @@ Rules (the notes of :mod:`hetero._gpu.transfer` say why):
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
-import sys
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import wgpu
 from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding (non-blocking polls)
 
 from ..errors import GPUError, RuntimeClosedError
+from .bufmap import MapRequest, request_map
 
-__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "map_detached", "pad4",
-           "poll_now"]
-
-
-def map_detached(buffer: Any, mode: str, offset: int = 0, size: int | None = None) -> Any:
-    """``buffer.map_async(...)`` whose promise is bound to no event loop.
-
-    wgpu-py binds a promise to the event loop running on the thread that makes it, and
-    calls into that loop when the promise resolves. hetero only ever waits on its map
-    promises with ``sync_wait``, and a staging buffer may be mapped on the loop's thread
-    and resolved by a device poll after that loop ended (trio then raises RunFinishedError
-    inside the poll, an unraisable error in whatever runs next). So the binding is cut.
-    """
-    promise = buffer.map_async(mode, offset, size) if (offset or size is not None) else buffer.map_async(mode)
-    promise._call_soon_threadsafe = None  # wgpu 0.32's GPUPromise: resolve without a loop
-    return promise
-
-
-def poll_now(device: Any) -> None:
-    """Resolve, on this thread, the maps of buffers whose GPU work has already finished.
-
-    Call it after ``map_async`` and before ``sync_wait``. Left to itself, wgpu-py resolves
-    maps on its poll thread, which may be blocked in a poll that returns only once the
-    GPU has drained every submission in flight: a map of finished work would wait that
-    long (the whole queue, not its own submission).
-    """
-    _api.libf.wgpuDevicePoll(device._internal, False, _api.ffi.NULL)
+__all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "MIN_CLASS", "Staging", "StagingPool", "pad4"]
 
 
 log = logging.getLogger("hetero")
@@ -73,40 +46,28 @@ def pad4(nbytes: int) -> int:
     return (nbytes + 3) & ~3
 
 
-def loop_on_this_thread() -> bool:
-    # wgpu-py binds a promise to the event loop of the thread that creates it (found
-    # through the thread's async-generator hooks); such promises resolve on that loop.
-    return sys.get_asyncgen_hooks()[0] is not None
-
-
 class Staging:
     """One pooled staging buffer and the map it may have pending."""
 
-    __slots__ = ("buffer", "direction", "future", "promise", "size")
+    __slots__ = ("buffer", "direction", "map", "size")
 
     def __init__(self, buffer: Any, direction: str, size: int) -> None:
         self.buffer = buffer
         self.direction = direction  # "up" or "down"
         self.size = size
-        self.promise: Any = None  # a pending map_async promise
-        self.future: concurrent.futures.Future[None] | None = None  # a map requested on the executor
+        self.map: MapRequest | None = None  # a map requested and not yet waited for
 
     @property
     def idle(self) -> bool:
         """Unmapped with no map pending: the only state allowed in a submission."""
-        return self.promise is None and self.future is None and self.buffer.map_state == "unmapped"
+        return self.map is None and self.buffer.map_state == "unmapped"
 
 
 
 class StagingPool:
-    """Free staging buffers of one ``wgpu.GPUDevice``, and the counts of all it made.
+    """Free staging buffers of one ``wgpu.GPUDevice``, and the counts of all it made."""
 
-    ``executor()`` gives the thread pool that requests maps which must not resolve on the
-    calling thread's event loop (see ``recycle``).
-    """
-
-    def __init__(self, device: wgpu.GPUDevice, *, chunk_bytes: int, max_pooled_bytes: int | None,
-                 executor: Callable[[], concurrent.futures.ThreadPoolExecutor]) -> None:
+    def __init__(self, device: wgpu.GPUDevice, *, chunk_bytes: int, max_pooled_bytes: int | None) -> None:
         self._cap_grows = max_pooled_bytes is None
         if max_pooled_bytes is None:
             max_pooled_bytes = DEFAULT_POOLED_BYTES
@@ -116,7 +77,6 @@ class StagingPool:
         self.max_buffer_size = int(device.limits["max-buffer-size"])
         self.chunk_bytes = chunk_bytes
         self.max_pooled_bytes = max_pooled_bytes
-        self._executor = executor
         # Re-entrant: a finalizer (garbage collection) may run while this thread holds it.
         self.lock = threading.RLock()
         self._free: dict[tuple[str, int], collections.deque[Staging]] = {}
@@ -221,16 +181,13 @@ class StagingPool:
 
     def wait_mapped(self, s: Staging) -> None:
         """Make a free upload buffer mapped for writing (finishing the map complete() requested)."""
-        if s.future is not None:
-            s.future.result()
-            s.future = None
-        if s.promise is None and s.buffer.map_state == "unmapped":  # after discard()
-            s.promise = map_detached(s.buffer, "WRITE")
+        if s.map is None and s.buffer.map_state == "unmapped":  # after discard()
+            s.map = request_map(s.buffer, "WRITE")
             self.poll()
-        if s.promise is not None:
-            promise, s.promise = s.promise, None
+        if s.map is not None:
+            request, s.map = s.map, None
             try:
-                promise.sync_wait()
+                request.wait()
             except Exception as e:
                 raise GPUError(f"could not map a {s.size}-byte staging buffer for writing: {e}") from e
 
@@ -256,19 +213,10 @@ class StagingPool:
         if not keep:
             return keep
         remaps = [s for s in keep if remap and s.direction == "up" and s.buffer.map_state == "unmapped"]
-        if remaps and not loop_on_this_thread():
-            for s in remaps:
-                s.promise = map_detached(s.buffer, "WRITE")
+        for s in remaps:
+            s.map = request_map(s.buffer, "WRITE")
+        if remaps:
             self.poll()
-        elif remaps:
-            # Requested here, the maps would resolve on this thread's event loop: request
-            # them on a copy thread (or, with the ring closing, let _acquire map lazily).
-            try:
-                executor = self._executor()
-                for s in remaps:
-                    s.future = executor.submit(self._request_write_map, s)
-            except RuntimeError:
-                pass
         with self.lock:
             closed = self.closed
             if not closed:
@@ -294,26 +242,20 @@ class StagingPool:
                 out.append(s)
         return out
 
-    def _request_write_map(self, s: Staging) -> None:
-        s.promise = map_detached(s.buffer, "WRITE")
-        self.poll()
-
     def settle(self, stagings: list[Staging]) -> tuple[list[Staging], list[Staging]]:
         """Finish pending maps and unmap: (now unmapped, failed to map and so unusable)."""
         ok: list[Staging] = []
         bad: list[Staging] = []
         for s in stagings:
             try:
-                if s.future is not None:
-                    s.future.result()
-                if s.promise is not None:
-                    s.promise.sync_wait()
+                if s.map is not None:
+                    s.map.wait()
                 if s.buffer.map_state == "mapped":
                     s.buffer.unmap()
                 ok.append(s)
             except Exception:  # pragma: no cover - a failed map (device lost)
                 bad.append(s)
-            s.future = s.promise = None
+            s.map = None
         return ok, bad
 
     def destroy(self, s: Staging) -> None:
@@ -329,7 +271,8 @@ class StagingPool:
             self._live_bytes -= sum(s.size for s in stagings)
 
     def poll(self) -> None:
-        poll_now(self.device)
+        """One non-blocking device poll on this thread: resolves the maps of buffers whose work finished."""
+        _api.libf.wgpuDevicePoll(self.device._internal, False, _api.ffi.NULL)
 
     def release_mapped(self, s: Staging) -> None:
         # A finalizer: it runs on whichever thread dropped the last array, possibly in the

@@ -83,7 +83,7 @@ from wgpu.backends.wgpu_native.extras import write_timestamp
 
 from . import passcmd
 from .passcmd import copy_buffer_to_buffer as _copy
-from .staging import map_detached, poll_now
+from .bufmap import request_map
 
 __all__ = ["ClockAlignment", "GPUSpan", "GPUTimer", "TimerFrame", "TimerTicket", "timestamp_period"]
 
@@ -442,18 +442,14 @@ class GPUTimer:
 
         Maps the ticket's buffer (its submission has completed, so this does not wait for
         other work), then recycles it. Spans with an unwritten query are left out. The map
-        submits nothing first (``READ_NOSYNC``): a submission from this thread, the fence
-        thread, would wait for whatever poll another thread is blocked in. It is resolved by
-        a poll on this thread (``poll_now``), not by wgpu-py's poll thread, which may be
-        blocked until every submission in flight has finished.
+        (:func:`~hetero._gpu.bufmap.request_map`) submits nothing first and is resolved by a
+        poll on this thread.
         """
         if ticket is None or ticket._done:
             return []
         try:
             buf = ticket.buffer
-            promise = map_detached(buf, "READ_NOSYNC")
-            poll_now(self.device)
-            promise.sync_wait()
+            request_map(buf, "READ").wait()
             try:
                 raw = np.frombuffer(buf.read_mapped(0, ticket.nbytes), np.uint64)
             finally:
@@ -495,7 +491,7 @@ class GPUTimer:
         command_buffer = encoder.finish()
         t0 = time.perf_counter_ns()
         send([command_buffer])
-        ticket.buffer.map_sync(wgpu.MapMode.READ)  # returns once this submission completed
+        request_map(ticket.buffer, "READ").wait()  # returns once this submission completed
         t1 = time.perf_counter_ns()
         ticket.buffer.unmap()
         spans = self.read(ticket)  # maps again, without waiting

@@ -34,9 +34,9 @@ Design.
   path, and the next ``upload()`` finds them ready. Free download buffers are unmapped;
   ``complete()`` on a download ticket starts mapping them, so ``read()`` finds them mapped.
 - Maps are requested only for buffers whose submission finished, and followed by one
-  non-blocking device poll on the same thread, which resolves them at once. (A map
-  requested while the copy still runs is left to wgpu-py's poll thread, which blocks
-  until the *newest* submission finished.)
+  non-blocking device poll on the same thread, which resolves them at once. They are
+  wgpu-native's own (:mod:`~hetero._gpu.bufmap`): a map through wgpu-py wakes its poll
+  thread into blocking polls, which hold up every submission until the GPU drained.
 - A copied download of ``PREFAULT_MIN`` (16 MiB) or more allocates the array that
   ``read()`` returns when it is recorded, and the copy threads touch its pages while
   the GPU copies: a fresh array's page faults otherwise cost as much as the copy-out.
@@ -73,10 +73,9 @@ Threading. ``upload``, ``download``, ``complete``, ``read`` and ``discard`` may 
 from any thread. A staging buffer belongs to one ticket, one zero-copy array or the free
 pool at a time, and only its holder touches its wgpu-py wrapper (which has no locks; a
 dead zero-copy array's buffer is only queued, and the ring's next call unmaps it);
-the pool has one lock and each ticket its own. wgpu-py resolves a map promise on the
-event loop of the thread that *created* it when that thread runs one, which could race
-with another thread's ``sync_wait``; so maps that are not waited for at once are
-requested from threads without an event loop, or handed to the ring's executor.
+the pool has one lock and each ticket its own. Maps go through
+:func:`~hetero._gpu.bufmap.request_map`, bound to no thread or event loop: whichever
+thread polls the device resolves them.
 """
 
 from __future__ import annotations
@@ -92,8 +91,8 @@ import wgpu
 
 from .hostcopy import HostCopies, Prefaulted, PREFAULT_MIN
 from .passcmd import copy_buffer_to_buffer as _copy
-from .staging import (AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, StagingPool, loop_on_this_thread,
-                      map_detached, pad4)
+from .bufmap import request_map
+from .staging import AUTO_ZERO_COPY_MIN, DEFAULT_POOLED_BYTES, Staging, StagingPool, pad4
 from ..errors import GPUError
 
 __all__ = ["AUTO_ZERO_COPY_MIN", "DEFAULT_POOLED_BYTES", "PREFAULT_MIN", "StagingRing", "Ticket"]
@@ -189,10 +188,9 @@ class Ticket:
                 self._ring.pool.recycle(self._detach(), remap=True)
                 return
             self._state = "completed"
-            if not loop_on_this_thread():  # else read() maps, on the thread that waits
-                for s, n in self._chunks:
-                    s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
-                self._ring.pool.poll()
+            for s, n in self._chunks:
+                s.map = request_map(s.buffer, "READ", 0, pad4(n))
+            self._ring.pool.poll()
 
     def read(self, shape: int | Sequence[int], dtype: Any, *, out: np.ndarray | None = None) -> np.ndarray:
         """The downloaded bytes as an array of ``shape`` and ``dtype``.
@@ -261,8 +259,7 @@ class StagingRing:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.copies = HostCopies(copy_threads=copy_threads, chunk_bytes=chunk_bytes)
-        self.pool = StagingPool(device, chunk_bytes=chunk_bytes, max_pooled_bytes=max_pooled_bytes,
-                                executor=self.copies.executor)
+        self.pool = StagingPool(device, chunk_bytes=chunk_bytes, max_pooled_bytes=max_pooled_bytes)
         from wgpu.backends.wgpu_native import _api  # wgpu-native's cffi binding (raw mapped pointers)
 
         self._ffi: Any = _api.ffi
@@ -456,17 +453,17 @@ class StagingRing:
         """Map download buffers (finishing what complete() requested); on failure drop them and raise."""
         requested = False
         for s, n in chunks:
-            if s.promise is None and s.buffer.map_state == "unmapped":
-                s.promise = map_detached(s.buffer, "READ_NOSYNC", 0, pad4(n))
+            if s.map is None and s.buffer.map_state == "unmapped":
+                s.map = request_map(s.buffer, "READ", 0, pad4(n))
                 requested = True
         if requested:
             self.pool.poll()
         failed: BaseException | None = None
         for s, _ in chunks:
-            promise, s.promise = s.promise, None
+            request, s.map = s.map, None
             try:
-                if promise is not None:
-                    promise.sync_wait()
+                if request is not None:
+                    request.wait()
             except Exception as e:
                 failed = failed or e
         if failed is not None:
