@@ -641,6 +641,19 @@ def _order(texts: list[str]) -> np.ndarray:
     return np.argsort([-len(t) for t in texts], kind="stable")
 
 
+def _check_sizes(batch_size: int, max_in_flight: int) -> None:
+    for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"embed: {name} must be an integer >= 1, got {v!r}")
+
+
+async def _batch_graph(m: Model, runtime: MapRuntime, int8: bool, batch_size: int, n: int) -> hetero.Graph:
+    """The graph that embeds batches of ``batch_size`` of ``n`` texts on ``runtime``."""
+    cpu = await _offers_cpu(runtime)
+    return embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH,
+                           loop_tokenize=n <= LOOP_TOKENIZE_MAX)
+
+
 async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                         batch_size: int = 32, runtime: MapRuntime, max_in_flight: int = MAX_IN_FLIGHT,
                         int8: bool = False) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
@@ -650,16 +663,12 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     ``max_in_flight`` batches at once, so later batches are tokenized while the GPU
     encodes this one. ``int8``: see :func:`embed`.
     """
-    for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"embed: {name} must be an integer >= 1, got {v!r}")
+    _check_sizes(batch_size, max_in_flight)
     items = _check_texts(texts)
     m = get_model(model)
     order = _order(items)
     chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    cpu = await _offers_cpu(runtime)
-    g = embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH,
-                        loop_tokenize=len(items) <= LOOP_TOKENIZE_MAX)
+    g = await _batch_graph(m, runtime, int8, batch_size, len(items))
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
     results = runtime.map(g, inputs, max_in_flight=max_in_flight)
@@ -684,6 +693,12 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
     items = _check_texts(texts)
     m = get_model(model)
     out = np.zeros((len(items), m.dim), np.float32)
+    if items and len(items) <= batch_size and isinstance(runtime, hetero.Runtime) and not progress:
+        # One batch (a lone sentence's call takes a few ms): one run, in the caller's order,
+        # without map()'s generators and a progress bar.
+        _check_sizes(batch_size, max_in_flight)
+        out[:] = await runtime.run(await _batch_graph(m, runtime, int8, batch_size, len(items)), texts=items)
+        return out
     if progress is None:
         progress = len(items) >= PROGRESS_MIN_TEXTS and sys.stderr.isatty()
     bar = tqdm(total=len(items), unit="sentence", desc="embed", disable=not progress)
