@@ -187,6 +187,11 @@ def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray
         raise TypeError("tokenize: texts must be a sequence of str")
     encs = _encode(model, texts)
     b = len(encs)
+    if b == 1:  # a lone sentence (the latency path): no padding, four arrays of one row
+        ids = np.array(encs[0].ids, np.int32)[None]
+        s = ids.shape[1]
+        return (ids, np.array(encs[0].type_ids, np.int32)[None], np.arange(s, dtype=np.int32)[None],
+                np.ones((1, s), np.int32))
     # The model's tokenizer never pads, so every token is real: the mask follows from
     # the lengths. Flat fills keep this GIL-holding part short (0.9 ms for 128 sentences
     # on the CPU machine, against 1.9 ms row by row): GPU stages record meanwhile on

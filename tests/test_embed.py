@@ -564,3 +564,15 @@ def test_graphs_offer_cpu_implementations_where_placement_may_choose_them() -> N
             hetero.Runtime(cpu_threads=1, placement="gpu") as gpu:
         emulated = auto.device().summary["type"].lower() == "cpu"  # lavapipe where the suite runs without a GPU
         assert (offers_cpu(auto), offers_cpu(cpu), offers_cpu(gpu), offers_cpu(object())) == (emulated, True, False, False)
+
+
+def test_one_text_tokenizes_as_its_row_of_a_batch(tiny: Model) -> None:
+    """tokenize() of one text (its own path) gives the arrays of that text's row in a batch of
+    equal texts: same values, int32, C-contiguous, shape [1, S]."""
+    for text in ("", "a", "The quick brown fox jumps over the lazy dog.", "x " * 300):
+        one = tokenize([text], tiny)
+        two = tokenize([text, text], tiny)
+        assert len(one) == len(two) == 4
+        for a, b in zip(one, two):
+            assert a.dtype == np.int32 and a.flags.c_contiguous and a.shape == (1, b.shape[1])
+            np.testing.assert_array_equal(a[0], b[0])
