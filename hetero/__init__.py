@@ -31,7 +31,8 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     fence       Fence: awaiting a submission from asyncio or trio
 #     pool        the buffer pool            bindcache  uniforms, bind groups
 #     transfer    StagingRing, Ticket: uploads and downloads through staging buffers, built on
-#                 staging (the pool of staging buffers) and hostcopy (copies on the copy threads)
+#                 staging (the pool of staging buffers) and hostcopy (copies on the copy threads);
+#                 bufmap maps staging buffers through wgpu-native directly
 #     grid        TDR-safe dispatch splitting, the cost model   timing  GPU timestamps
 #     tensor      Tensor                     wgsl       what hetero reads of WGSL
 #
