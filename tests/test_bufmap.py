@@ -82,3 +82,27 @@ def test_a_failed_map_raises(shared_rt: hetero.Runtime) -> None:
 def test_bad_mode() -> None:
     with pytest.raises(ValueError, match="READ' or 'WRITE"):
         request_map(object(), "READ_NOSYNC")
+
+
+def test_a_refused_remap_leaves_the_buffer_pooled_and_mapped_later(shared_rt: hetero.Runtime,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """If requesting an upload buffer's write map fails when it comes back (e.g. the device is
+    going away), recycle() still pools it, and the next acquire() maps it."""
+    from hetero._gpu import staging
+
+    pool = staging.StagingPool(shared_rt.device().device, chunk_bytes=1 << 20, max_pooled_bytes=None)
+    s = pool.acquire("up", 1000)
+    s.buffer.unmap()  # as after an upload was recorded and submitted
+    real = staging.request_map
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(staging, "request_map", refuse)
+    assert pool.recycle([s], remap=True) == [s]
+    assert s.map is None and s.buffer.map_state == "unmapped"
+    monkeypatch.setattr(staging, "request_map", real)
+    again = pool.acquire("up", 1000)
+    assert again is s and s.buffer.map_state == "mapped"
+    pool.recycle([s], remap=False)
+    pool.close()

@@ -214,7 +214,10 @@ class StagingPool:
             return keep
         remaps = [s for s in keep if remap and s.direction == "up" and s.buffer.map_state == "unmapped"]
         for s in remaps:
-            s.map = request_map(s.buffer, "WRITE")
+            try:
+                s.map = request_map(s.buffer, "WRITE")
+            except Exception:  # noqa: BLE001 - e.g. the device is gone: wait_mapped() asks again
+                log.debug("staging pool: could not request a write map", exc_info=True)
         if remaps:
             self.poll()
         with self.lock:
