@@ -695,13 +695,13 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
                  batch_size: int = 32, runtime: MapRuntime, int8: bool = False,
                  progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
+    _check_sizes(batch_size, max_in_flight)
     items = _check_texts(texts)
     m = get_model(model)
     out = np.zeros((len(items), m.dim), np.float32)
     if items and len(items) <= batch_size and isinstance(runtime, hetero.Runtime) and not progress:
         # One batch (a lone sentence's call takes a few ms): one run, in the caller's order,
         # without map()'s generators and a progress bar.
-        _check_sizes(batch_size, max_in_flight)
         out[:] = await runtime.run(await _batch_graph(m, runtime, int8, batch_size, len(items)), texts=items)
         return out
     if progress is None:

@@ -1016,3 +1016,22 @@ def test_wgpu_promise_poller_polls_without_blocking(monkeypatch: pytest.MonkeyPa
                 dev.device.create_buffer_with_data(data=data, usage=usage)), np.float32), data)
         finally:
             dev.close()
+
+
+def test_a_failing_fence_callback_does_not_keep_the_next_from_running(caplog: pytest.LogCaptureFixture) -> None:
+    """A recorder's chained fence callbacks (calibration, timestamp reads, the stages' own) each
+    run whatever an earlier one raised: a stage's completion must never be skipped."""
+    from hetero._gpu.recorder import _chain
+
+    ran: list[str] = []
+
+    def boom() -> None:
+        ran.append("boom")
+        raise RuntimeError("timestamp read failed")
+
+    chained = _chain([boom, lambda: ran.append("done"), lambda: ran.append("drop")])
+    assert chained is not None
+    with caplog.at_level("ERROR", logger="hetero"):
+        chained()
+    assert ran == ["boom", "done", "drop"]
+    assert "fence callback failed" in caplog.text

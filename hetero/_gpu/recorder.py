@@ -36,6 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._trace import GPU_DISPATCHES, GPU_QUEUE
+from .submission import each
 
 if TYPE_CHECKING:
     from .device import Device
@@ -397,16 +398,10 @@ class SharedRecorder(_Budget):
 
 
 def _chain(callbacks: list[Callback]) -> Callback | None:
+    """One fence callback for several (a failing one does not keep the others from running)."""
     if not callbacks:
         return None
-    if len(callbacks) == 1:
-        return callbacks[0]
-
-    def run_all() -> None:
-        for cb in callbacks:
-            cb()
-
-    return run_all
+    return callbacks[0] if len(callbacks) == 1 else each(callbacks)
 
 
 def _chain_submitted(callbacks: list[SubmitCallback]) -> SubmitCallback | None:

@@ -183,8 +183,7 @@ class StagingPool:
         """Make a free upload buffer mapped for writing (finishing the map complete() requested)."""
         if s.map is None and s.buffer.map_state == "unmapped":  # after discard()
             s.map = request_map(s.buffer, "WRITE")
-            self.poll()
-        if s.map is not None:
+        if s.map is not None:  # wait() polls until it resolves
             request, s.map = s.map, None
             try:
                 request.wait()

@@ -50,7 +50,7 @@ from .lost import LossWatch
 from .._trace import Tracer
 from ..errors import RuntimeClosedError
 
-__all__ = ["FENCE_SPIN_US", "OpenEncoder", "Submission"]
+__all__ = ["FENCE_SPIN_US", "OpenEncoder", "Submission", "each"]
 
 log = logging.getLogger("hetero")
 
@@ -278,7 +278,7 @@ class Submission:
         # One fence per submission (fences are registered in index order, under this lock): first
         # the next batch goes out, before downloads run; then the stages' callbacks, in order;
         # then the batch's command buffers are let go in the fence thread's housekeeping.
-        self.on_done(index, _each([self._retired, *callbacks, self.drop_later(batch)]))
+        self.on_done(index, each([self._retired, *callbacks, self.drop_later(batch)]))
 
     def _retired(self) -> None:
         """On the fence thread: a submission completed; send what was collected meanwhile."""
@@ -489,14 +489,14 @@ FENCE_SPIN_MIN_CPUS = 8
 FENCE_POLL_MAX_S = 0.001
 
 
-def _each(callbacks: list[Callable[[], None]]) -> Callable[[], None]:
+def each(callbacks: list[Callable[[], None]]) -> Callable[[], None]:
     """One fence callback that runs ``callbacks`` in order, each whatever the others raised
-    (as separate fences would)."""
+    (as separate fences would): a failing one is logged, the rest still run."""
     def run() -> None:
         for cb in callbacks:
             try:
                 cb()
-            except BaseException:  # pragma: no cover - callbacks handle their own errors
+            except BaseException:  # noqa: BLE001 - the others still run
                 log.exception("fence callback failed")
 
     return run
