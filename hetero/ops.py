@@ -20,7 +20,10 @@ against int8 weights: dequantized per tile, or quantized per row and multiplied 
 Neural-network kernels (:mod:`hetero.kernels.nn`): :func:`softmax` (last axis, stable,
 optional additive mask), :func:`layernorm` (optionally fused with a residual add),
 :func:`gelu` (erf form, optional fused bias), :func:`erf`, :func:`add`, :func:`add_bias`,
-:func:`transpose`, :func:`embedding` (row gather), :func:`attention` (scaled dot-product
+:func:`transpose`, :func:`embedding` (row gather), :func:`matmul_layernorm` (a dense layer and
+"add & norm": where the product splits K, the layernorm sums its partial products),
+:func:`embedding_layernorm` (BERT's embeddings: lookups summed and normalised in one
+dispatch), :func:`attention` (scaled dot-product
 attention with a padding mask) and :func:`attention_packed` (the same over one fused Q/K/V
 projection) and :func:`attention_varlen` (that over sequences of different lengths packed
 along one token axis, no padding).
@@ -36,8 +39,8 @@ from __future__ import annotations
 from hetero.kernels import cpu
 from hetero.kernels.matmul import matmul
 from hetero.kernels.matmul_int8 import matmul_int8, quantize_weight
-from hetero.kernels.nn import (add, add_bias, attention, attention_packed, attention_varlen, embedding, erf, gelu,
-                               layernorm, softmax, transpose)
+from hetero.kernels.nn import (add, add_bias, attention, attention_packed, attention_varlen, embedding,
+                               embedding_layernorm, erf, gelu, layernorm, matmul_layernorm, softmax, transpose)
 from hetero.kernels.reduce import argmax, argmin, max, mean, min, sum
 
 __all__ = [
@@ -50,11 +53,13 @@ __all__ = [
     "attention_varlen",
     "cpu",
     "embedding",
+    "embedding_layernorm",
     "erf",
     "gelu",
     "layernorm",
     "matmul",
     "matmul_int8",
+    "matmul_layernorm",
     "max",
     "mean",
     "min",

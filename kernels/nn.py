@@ -19,6 +19,10 @@ op                              what
 ``add(x, y)``, ``add_bias``     same-shape sum; bias broadcast along the last axis
 ``transpose(x, axes)``          any permutation that reduces to <= 4 axes (see below)
 ``embedding(table, ids)``       gather rows of a [V, H] table -> ids.shape + (H,)
+``embedding_layernorm(``        layernorm of the sum of 1-4 gathers (BERT's embeddings), one
+``tables, ids, g, b, eps)``     dispatch
+``matmul_layernorm(a, b, g,``   layernorm(a @ b + bias + residual); where the product splits K
+``b, bias, residual, eps)``     the layernorm sums its partials (no summing pass)
 ``attention(q, k, v, mask,``    scaled dot-product attention, [B, H, S, D] (or [B, S, H, D]
 ``scale, layout, impl)``        with ``layout="bshd"``): one fused online-softmax kernel, or
                                 matmul + softmax + matmul (``impl``; "auto" picks)
@@ -105,12 +109,13 @@ import numpy as np
 
 from hetero.kernels import nn_wgsl
 from hetero.kernels.cpu import check_spans
-from hetero.kernels.matmul import matmul
+from hetero.kernels.matmul import MatmulConfig, matmul
+from hetero.kernels.matmul.op import shape_spec, matmul_partials, problem
 from hetero.kernels.nn_wgsl import WORKGROUP
 from hetero.lowlevel import GPUContext, Kernel, Tensor
 
-__all__ = ["add", "add_bias", "attention", "attention_packed", "attention_varlen", "embedding", "erf", "gelu",
-           "layernorm", "softmax", "transpose"]
+__all__ = ["add", "add_bias", "attention", "attention_packed", "attention_varlen", "embedding", "embedding_layernorm",
+           "erf", "gelu", "layernorm", "matmul_layernorm", "softmax", "transpose"]
 
 # -- tuning and test hooks ---------------------------------------------------------------
 ROW_ITEMS = 4
@@ -356,36 +361,83 @@ def layernorm(gpu: GPUContext, x: Tensor | np.ndarray, gamma: Tensor | np.ndarra
     shape = _f32("layernorm", "x", x)
     if len(shape) == 0:
         raise ValueError("layernorm: x is 0-d (shape ()); layernorm needs at least one axis")
+    _norm_args("layernorm", shape, gamma, beta, residual, eps)
+    xt = _dev(gpu, x)
+    rt = _dev(gpu, residual) if residual is not None else None
+    return _norm_rows(gpu, shape, "layernorm" + (".residual" if rt is not None else ""),
+                      lambda tpr, k, cached: nn_wgsl.layernorm(tpr, k, cached, rt is not None),
+                      [xt] + ([rt] if rt is not None else []), gamma, beta, eps)
+
+
+def _norm_args(op: str, shape: tuple[int, ...], gamma: Any, beta: Any, residual: Any, eps: Any) -> None:
+    """Check a layernorm's gamma, beta, residual and eps against its input's ``shape``."""
     n = shape[-1]
     for name, t in (("gamma", gamma), ("beta", beta)):
-        s = _f32("layernorm", name, t)
+        s = _f32(op, name, t)
         if s != (n,):
-            raise ValueError(f"layernorm: {name} of shape {s} does not match the last axis of x of shape "
+            raise ValueError(f"{op}: {name} of shape {s} does not match the last axis of x of shape "
                              f"{shape}; gamma and beta must have shape ({n},)")
     if residual is not None:
-        rshape = _f32("layernorm", "residual", residual)
+        rshape = _f32(op, "residual", residual)
         if rshape != shape:
-            raise ValueError(f"layernorm: residual of shape {rshape} differs from x of shape {shape}; "
+            raise ValueError(f"{op}: residual of shape {rshape} differs from x of shape {shape}; "
                              "they must be equal")
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) \
             or not (math.isfinite(float(eps)) and float(eps) >= 0.0):
-        raise ValueError(f"layernorm: eps must be a finite number >= 0, got {eps!r}")
-    _fits(gpu, "layernorm", "x", shape)
-    xt = _dev(gpu, x)
-    rt = _dev(gpu, residual) if residual is not None else None
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def _norm_rows(gpu: GPUContext, shape: tuple[int, ...], label: str, wgsl: Any, inputs: list[Tensor],
+               gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray, eps: float, parts: int = 0,
+               vocab: Sequence[int] = ()) -> Tensor:
+    """One dispatch of a layernorm row kernel (``wgsl(tpr, k, cached)``'s source) over rows of
+    ``shape[-1]``, reading ``inputs`` (its first bindings) and writing a new [shape] tensor."""
+    _fits(gpu, label.split(".")[0], "x", shape)
     gt, bt = _dev(gpu, gamma), _dev(gpu, beta)
     out = gpu.empty(shape, np.float32)
+    n = shape[-1]
     rows = _size(shape[:-1])
     if rows * n == 0:
         return out
     tpr, k, cached = _row_plan(n)
-    wgsl = nn_wgsl.layernorm(tpr, k, cached, rt is not None)
-    label = f"nn.layernorm.tpr{tpr}.k{k if cached else 'loop'}{'.residual' if rt is not None else ''}"
-    kern = _compile(gpu, label, wgsl)
-    params = struct.pack("<2If I", rows, n, float(eps), 0)
-    bindings: list[Any] = [xt] + ([rt] if rt is not None else []) + [gt, bt, out, params]
-    gpu.dispatch(kern, _groups(rows, WORKGROUP // tpr), *bindings)
+    kern = _compile(gpu, f"nn.{label}.tpr{tpr}.k{k if cached else 'loop'}", wgsl(tpr, k, cached))
+    params = struct.pack("<2If5I", rows, n, float(eps), parts, *vocab, *[0] * (4 - len(vocab)))
+    gpu.dispatch(kern, _groups(rows, WORKGROUP // tpr), *inputs, gt, bt, out, params)
     return out
+
+
+def matmul_layernorm(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, gamma: Tensor | np.ndarray,
+                     beta: Tensor | np.ndarray, *, transpose_b: bool = False, bias: Tensor | np.ndarray | None = None,
+                     residual: Tensor | np.ndarray | None = None, eps: float = 1e-5,
+                     config: MatmulConfig | None = None, small_split: bool | None = None) -> Tensor:
+    """``layernorm(a @ b + bias + residual)`` over the last axis: a dense layer and BERT's "add & norm".
+
+    The result equals ``layernorm(gpu, matmul(gpu, a, b, transpose_b=transpose_b,
+    bias=bias, config=config, small_split=small_split), gamma, beta, eps=eps,
+    residual=residual)``, sums taken in the same order. When the product splits K (a few
+    rows on a GPU, see :func:`~hetero.kernels.matmul.matmul`'s ``small_split``), the
+    layernorm adds the partial products, the bias and the residual itself: one dispatch
+    instead of the summing pass and the layernorm. float32 only.
+    """
+    def spec(x: Any) -> Any:  # numpy operands as buffer-less Tensors: checked before anything is uploaded
+        return shape_spec(x) if isinstance(x, np.ndarray) else x
+
+    shape = problem(spec(a), spec(b), transpose_b, spec(bias), None).out_shape
+    if np.dtype(a.dtype) != _F32:
+        raise TypeError(f"matmul_layernorm: a and b must be float32, got {np.dtype(a.dtype).name}")
+    _norm_args("matmul_layernorm", shape, gamma, beta, residual, eps)
+    _fits(gpu, "matmul_layernorm", "the result", shape)
+    biast = _dev(gpu, bias) if bias is not None else None
+    rt = _dev(gpu, residual) if residual is not None else None
+    t, parts = matmul_partials(gpu, a, b, transpose_b=transpose_b, bias=biast, config=config, small_split=small_split)
+    if parts == 1:
+        return layernorm(gpu, t, gamma, beta, eps=eps, residual=rt)
+    has_bias = biast is not None
+    label = "layernorm.parts" + (".bias" if has_bias else "") + (".residual" if rt is not None else "")
+    inputs = [t] + ([biast] if biast is not None else []) + ([rt] if rt is not None else [])
+    return _norm_rows(gpu, shape, label,
+                      lambda tpr, k, cached: nn_wgsl.layernorm(tpr, k, cached, rt is not None, True, has_bias),
+                      inputs, gamma, beta, eps, parts=parts)
 
 
 # -- transpose and embedding ------------------------------------------------------------------------
@@ -468,38 +520,16 @@ def embedding(gpu: GPUContext, table: Tensor | np.ndarray, ids: Tensor | np.ndar
     Tensor's ids cannot be checked before the GPU reads them: out-of-range ids (negative
     int32 ones too) give rows of zeros.
     """
-    tshape = _word("embedding", "table", table)
-    if len(tshape) != 2:
-        raise ValueError(f"embedding: table must be 2-D [vocab, hidden], got shape {tshape}")
+    tshape = _table("embedding", "table", table, True)
     vocab, hidden = tshape
-    if isinstance(ids, (list, tuple)):
-        ids = np.asarray(ids)
-    if not isinstance(ids, (Tensor, np.ndarray)):
-        raise TypeError(f"embedding: ids must be a hetero.Tensor (or a numpy array or list of ints), "
-                        f"got {type(ids).__name__}")
-    ishape = tuple(int(s) for s in ids.shape)
-    idt = np.dtype(ids.dtype)
-    if isinstance(ids, np.ndarray):
-        if idt.kind not in "iu":
-            raise TypeError(f"embedding: ids must be integers, got {idt.name} (shape {ishape})")
-        if ids.size:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= vocab:
-                bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= vocab))[0])
-                pos = tuple(int(i) for i in np.unravel_index(bad, ishape))
-                raise ValueError(f"embedding: id {int(ids.reshape(-1)[bad])} at index {pos} of ids of shape "
-                                 f"{ishape} is out of range for a table of {vocab} rows; ids must lie in "
-                                 f"[0, {vocab})")
-    elif idt not in _ID_DTYPES:
-        raise TypeError(f"embedding: ids must be int32 or uint32, got {idt.name} (shape {ishape}); "
-                        "cast on the host, e.g. ids.astype(np.int32)")
+    ids, ishape = _ids("embedding", "ids", ids, vocab)
     out_shape = ishape + (hidden,)
     _fits(gpu, "embedding", "the result", out_shape)
     if vocab == 0 and _size(out_shape):
         raise ValueError(f"embedding: table of shape {tshape} has no rows; ids of shape {ishape} "
                          "cannot pick any")
     tt = _dev(gpu, table)
-    it = gpu.upload(np.array(ids, dtype=np.int32, order="C")) if isinstance(ids, np.ndarray) else ids
+    it = _dev_ids(gpu, ids)
     out = gpu.empty(out_shape, tt.dtype)
     n = _size(out_shape)
     if n == 0:
@@ -510,6 +540,93 @@ def embedding(gpu: GPUContext, table: Tensor | np.ndarray, ids: Tensor | np.ndar
     params = struct.pack("<4I", n // w, hidden // w, vocab, 0)
     gpu.dispatch(kern, _groups(n // w, WORKGROUP), tt, it, out, params)
     return out
+
+
+def _table(op: str, name: str, table: Any, words: bool) -> tuple[int, int]:
+    """A lookup table's (rows, width), checked: 2-D, of 4-byte words (``words``) or float32."""
+    tshape = _word(op, name, table) if words else _f32(op, name, table)
+    if len(tshape) != 2:
+        raise ValueError(f"{op}: {name} must be 2-D [vocab, hidden], got shape {tshape}")
+    return tshape[0], tshape[1]
+
+
+def _ids(op: str, name: str, ids: Any, vocab: int) -> tuple[Tensor | np.ndarray, tuple[int, ...]]:
+    """``ids`` checked (numpy ones also against ``vocab``), lists made arrays; and their shape."""
+    if isinstance(ids, (list, tuple)):
+        ids = np.asarray(ids)
+    if not isinstance(ids, (Tensor, np.ndarray)):
+        raise TypeError(f"{op}: {name} must be a hetero.Tensor (or a numpy array or list of ints), "
+                        f"got {type(ids).__name__}")
+    ishape = tuple(int(s) for s in ids.shape)
+    idt = np.dtype(ids.dtype)
+    if isinstance(ids, np.ndarray):
+        if idt.kind not in "iu":
+            raise TypeError(f"{op}: {name} must be integers, got {idt.name} (shape {ishape})")
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab:
+                bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= vocab))[0])
+                pos = tuple(int(i) for i in np.unravel_index(bad, ishape))
+                raise ValueError(f"{op}: id {int(ids.reshape(-1)[bad])} at index {pos} of {name} of shape "
+                                 f"{ishape} is out of range for a table of {vocab} rows; ids must lie in "
+                                 f"[0, {vocab})")
+    elif idt not in _ID_DTYPES:
+        raise TypeError(f"{op}: {name} must be int32 or uint32, got {idt.name} (shape {ishape}); "
+                        "cast on the host, e.g. ids.astype(np.int32)")
+    return ids, ishape
+
+
+def _dev_ids(gpu: GPUContext, ids: Tensor | np.ndarray) -> Tensor:
+    return gpu.upload(np.array(ids, dtype=np.int32, order="C")) if isinstance(ids, np.ndarray) else ids
+
+
+def embedding_layernorm(gpu: GPUContext, tables: Sequence[Tensor | np.ndarray],
+                        ids: Sequence[Tensor | np.ndarray | Sequence[int]], gamma: Tensor | np.ndarray,
+                        beta: Tensor | np.ndarray, *, eps: float = 1e-5) -> Tensor:
+    """``layernorm(embedding(tables[0], ids[0]) + embedding(tables[1], ids[1]) + ...)``: BERT's embeddings.
+
+    One to four float32 tables ``[V_i, H]`` of the same ``H``, each with its ids (all of
+    one shape; checked as :func:`embedding` checks them) -> ``ids[0].shape + (H,)``. One
+    dispatch: each row's lookups are summed in table order and normalised in registers,
+    equal to the separate ops, sums taken in the same order. A device with too few storage
+    bindings per shader stage (``2 * len(tables) + 3``) gets the separate ops.
+    """
+    op = "embedding_layernorm"
+    if not isinstance(tables, (list, tuple)) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{op}: tables and ids must be lists (or tuples) of the same length, got "
+                        f"{type(tables).__name__} and {type(ids).__name__}")
+    if not 1 <= len(tables) <= 4 or len(ids) != len(tables):
+        raise ValueError(f"{op}: takes 1 to 4 tables, each with its ids; got {len(tables)} tables and {len(ids)} "
+                         "ids arrays")
+    shapes = [_table(op, f"tables[{i}]", t, False) for i, t in enumerate(tables)]
+    hidden = shapes[0][1]
+    for i, (v, h) in enumerate(shapes):
+        if h != hidden:
+            raise ValueError(f"{op}: tables[{i}] is [{v}, {h}] but tables[0] is {list(shapes[0])}: the tables must "
+                             "have the same width")
+    checked = [_ids(op, f"ids[{i}]", x, shapes[i][0]) for i, x in enumerate(ids)]
+    ishape = checked[0][1]
+    for i, (_, s) in enumerate(checked):
+        if s != ishape:
+            raise ValueError(f"{op}: ids[{i}] has shape {s} but ids[0] has {ishape}: every ids array must have "
+                             "the same shape")
+    out_shape = ishape + (hidden,)
+    _norm_args(op, out_shape, gamma, beta, None, eps)
+    _fits(gpu, op, "the result", out_shape)
+    for j, (v, _) in enumerate(shapes):
+        if v == 0 and _size(out_shape):
+            raise ValueError(f"{op}: tables[{j}] has no rows; ids of shape {ishape} cannot pick any")
+    if 2 * len(tables) + 3 > gpu.limits.get("max-storage-buffers-per-shader-stage", 8):
+        x = embedding(gpu, tables[0], checked[0][0])
+        for t, (ti, _) in zip(tables[1:-1], checked[1:-1]):
+            x = add(gpu, x, embedding(gpu, t, ti))
+        last = embedding(gpu, tables[-1], checked[-1][0]) if len(tables) > 1 else None
+        return layernorm(gpu, x, gamma, beta, eps=eps, residual=last)
+    tts = [_dev(gpu, t) for t in tables]
+    its = [_dev_ids(gpu, ti) for ti, _ in checked]
+    return _norm_rows(gpu, out_shape, f"embedding_layernorm{len(tables)}",
+                      lambda tpr, k, cached: nn_wgsl.embedding_layernorm(tpr, k, cached, len(tables)),
+                      tts + its, gamma, beta, eps, vocab=[v for v, _ in shapes])
 
 
 # -- attention ------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from string import Template
 
 from hetero.kernels.wgsl_math import MATH
 
-__all__ = ["WORKGROUP", "attention", "elementwise", "embedding", "layernorm", "softmax", "transpose"]
+__all__ = ["WORKGROUP", "attention", "elementwise", "embedding", "embedding_layernorm", "layernorm", "softmax",
+           "transpose"]
 
 WORKGROUP = 256
 """Threads per workgroup of every kernel here but attention (``@workgroup_size(256)``)."""
@@ -134,15 +135,14 @@ _SOFTMAX_LOOP = """
 """
 
 _LAYERNORM = Template(_ROW_COMMON + """
-struct Params { rows: u32, n: u32, eps: f32, pad: u32 }
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-$RES_DECL
+struct Params { rows: u32, n: u32, eps: f32, parts: u32, vocab: vec4<u32> }
+$DECLS
 @group(0) @binding($G) var<storage, read> gamma: array<f32>;
 @group(0) @binding($B) var<storage, read> beta: array<f32>;
 @group(0) @binding($OUT) var<storage, read_write> y: array<f32>;
 @group(0) @binding($PARAMS) var<uniform> p: Params;
 
-fn val(k: u32) -> f32 { return $VAL; }
+$VAL_FN
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -397,14 +397,44 @@ def softmax(tpr: int, k: int, cached: bool, masked: str | None) -> str:
 
 
 @lru_cache(maxsize=None)
-def layernorm(tpr: int, k: int, cached: bool, residual: bool) -> str:
-    """The layernorm row kernel (``residual``: of x + res), planned like :func:`softmax`."""
-    b = 2 if residual else 1
-    decl = "@group(0) @binding(1) var<storage, read> res: array<f32>;" if residual else ""
-    val = "x[k] + res[k]" if residual else "x[k]"
-    body = _LAYERNORM_CACHED if cached else _LAYERNORM_LOOP
-    return _LAYERNORM.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, RES_DECL=decl, G=b, B=b + 1, OUT=b + 2,
-                                 PARAMS=b + 3, VAL=val, BODY=body)
+def layernorm(tpr: int, k: int, cached: bool, residual: bool, parts: bool = False, bias: bool = False) -> str:
+    """The layernorm row kernel, planned like :func:`softmax`, of ``v``: ``x``, or with
+    ``parts``, ``x`` as ``p.parts`` planes of ``rows * n`` summed in order (a K split's
+    partial products), then ``+ bias`` (per column) and ``+ res``, as given. The sums are
+    in the order of the unfused ops (summing pass, bias, residual add)."""
+    decls = ["@group(0) @binding(0) var<storage, read> x: array<f32>;"]
+    if bias:
+        decls.append(f"@group(0) @binding({len(decls)}) var<storage, read> bias: array<f32>;")
+    if residual:
+        decls.append(f"@group(0) @binding({len(decls)}) var<storage, read> res: array<f32>;")
+    if parts:
+        fn = ("fn val(k: u32) -> f32 {\n    var s = x[k];\n    let stride = p.rows * p.n;\n"
+              "    for (var j = 1u; j < p.parts; j++) { s = s + x[k + j * stride]; }\n"
+              f"    return s{' + bias[k % p.n]' if bias else ''}{' + res[k]' if residual else ''};\n}}")
+    else:
+        fn = f"fn val(k: u32) -> f32 {{ return x[k]{' + bias[k % p.n]' if bias else ''}{' + res[k]' if residual else ''}; }}"
+    return _norm(tpr, k, cached, decls, fn)
+
+
+@lru_cache(maxsize=None)
+def embedding_layernorm(tpr: int, k: int, cached: bool, tables: int) -> str:
+    """The layernorm row kernel of the sum of ``tables`` (1-4) row gathers: table ``i`` at
+    binding ``i``, its ids at ``tables + i``, its row count in ``p.vocab[i]``. Out-of-range
+    ids pick zeros, as :func:`embedding` does; the sum is in table order."""
+    decls = [f"@group(0) @binding({i}) var<storage, read> t{i}: array<f32>;" for i in range(tables)]
+    decls += [f"@group(0) @binding({tables + i}) var<storage, read> ids{i}: array<u32>;" for i in range(tables)]
+    picks = "".join(f"fn pick{i}(r: u32, c: u32) -> f32 {{\n    let id = ids{i}[r];  // int32 ids as u32: negative ones are "
+                    f"out of range too\n    if (id < p.vocab[{i}]) {{ return t{i}[id * p.n + c]; }}\n    return 0.0;\n}}\n"
+                    for i in range(tables))
+    total = " + ".join(f"pick{i}(r, c)" for i in range(tables))
+    fn = picks + f"fn val(k: u32) -> f32 {{\n    let r = k / p.n;\n    let c = k - r * p.n;\n    return {total};\n}}"
+    return _norm(tpr, k, cached, decls, fn)
+
+
+def _norm(tpr: int, k: int, cached: bool, decls: list[str], val_fn: str) -> str:
+    b = len(decls)
+    return _LAYERNORM.substitute(TPR=tpr, RPW=WORKGROUP // tpr, K=k, DECLS="\n".join(decls), G=b, B=b + 1, OUT=b + 2,
+                                 PARAMS=b + 3, VAL_FN=val_fn, BODY=_LAYERNORM_CACHED if cached else _LAYERNORM_LOOP)
 
 
 @lru_cache(maxsize=None)

@@ -70,6 +70,7 @@ from tqdm import tqdm
 import hetero
 from hetero import GPUContext, Tensor, ops
 from hetero.lowlevel import default_runtime, device_of, running_loop
+from hetero.kernels.matmul import split_k_parts
 from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, matmul_int8, quantize_weight
 
 from .minilm import Model, load_model
@@ -304,12 +305,13 @@ def _embeddings(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, model
     # upload it with the tokens (one staging buffer, one copy ticket) for the layers after it.
     ids, types, pos = tokens[:3]
     w = resident_weights(gpu, model)
-    word = ops.embedding(gpu, w["embeddings.word_embeddings.weight"], ids)
-    posv = ops.embedding(gpu, w["embeddings.position_embeddings.weight"], pos)
-    typ = ops.embedding(gpu, w["embeddings.token_type_embeddings.weight"], types)
-    e = ops.add(gpu, word, posv)
-    return ops.layernorm(gpu, e, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"],
-                         eps=model.config.layer_norm_eps, residual=typ)
+    # One dispatch: the three lookups summed (word + position, then + token type, the order
+    # of HF BERT's sum) and normalised in registers.
+    return ops.embedding_layernorm(gpu, [w["embeddings.word_embeddings.weight"],
+                                         w["embeddings.position_embeddings.weight"],
+                                         w["embeddings.token_type_embeddings.weight"]], [ids, pos, types],
+                                   w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"],
+                                   eps=model.config.layer_norm_eps)
 
 
 # The padded graph's (embed(), aembed()) linear layers split K on a GPU when their output is
@@ -346,22 +348,31 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
             return matmul_int8(gpu, t, qw[p + name + ".weight"], bias=bt, strategy=INT8_STRATEGY)
         return ops.matmul(gpu, t, w[p + name + ".weight"], transpose_b=True, bias=bt, small_split=split)
 
+    def add_norm(t: Tensor, name: str, residual: Tensor) -> Tensor:  # layernorm(linear(t) + residual)
+        gamma, beta = w[p + name + ".LayerNorm.weight"], w[p + name + ".LayerNorm.bias"]
+        if qw is not None:
+            return ops.layernorm(gpu, linear(t, name + ".dense"), gamma, beta, eps=c.layer_norm_eps, residual=residual)
+        # A K split's partial products go straight into the layernorm: one dispatch fewer.
+        return ops.matmul_layernorm(gpu, t, w[p + name + ".dense.weight"], gamma, beta, transpose_b=True,
+                                    bias=w[p + name + ".dense.bias"], residual=residual, eps=c.layer_norm_eps,
+                                    small_split=split)
+
     qkv = linear(x2, QKV)  # [B*S, 3H]: q | k | v
     if packed:
         a = ops.attention_varlen(gpu, qkv, c.num_attention_heads, mask)
     else:
         a = ops.attention_packed(gpu, _view(qkv, (b, s, 3 * h)), c.num_attention_heads, mask=mask)
-    o = linear(_view(a, (b * s, h)), "attention.output.dense")
-    x1 = ops.layernorm(gpu, o, w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
-                       eps=c.layer_norm_eps, residual=x2)
-    # gelu(x1 @ W.T + b) as a matmul and a gelu-with-bias kernel. ops.matmul(activation="gelu")
-    # makes it one dispatch, but on the H200 its erf epilogue made that matmul 0.50 ms
-    # instead of 0.30 (batch 128): 4.7 ms more GPU time per 1024 sentences than the two
-    # kernels, for no gain in throughput (BENCHMARKS.md, sentence embeddings).
-    inter = ops.gelu(gpu, linear(x1, "intermediate.dense", bias=False), bias=w[p + "intermediate.dense.bias"])
-    out = linear(inter, "output.dense")
-    y = ops.layernorm(gpu, out, w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"],
-                      eps=c.layer_norm_eps, residual=x1)
+    x1 = add_norm(_view(a, (b * s, h)), "attention.output", x2)
+    # gelu(x1 @ W.T + b): where the product splits K, in the summing pass (free there);
+    # else a matmul and a gelu-with-bias kernel: on the H200 the erf epilogue in the
+    # unsplit matmul's store made it 0.50 ms instead of 0.30 (batch 128), 4.7 ms more GPU
+    # time per 1024 sentences than the two kernels (BENCHMARKS.md, sentence embeddings).
+    wi, bi = w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]
+    if qw is None and split_k_parts(gpu, x1, wi, transpose_b=True, small_split=split) > 1:
+        inter = ops.matmul(gpu, x1, wi, transpose_b=True, bias=bi, activation="gelu", small_split=split)
+    else:
+        inter = ops.gelu(gpu, linear(x1, "intermediate.dense", bias=False), bias=bi)
+    y = add_norm(inter, "output", x1)
     return _view(y, (b, s, h))
 
 

@@ -104,6 +104,46 @@ def test_a_small_random_bert_matches_numpy(shared_rt: hetero.Runtime, tiny: Mode
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+def test_k_split_products_fuse_their_summing_pass_with_the_layernorms_and_gelu(tiny: Model,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a few sentences' linear layers split K (``small_split``); a layer then sums
+    the attention output's and the feed-forward output's partials in their layernorms, and
+    applies gelu in the intermediate product's summing pass. Forced here on lavapipe (which
+    never splits by itself): the embeddings stay numpy's, and no layer records a separate
+    gelu or a summing pass before a layernorm."""
+    import hetero.kernels.matmul.op as mm_op
+    from hetero.kernels.matmul import MatmulConfig
+
+    real = mm_op.choose_config
+
+    def forced(gpu: Any, m: int, n: int, k: int, batch: int = 1, **kw: Any) -> MatmulConfig:
+        if kw.get("small_split"):
+            return MatmulConfig(32, 32, 8, 4, 4, split_k=2, split_min=16)
+        return real(gpu, m, n, k, batch, **kw)
+
+    labels: list[str] = []
+    dispatch = hetero.GPUContext.dispatch
+
+    def spy(self: hetero.GPUContext, kernel: Any, workgroups: Any, *bindings: Any) -> Any:
+        info = dispatch(self, kernel, workgroups, *bindings)
+        labels.append(info.kernel)
+        return info
+
+    monkeypatch.setattr(mm_op, "choose_config", forced)
+    monkeypatch.setattr(hetero.GPUContext, "dispatch", spy)
+    with hetero.Runtime(cpu_threads=2, placement="gpu") as rt:  # its own device: nothing captured before
+        got = embed(SENTENCES, model=tiny, runtime=rt, batch_size=1)
+    np.testing.assert_allclose(got, reference(tiny, SENTENCES), atol=2e-5)
+    layers = sum(1 for lb in labels if lb.startswith("nn.embedding_layernorm"))  # one per captured signature
+    per = {key: sum(1 for lb in labels if key(lb)) for key in (
+        lambda lb: lb == "matmul split-k sum gelu",
+        lambda lb: lb.startswith("nn.layernorm.parts.bias.residual"),
+        lambda lb: lb == "matmul split-k sum",
+        lambda lb: lb.startswith("nn.gelu") or lb.startswith("nn.layernorm.residual"))}
+    layers *= TINY["num_hidden_layers"]
+    assert layers > 0 and list(per.values()) == [layers, 2 * layers, layers, 0], (per, labels)
+
+
 def test_batches_come_back_in_input_order(shared_rt: hetero.Runtime, tiny: Model) -> None:
     whole = embed(SENTENCES, model=tiny, runtime=shared_rt, batch_size=64)
     for bs in (1, 3):

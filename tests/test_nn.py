@@ -636,3 +636,168 @@ async def test_ops_take_numpy_arrays_directly(shared_rt: hetero.Runtime) -> None
     g.output(g.gpu(stage))
     got = await shared_rt.run(g)
     np.testing.assert_allclose(got, layernorm_ref(table[ids], gamma, beta, 1e-5), rtol=1e-5, atol=2e-5)
+
+
+# -- fused layernorms: matmul_layernorm, embedding_layernorm ----------------------------------------
+def _split3() -> Any:
+    """A K split into (at most) three parts of at least 64, on any adapter."""
+    from hetero.kernels.matmul import MatmulConfig
+    return MatmulConfig(32, 32, 8, 4, 4, split_k=3, split_min=64)
+
+
+@pytest.mark.parametrize("split", [True, False])
+async def test_matmul_layernorm_equals_the_separate_ops(shared_rt: hetero.Runtime, split: bool) -> None:
+    """With a K split, the layernorm sums the partials, bias and residual itself: the summing
+    pass is gone, and the result is the separate ops' (the same sums in the same order)."""
+    from hetero.kernels.matmul import matmul_partials, split_k_parts
+    config = _split3() if split else None
+    labels: list[str] = []
+
+    def fused(gpu: hetero.GPUContext, a: Tensor, w: Tensor, bias: Tensor, res: Tensor, ga: Tensor,
+              be: Tensor) -> Tensor:
+        spy = Spy(gpu)
+        out = nn.matmul_layernorm(spy, a, w, ga, be, transpose_b=True, bias=bias, residual=res, eps=1e-12,
+                                  config=config)
+        labels.extend(i.kernel for i in spy.infos)
+        return out
+
+    def separate(gpu: hetero.GPUContext, a: Tensor, w: Tensor, bias: Tensor, res: Tensor, ga: Tensor,
+                 be: Tensor) -> Tensor:
+        y = ops.matmul(gpu, a, w, transpose_b=True, bias=bias, config=config)
+        return nn.layernorm(gpu, y, ga, be, eps=1e-12, residual=res)
+
+    graphs = []
+    for fn in (fused, separate):
+        g = hetero.Graph(f"mm-ln-{fn.__name__}")
+        g.output(g.gpu(fn, *[g.input(n) for n in ("a", "w", "bias", "res", "ga", "be")]))
+        graphs.append(g)
+    splits = []
+    for m, k, n in [(5, 96, 32), (20, 256, 384), (3, 300, 33), (3, 70, 33)]:
+        inputs = dict(a=rand((m, k), 1), w=rand((n, k), 2, 0.1), bias=rand(n, 3), res=rand((m, n), 4),
+                      ga=rand(n, 5), be=rand(n, 6))
+        labels.clear()
+        got = await shared_rt.run(graphs[0], **inputs)
+        want = await shared_rt.run(graphs[1], **inputs)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        lin = inputs["a"].astype(np.float64) @ inputs["w"].T.astype(np.float64) + inputs["bias"]
+        np.testing.assert_allclose(got, layernorm_ref(lin.astype(np.float32), inputs["ga"], inputs["be"], 1e-12,
+                                                      inputs["res"]), rtol=1e-4, atol=1e-4)
+        parts = split_k_parts(hetero.GPUContext(shared_rt.device(), "direct"), inputs["a"], inputs["w"],
+                              transpose_b=True, config=config)
+        splits.append(parts)
+        assert len(labels) == 2, labels  # the product, then one layernorm
+        assert ("parts" in labels[1]) == (parts > 1) and not any("sum" in lb for lb in labels), labels
+    assert splits == ([1, 3, 3, 1] if split else [1, 1, 1, 1])
+
+    # The partials themselves: their sum plus the bias is the product.
+    def partials(gpu: hetero.GPUContext, a: Tensor, w: Tensor) -> Tensor:
+        t, parts = matmul_partials(gpu, a, w, transpose_b=True, config=config)
+        assert parts == (3 if split else 1) and t.shape == ((3, 20, 384) if split else (20, 384))
+        return t
+
+    g = hetero.Graph("partials")
+    g.output(g.gpu(partials, g.input("a"), g.input("w")))
+    a, w = rand((20, 256), 7), rand((384, 256), 8)
+    t = await shared_rt.run(g, a=a, w=w)
+    np.testing.assert_allclose(t.sum(0) if split else t, a @ w.T, rtol=1e-4, atol=1e-4)
+
+
+async def test_split_k_parts_says_what_matmul_does(shared_rt: hetero.Runtime) -> None:
+    from hetero.kernels.matmul import MatmulConfig, split_k_parts
+    gpu = hetero.GPUContext(shared_rt.device(), "direct")
+    a, w = np.zeros((20, 256), np.float32), np.zeros((384, 256), np.float32)
+    assert split_k_parts(gpu, a, w, transpose_b=True, config=_split3()) == 3
+    assert split_k_parts(gpu, a, w, transpose_b=True, config=MatmulConfig(32, 32, 8, 4, 4)) == 1
+    assert split_k_parts(gpu, a, w, transpose_b=True, config=MatmulConfig(32, 32, 8, 4, 4, split_k=16, split_min=64)) == 4
+    assert split_k_parts(gpu, np.zeros((0, 256), np.float32), w, transpose_b=True, config=_split3()) == 1
+    with pytest.raises(ValueError, match="inner dimensions 256 and 384 differ"):
+        split_k_parts(gpu, a, w, config=_split3())
+    assert gpu.blocks == [] and gpu.workgroups == 0  # nothing allocated, nothing recorded
+
+
+@pytest.mark.parametrize("storage_limit", [None, 8])  # 8: too few bindings for three tables: separate ops
+async def test_embedding_layernorm_equals_the_separate_ops(shared_rt: hetero.Runtime, storage_limit: int | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    if storage_limit is not None:
+        monkeypatch.setitem(shared_rt.device().limits, "max-storage-buffers-per-shader-stage", storage_limit)
+    labels: list[str] = []
+    word, pos, typ = rand((50, 384), 1), rand((40, 384), 2), rand((2, 384), 3)
+    ga, be = rand(384, 4), rand(384, 5)
+
+    def fused(gpu: hetero.GPUContext, ids: Tensor, p: Tensor, t: Tensor) -> Tensor:
+        spy = Spy(gpu)
+        out = nn.embedding_layernorm(spy, [word, pos, typ], [ids, p, t], ga, be, eps=1e-12)
+        labels.extend(i.kernel for i in spy.infos)
+        return out
+
+    g = hetero.Graph("emb-ln")
+    g.output(g.gpu(fused, g.input("ids"), g.input("p"), g.input("t")))
+    ids = np.array([[1, 49, 0, 7], [3, 3, 2, 60]], np.int32)  # 60: out of range, picks zeros as embedding does
+    p = np.tile(np.arange(4, dtype=np.int32), (2, 1))
+    t = np.array([[0, 0, 1, 1], [0, 1, 0, -1]], np.int32)
+    got = await shared_rt.run(g, ids=ids, p=p, t=t)
+    assert got.shape == (2, 4, 384)
+
+    def pick(table: np.ndarray, i: np.ndarray) -> np.ndarray:
+        ok = (i >= 0) & (i < len(table))
+        return np.where(ok[..., None], table[np.where(ok, i, 0)], np.float32(0))
+
+    v = (pick(word, ids) + pick(pos, p)) + pick(typ, t)
+    np.testing.assert_allclose(got, layernorm_ref(v, ga, be, 1e-12), rtol=1e-5, atol=2e-5)
+    assert labels == (["nn.embedding_layernorm3.tpr128.k3"] if storage_limit is None else
+                      ["nn.embedding.vec4", "nn.embedding.vec4", "nn.add.vec4", "nn.embedding.vec4",
+                       "nn.layernorm.residual.tpr128.k3"])
+
+    # One table, and two, through numpy ids (checked on the host, uploaded by the op).
+    def two(gpu: hetero.GPUContext) -> tuple[Tensor, Tensor]:
+        return (nn.embedding_layernorm(gpu, [word], [ids[:, :3]], ga, be),
+                nn.embedding_layernorm(gpu, [word, pos], [ids[:, :3], p[:, :3]], ga, be))
+
+    g2 = hetero.Graph("emb-ln-few")
+    g2.output(g2.gpu(two))
+    one_t, two_t = await shared_rt.run(g2)
+    np.testing.assert_allclose(one_t, layernorm_ref(word[ids[:, :3]], ga, be, 1e-5), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(two_t, layernorm_ref(word[ids[:, :3]] + pos[p[:, :3]], ga, be, 1e-5),
+                               rtol=1e-5, atol=2e-5)
+
+
+async def test_fused_layernorm_errors_name_the_op_and_the_rule(shared_rt: hetero.Runtime) -> None:
+    gpu = hetero.GPUContext(shared_rt.device(), "direct")
+    f = np.zeros
+    t, i = f((10, 8), np.float32), np.array([[1, 2]], np.int32)
+    g8 = f(8, np.float32)
+    cases: list[tuple[Callable[[], Any], type[Exception], str]] = [
+        (lambda: nn.embedding_layernorm(gpu, [t, t], [i], g8, g8), ValueError,
+         "embedding_layernorm: takes 1 to 4 tables, each with its ids; got 2 tables and 1 ids arrays"),
+        (lambda: nn.embedding_layernorm(gpu, [t] * 5, [i] * 5, g8, g8), ValueError,
+         "embedding_layernorm: takes 1 to 4 tables, each with its ids; got 5 tables and 5 ids arrays"),
+        (lambda: nn.embedding_layernorm(gpu, t, i, g8, g8), TypeError,  # type: ignore[arg-type]
+         "embedding_layernorm: tables and ids must be lists (or tuples) of the same length, got ndarray and ndarray"),
+        (lambda: nn.embedding_layernorm(gpu, [t, f((4, 6), np.float32)], [i, i], g8, g8), ValueError,
+         "embedding_layernorm: tables[1] is [4, 6] but tables[0] is [10, 8]: the tables must have the same width"),
+        (lambda: nn.embedding_layernorm(gpu, [t, t], [i, np.array([1, 2], np.int32)], g8, g8), ValueError,
+         "embedding_layernorm: ids[1] has shape (2,) but ids[0] has (1, 2): every ids array must have the same "
+         "shape"),
+        (lambda: nn.embedding_layernorm(gpu, [t, t], [i, np.array([[1, 10]])], g8, g8), ValueError,
+         "embedding_layernorm: id 10 at index (0, 1) of ids[1] of shape (1, 2) is out of range for a table of 10 "
+         "rows; ids must lie in [0, 10)"),
+        (lambda: nn.embedding_layernorm(gpu, [t.astype(np.int32)], [i], g8, g8), TypeError,
+         "embedding_layernorm: tables[0] must be float32, got int32 (shape (10, 8)); cast with .astype(np.float32)"),
+        (lambda: nn.embedding_layernorm(gpu, [t], [i], f(7, np.float32), g8), ValueError,
+         "embedding_layernorm: gamma of shape (7,) does not match the last axis of x of shape (1, 2, 8); "
+         "gamma and beta must have shape (8,)"),
+        (lambda: nn.matmul_layernorm(gpu, f((4, 6), np.float32), f((6, 8), np.float32), g8, g8,
+                                     residual=f((4, 6), np.float32)), ValueError,
+         "matmul_layernorm: residual of shape (4, 6) differs from x of shape (4, 8); they must be equal"),
+        (lambda: nn.matmul_layernorm(gpu, f((4, 6), np.float32), f((7, 8), np.float32), g8, g8), ValueError,
+         "matmul: a is [4, 6] and b is [7, 8]: inner dimensions 6 and 7 differ"),
+        (lambda: nn.matmul_layernorm(gpu, f((4, 6), np.float16), f((6, 8), np.float16), g8, g8), TypeError,
+         "matmul_layernorm: a and b must be float32, got float16"),
+        (lambda: nn.matmul_layernorm(gpu, f((4, 6), np.float32), f((6, 8), np.float32), g8, g8, eps=float("nan")),
+         ValueError, "matmul_layernorm: eps must be a finite number >= 0, got nan"),
+    ]
+    for call, exc, msg in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == msg
+    assert gpu.blocks == [] and gpu.workgroups == 0  # nothing allocated, nothing recorded

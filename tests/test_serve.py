@@ -84,13 +84,15 @@ async def test_the_padded_graph_and_small_packed_batches_ask_for_the_small_split
     outputs (SPLIT_SMALL), and so do packed batches of at most PACKED_SPLIT_MAX_TOKENS tokens (a
     lone client's); a larger served batch's leave it to the default (off)."""
     seen: list[Any] = []
-    real = embed_mod.ops.matmul
 
-    def spy(*args: Any, small_split: Any = "unset", **kwargs: Any) -> Any:
-        seen.append(small_split)
-        return real(*args, small_split=None if small_split == "unset" else small_split, **kwargs)
+    def spying(real: Any) -> Any:
+        def spy(*args: Any, small_split: Any = "unset", **kwargs: Any) -> Any:
+            seen.append(small_split)
+            return real(*args, small_split=None if small_split == "unset" else small_split, **kwargs)
+        return spy
 
-    monkeypatch.setattr(embed_mod.ops, "matmul", spy)
+    for name in ("matmul", "matmul_layernorm"):  # the linear layers: two of four end in a layernorm
+        monkeypatch.setattr(embed_mod.ops, name, spying(getattr(embed_mod.ops, name)))
     async with hetero.Runtime(placement="gpu", capture=False) as rt:
         await aembed([TEXTS[0]], model=tiny, runtime=rt)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}

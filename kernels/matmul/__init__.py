@@ -42,7 +42,9 @@ and no accumulator spills to local memory). The K loop walks ``BK``-deep slices:
   part of K into float32 partials ``[S, B, M, N]``; a second dispatch adds the S
   partials and the bias (every part gets at least the configuration's ``split_min``
   of K, by default :data:`MIN_SPLIT_K`; :data:`SMALL_M_CANDIDATES` split into parts
-  of :data:`SMALL_SPLIT_MIN`).
+  of :data:`SMALL_SPLIT_MIN`). :func:`split_k_parts` tells a caller whether a product
+  splits; :func:`matmul_partials` leaves the summing to a consumer that can fold it into
+  its own pass (:func:`hetero.kernels.nn.matmul_layernorm`).
 
 The grid is x over N tiles, y over M tiles, z over the batch; the kernel finds its
 tile through ``hetero_workgroup_id``, so hetero may split x into sub-dispatches under
@@ -68,9 +70,9 @@ from hetero.kernels.matmul.cache import cache_path, choose_config, explain_confi
 from hetero.kernels.matmul.codegen import ACTIVATIONS, wgsl
 from hetero.kernels.matmul.config import (CANDIDATES, MIN_SPLIT_K, SMALL_M_CANDIDATES, SMALL_SPLIT_MIN,
                                           MatmulConfig, default_config, small_output_config)
-from hetero.kernels.matmul.op import SPLIT_K_MAX_TILES, matmul
+from hetero.kernels.matmul.op import SPLIT_K_MAX_TILES, matmul, matmul_partials, split_k_parts
 from hetero.kernels.matmul.tuner import TuneResult, tune
 
 __all__ = ["ACTIVATIONS", "CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "SMALL_M_CANDIDATES", "SMALL_SPLIT_MIN",
            "SPLIT_K_MAX_TILES", "TuneResult", "cache_path", "choose_config", "default_config", "explain_config",
-           "matmul", "size_class", "small_output_config", "tune", "wgsl"]
+           "matmul", "matmul_partials", "size_class", "small_output_config", "split_k_parts", "tune", "wgsl"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -13,7 +13,8 @@ from hetero.kernels.matmul.codegen import Variant
 from hetero.kernels.matmul.config import MIN_SPLIT_K, MatmulConfig
 from hetero.lowlevel import GPUContext, Tensor
 
-__all__ = ["MIN_SPLIT_K", "Problem", "SPLIT_K_MAX_TILES", "Step", "cdiv", "matmul", "plan", "problem", "split_parts"]
+__all__ = ["MIN_SPLIT_K", "Problem", "SPLIT_K_MAX_TILES", "Step", "cdiv", "matmul", "matmul_partials", "plan", "problem",
+           "shape_spec", "split_k_parts", "split_parts"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,21 @@ def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, t
     reaches the GPU's end sooner, for a second dispatch's host time (None: as
     ``HETERO_MATMUL_SMALL_SPLIT`` says; off unless it is ``1``).
     """
+    p, c, a, b, bias = _setup(gpu, a, b, transpose_b, bias, out, config, small_split, activation)
+    if out is None:
+        out = gpu.empty(p.out_shape, a.dtype)
+    if p.m == 0 or p.n == 0 or p.batch == 0:
+        return out
+    for kern, groups, bindings in plan(gpu, p, c, a, b, out, bias):
+        gpu.dispatch(kern, groups, *bindings)
+    return out
+
+
+def _setup(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, transpose_b: bool,
+           bias: Tensor | np.ndarray | None, out: Tensor | None, config: MatmulConfig | None,
+           small_split: bool | None, activation: str | None = None
+           ) -> tuple[Problem, MatmulConfig, Tensor, Tensor, Tensor | None]:
+    """The checked problem, its configuration and the operands as Tensors (numpy ones uploaded)."""
     a = gpu.upload(a) if isinstance(a, np.ndarray) else a
     b = gpu.upload(b) if isinstance(b, np.ndarray) else b
     bias = gpu.upload(bias) if isinstance(bias, np.ndarray) else bias
@@ -164,26 +180,73 @@ def matmul(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, t
                              f"got {activation!r}")
         p = replace(p, act=activation)
     _check_bindings(gpu.limits, a, b, bias, p)
-    if out is None:
-        out = gpu.empty(p.out_shape, a.dtype)
-    if p.m == 0 or p.n == 0 or p.batch == 0:
-        return out
     c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype,
                                                         small_split=small_split)
     why = c.fits(gpu.limits)
     if why is not None:
         raise ValueError(f"matmul: config {c.name} cannot run on this device: {why}")
-    for kern, groups, bindings in plan(gpu, p, c, a, b, out, bias):
+    return p, c, a, b, bias
+
+
+def split_k_parts(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, transpose_b: bool = False,
+                  config: MatmulConfig | None = None, small_split: bool | None = None) -> int:
+    """Into how many parts :func:`matmul` splits K for these operands (1: no split); records nothing.
+
+    Only the operands' shapes and dtypes count. A caller may use it to fuse work into the
+    K split's summing pass where there is one, e.g. ``activation="gelu"``, which costs
+    nothing there but slows the unsplit kernel's store.
+    """
+    p = problem(a if isinstance(a, Tensor) else shape_spec(a), b if isinstance(b, Tensor) else shape_spec(b),
+                transpose_b, None, None)
+    if p.m == 0 or p.n == 0 or p.batch == 0:
+        return 1
+    c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype,
+                                                        small_split=small_split)
+    return split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))[0]
+
+
+def shape_spec(x: np.ndarray) -> Tensor:
+    """A buffer-less Tensor of ``x``'s shape and dtype, for :func:`problem`'s checks of an operand not uploaded yet."""
+    return Tensor(cast(Any, None), tuple(x.shape), np.dtype(x.dtype))
+
+
+def matmul_partials(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, *, transpose_b: bool = False,
+                    bias: Tensor | np.ndarray | None = None, config: MatmulConfig | None = None,
+                    small_split: bool | None = None) -> tuple[Tensor, int]:
+    """``a @ b`` (+ ``bias``) for a consumer that sums a K split itself: ``(t, parts)``, float32 only.
+
+    ``parts == 1``: ``t`` is the product with the bias added, as :func:`matmul` returns it.
+    ``parts > 1``: ``t`` is ``[parts, *result_shape]``, the products over ``parts`` ranges of
+    K, without the bias; their sum plus the bias is the product. The consumer saves the
+    summing pass's dispatch (see :func:`hetero.kernels.nn.matmul_layernorm`).
+    """
+    p, c, a, b, bias = _setup(gpu, a, b, transpose_b, bias, None, config, small_split)
+    if p.f16:
+        raise TypeError("matmul_partials: a and b are float16; the partial products are float32 only")
+    split = split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))[0]
+    if split == 1 or p.m == 0 or p.n == 0 or p.batch == 0:
+        out = gpu.empty(p.out_shape, a.dtype)
+        if p.m and p.n and p.batch:
+            for kern, groups, bindings in plan(gpu, p, c, a, b, out, bias):
+                gpu.dispatch(kern, groups, *bindings)
+        return out, 1
+    steps = plan(gpu, p, c, a, b, None, None, sum_pass=False)
+    for kern, groups, bindings in steps:
         gpu.dispatch(kern, groups, *bindings)
-    return out
+    partials = steps[0][2][2]
+    return Tensor(partials.buffer, (split, *p.out_shape), partials.dtype, partials.offset, partials.block), split
 
 
 Step = tuple[Any, tuple[int, int, int], tuple[Any, ...]]  # kernel, workgroups, bindings
 
 
-def plan(gpu: Any, p: Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Tensor,
-         bias: Tensor | None) -> list[Step]:
-    """The dispatches of one matmul (compiling kernels and taking scratch from ``gpu``)."""
+def plan(gpu: Any, p: Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Tensor | None,
+         bias: Tensor | None, *, sum_pass: bool = True) -> list[Step]:
+    """The dispatches of one matmul (compiling kernels and taking scratch from ``gpu``).
+
+    A K split's product dispatches write one scratch tensor of partials (their third
+    binding), which the last step sums into ``out``; without ``sum_pass`` that step is left
+    out (``out`` and ``bias`` unused) for a consumer that sums the partials itself."""
     limit = gpu.limits["max-compute-workgroups-per-dimension"]
     split, kc = split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))
     v = p.variant(split)
@@ -194,6 +257,8 @@ def plan(gpu: Any, p: Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Tenso
     partials = gpu.empty((split * p.batch * p.m * p.n,), np.float32)
     steps: list[Step] = [(kern, groups, (a, b, partials, params))
                          for groups, params in _dispatches(p, c, limit, split, kc)]
+    if not sum_pass:
+        return steps
     vec = p.n % 4 == 0
     elems = p.batch * p.m * p.n
     units = elems // 4 if vec else -(-elems // 2) if p.f16 else elems
