@@ -927,13 +927,7 @@ class Scheduler:
                 except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
                     rec.end_span(span)
                     self._abandon(rec, ctx)
-                    if "device is lost" in str(e).lower():
-                        dev._probe_lost()  # fails every active run with DeviceLostError
-                    if dev.lost is not None:  # whichever thread noticed first, this run fails the same way
-                        lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} "
-                                               "was recorded; create a new Runtime")
-                        lost.__cause__ = e
-                        run._set_error(lost)
+                    if _failed_by_loss(run, st, dev, e):
                         return
                     if not _retry(run, st, e, attempt):
                         if not st.simple:
@@ -986,10 +980,14 @@ class Scheduler:
                 # with the next such stage that finds it idle.
                 early = ctx.workgroups > LARGE_STAGE_WORKGROUPS or (rec.dispatches >= EARLY_SUBMIT_DISPATCHES
                                                                     and len(self._active) == 1)
-                rec.commit(on_done, lambda err: run.fail(st, err), flush=st.fence or (early and dev.idle),
-                           on_submit=on_submit)
+                def on_error(err: BaseException) -> None:
+                    if not _failed_by_loss(run, st, dev, err):
+                        run.fail(st, err)
+
+                rec.commit(on_done, on_error, flush=st.fence or (early and dev.idle), on_submit=on_submit)
             except BaseException as e:  # noqa: BLE001 - the stage's own encoder failed, or the device was lost
-                run.fail(st, e, attempt)
+                if not _failed_by_loss(run, st, dev, e):
+                    run.fail(st, e, attempt)
                 ctx.discard()
                 return
             for d, up in fresh.items():  # uploaded here for every reader: keep it for the others
@@ -1156,6 +1154,21 @@ def _span_args(run: Run, i: int) -> dict[str, Any]:
     """A stage span's trace arguments: the run, and for a placed stage the decision and its estimates."""
     p = run.placements[i]
     return {"run": run.seq} if p is None else {"run": run.seq, "placement": p.as_dict()}
+
+
+def _failed_by_loss(run: Run, st: StagePlan, dev: Device, e: BaseException) -> bool:
+    """Fail ``run`` with DeviceLostError if the device was lost (probed first when ``e`` says it
+    is: that fails every active run); False, nothing done, while the device is not lost."""
+    if "device is lost" in str(e).lower():
+        dev._probe_lost()
+    if dev.lost is None:
+        return False
+    # whichever thread noticed first, this run fails the same way
+    lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} was recorded; "
+                           "create a new Runtime")
+    lost.__cause__ = e
+    run._set_error(lost)
+    return True
 
 
 def _device_args(run: Run, st: StagePlan, ctx: GPUContext, share: dict[int, int], fresh: dict[int, Any],

@@ -36,10 +36,12 @@ __all__ = [
     "attention_packed",
     "attention_varlen",
     "embedding",
+    "embedding_layernorm",
     "erf",
     "gelu",
     "layernorm",
     "matmul",
+    "matmul_layernorm",
     "max",
     "mean",
     "min",
@@ -217,6 +219,24 @@ def embedding(table: Any, ids: Any) -> np.ndarray:
         raise IndexError(f"embedding: ids must lie in [0, {t.shape[0]}), got values in [{int(i.min())}, "
                          f"{int(i.max())}]")
     return t[i]
+
+
+def embedding_layernorm(tables: Sequence[Any], ids: Sequence[Any], gamma: Any, beta: Any, *,
+                        eps: float = 1e-5) -> np.ndarray:
+    """``layernorm(embedding(tables[0], ids[0]) + embedding(tables[1], ids[1]) + ...)``, summed in table order."""
+    if len(tables) != len(ids) or not tables:
+        raise ValueError(f"embedding_layernorm: takes tables, each with its ids; got {len(tables)} tables and "
+                         f"{len(ids)} ids arrays")
+    v = embedding(_f32("embedding_layernorm", "tables[0]", tables[0]), ids[0])
+    for i, (t, x) in enumerate(zip(tables[1:], ids[1:]), 1):
+        v = v + embedding(_f32("embedding_layernorm", f"tables[{i}]", t), x)
+    return layernorm(v, gamma, beta, eps=eps)
+
+
+def matmul_layernorm(a: Any, b: Any, gamma: Any, beta: Any, *, transpose_b: bool = False, bias: Any = None,
+                     residual: Any = None, eps: float = 1e-5) -> np.ndarray:
+    """``layernorm(a @ b + bias + residual)`` over the last axis, as :func:`hetero.ops.matmul_layernorm`."""
+    return layernorm(matmul(a, b, transpose_b=transpose_b, bias=bias), gamma, beta, eps=eps, residual=residual)
 
 
 def _key_bias(mask: Any, bsz: int, sk: int) -> np.ndarray:

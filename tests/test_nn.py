@@ -682,6 +682,9 @@ async def test_matmul_layernorm_equals_the_separate_ops(shared_rt: hetero.Runtim
         lin = inputs["a"].astype(np.float64) @ inputs["w"].T.astype(np.float64) + inputs["bias"]
         np.testing.assert_allclose(got, layernorm_ref(lin.astype(np.float32), inputs["ga"], inputs["be"], 1e-12,
                                                       inputs["res"]), rtol=1e-4, atol=1e-4)
+        twin = ops.cpu.matmul_layernorm(inputs["a"], inputs["w"], inputs["ga"], inputs["be"], transpose_b=True,
+                                        bias=inputs["bias"], residual=inputs["res"], eps=1e-12)
+        np.testing.assert_allclose(twin, got, rtol=1e-4, atol=1e-4)
         parts = split_k_parts(hetero.GPUContext(shared_rt.device(), "direct"), inputs["a"], inputs["w"],
                               transpose_b=True, config=config)
         splits.append(parts)
@@ -744,6 +747,11 @@ async def test_embedding_layernorm_equals_the_separate_ops(shared_rt: hetero.Run
 
     v = (pick(word, ids) + pick(pos, p)) + pick(typ, t)
     np.testing.assert_allclose(got, layernorm_ref(v, ga, be, 1e-12), rtol=1e-5, atol=2e-5)
+    ok = ids < 50  # the CPU twin refuses ids out of range, as ops.cpu.embedding does
+    twin = ops.cpu.embedding_layernorm([word, pos, typ], [np.where(ok, ids, 0), p, np.maximum(t, 0)], ga, be,
+                                       eps=1e-12)
+    fine = ok & (t >= 0)
+    np.testing.assert_allclose(twin[fine], got[fine], rtol=1e-5, atol=2e-5)
     assert labels == (["nn.embedding_layernorm3.tpr128.k3"] if storage_limit is None else
                       ["nn.embedding.vec4", "nn.embedding.vec4", "nn.add.vec4", "nn.embedding.vec4",
                        "nn.layernorm.residual.tpr128.k3"])

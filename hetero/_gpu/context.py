@@ -32,6 +32,10 @@ _STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsa
 # where that reuses pooled staging, so a caller keeping every result gets copies and pins
 # no more than the pool's cap (see transfer).
 ZERO_COPY_MIN = 1 << 20
+# Uploads of at most this many bytes together are written through the queue when the
+# recorder allows it (SharedRecorder.write_now): the recording thread copies them itself,
+# holding the GIL, so the bound keeps that copy short.
+QUEUE_WRITE_MAX = 256 << 10
 
 
 class _Park(BaseException):
@@ -40,6 +44,14 @@ class _Park(BaseException):
     def __init__(self, wait: MemoryWait) -> None:
         super().__init__(wait)
         self.wait = wait
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes in C order, zero-padded to a multiple of 4 (a queue write moves whole words)."""
+    b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
+    return b
 
 
 def _check_uploadable(a: np.ndarray) -> None:
@@ -159,17 +171,20 @@ class GPUContext:
         return out
 
     def _write(self, items: list[tuple[np.ndarray, Any, int]], staged: int | None = None) -> None:
-        """Record uploads of ``(array, buffer, offset)``: through one staging buffer where they fit one
-        (``staged``: their bytes, each rounded up to 4, where the caller counted them)."""
+        """Record uploads of ``(array, buffer, offset)``: written through the queue where they are
+        small and the recorder allows it (:meth:`SharedRecorder.write_now`), else through one
+        staging buffer where they fit one (``staged``: their bytes, each rounded up to 4, where
+        the caller counted them), else a staging upload each."""
         ring = self._dev.ring
         t0 = time.perf_counter_ns()
-        if len(items) > 1 and staged is None:
+        if staged is None:
             staged = sum(pad4(a.nbytes) for a, _, _ in items)
-        if len(items) == 1 or staged is None or staged > ring.chunk_bytes:
-            for a, buffer, offset in items:
-                self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
-        else:
-            self.uploads.append(ring.upload_many(self._recorder.encoder, items))
+        if staged > QUEUE_WRITE_MAX or not self._recorder.write_now([(_words(a), b, o) for a, b, o in items]):
+            if len(items) == 1 or staged > ring.chunk_bytes:
+                for a, buffer, offset in items:
+                    self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
+            else:
+                self.uploads.append(ring.upload_many(self._recorder.encoder, items))
         tracer = self._dev.tracer
         if tracer is not None:
             tracer.span("upload", "transfer", t0, time.perf_counter_ns(),

@@ -17,6 +17,10 @@ Rules:
   thread, which holds the GIL.
 - Handles are integer addresses (:func:`addr`), taken once per object; the object must stay
   alive while its address is in use.
+- :func:`write_buffer` is the queue's write (``wgpuQueueWriteBuffer``): wgpu-native copies
+  the bytes at once and writes them on the GPU at the start of the next queue submission,
+  before its command buffers. Only for a destination that no recorded but unsubmitted
+  command uses (see ``SharedRecorder.write_now``).
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
+
 from wgpu.backends.wgpu_native._ffi import ffi as _ffi, lib_path as _lib_path
 
-__all__ = ["addr", "copy_buffer_to_buffer", "dispatch", "set_bind_group", "set_pipeline", "write_timestamp"]
+__all__ = ["addr", "copy_buffer_to_buffer", "dispatch", "set_bind_group", "set_pipeline", "write_buffer", "write_timestamp"]
 
 
-def _functions() -> tuple[Any, Any, Any, Any, Any]:
+def _functions() -> tuple[Any, Any, Any, Any, Any, Any]:
     dll = ctypes.PyDLL(_lib_path)
     vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64
     set_pipeline = dll.wgpuComputePassEncoderSetPipeline
@@ -42,10 +48,12 @@ def _functions() -> tuple[Any, Any, Any, Any, Any]:
     write_timestamp.argtypes, write_timestamp.restype = [vp, vp, u32], None
     copy = dll.wgpuCommandEncoderCopyBufferToBuffer
     copy.argtypes, copy.restype = [vp, vp, u64, vp, u64, u64], None
-    return set_pipeline, set_bind_group, dispatch, write_timestamp, copy
+    write = dll.wgpuQueueWriteBuffer
+    write.argtypes, write.restype = [vp, vp, u64, vp, ctypes.c_size_t], None
+    return set_pipeline, set_bind_group, dispatch, write_timestamp, copy, write
 
 
-set_pipeline, set_bind_group, dispatch, write_timestamp, _copy = _functions()
+set_pipeline, set_bind_group, dispatch, write_timestamp, _copy, _write = _functions()
 
 
 def copy_buffer_to_buffer(encoder: Any, source: Any, source_offset: int, destination: Any, destination_offset: int,
@@ -55,6 +63,15 @@ def copy_buffer_to_buffer(encoder: Any, source: Any, source_offset: int, destina
         raise ValueError(f"copy_buffer_to_buffer: offsets and size must be multiples of 4, got {source_offset}, "
                          f"{destination_offset}, {size}")
     _copy(addr(encoder), addr(source), source_offset, addr(destination), destination_offset, size)
+
+
+def write_buffer(queue: int, buffer: Any, offset: int, data: np.ndarray) -> None:
+    """Write ``data``'s bytes (C-contiguous, a multiple of 4) to ``buffer`` at ``offset`` (a
+    multiple of 4) through the queue at address ``queue``, keeping the GIL (see the rules above)."""
+    if (offset | data.nbytes) & 3 or not data.flags.c_contiguous:
+        raise ValueError(f"write_buffer: offset and size must be multiples of 4 and the data C-contiguous, got "
+                         f"{offset}, {data.nbytes}")
+    _write(queue, addr(buffer), offset, data.ctypes.data, data.nbytes)
 
 
 def addr(obj: Any) -> int:

@@ -36,9 +36,12 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._trace import GPU_DISPATCHES, GPU_QUEUE
+from .passcmd import addr, write_buffer
 from .submission import each
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .device import Device
     from .timing import TimerFrame
 
@@ -92,6 +95,11 @@ class _Budget:
     @property
     def encoder(self) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def write_now(self, items: list[tuple[np.ndarray, Any, int]]) -> bool:
+        """Write small uploads ``(array, buffer, offset)`` through the queue instead of staging
+        copies in the encoder, where that is safe; False (nothing written) where it is not."""
+        return False
 
     def _target(self) -> Any:
         """Where a timestamp goes now: the open compute pass, else the encoder."""
@@ -287,6 +295,30 @@ class SharedRecorder(_Budget):
             if self._encoder is None:
                 self._encoder = self._dev.device.create_command_encoder(label="hetero-shared")
             return self._encoder
+
+    def write_now(self, items: list[tuple[np.ndarray, Any, int]]) -> bool:
+        """Write ``(array, buffer, offset)`` items through the queue (``wgpuQueueWriteBuffer``),
+        when no recorded command waits to be submitted; False (nothing written) otherwise.
+
+        The rule. A queue write lands at the start of the next submission, before its command
+        buffers, whereas blocks go back to the pool when their stage commits (the pool's
+        lifetime rule), possibly before the shared encoder holding its commands is submitted.
+        A block taken while this encoder or the submission's batch holds commands may be one
+        of theirs, so its write must be a copy ordered after them in the encoder. With both
+        empty, every command that used any pooled block was submitted, and the write is
+        ordered after it by the queue. The check and the writes hold the lock under which
+        commands are recorded and finished into the batch.
+
+        Why: a lone run's token ids are a few small arrays, for which writes cost the recording
+        thread several times less than a staging buffer, its copies and its map back.
+        """
+        with self.lock:
+            if self._encoder is not None or self._dev.submission.pending():
+                return False
+            queue = addr(self._dev.queue)
+            for a, buffer, offset in items:
+                write_buffer(queue, buffer, offset, a)
+            return True
 
     def compute_pass(self) -> Any:
         """The open compute pass, shared by consecutive dispatches of consecutive stages."""

@@ -248,6 +248,11 @@ class Submission:
             if flush or self._inflight == 0 or len(self._batch) >= self.max_batch:
                 self._flush_locked()
 
+    def pending(self) -> bool:
+        """Whether command buffers were enqueued and not yet submitted."""
+        with self._submit_lock:
+            return bool(self._batch)
+
     @property
     def idle(self) -> bool:
         """Nothing of ours is running on the GPU or waiting to be submitted (a hint: not locked)."""
