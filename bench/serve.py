@@ -2,7 +2,7 @@
 
     python -m bench serve [--model minilm|random|tiny|DIR] [--concurrency 1,16,256] [--duration 10]
                           [--load 0.85] [--backend asyncio|trio] [--workers 1] [--engines 1] [--int8]
-                          [--processes N] [--interleave R]
+                          [--processes N] [--interleave R] [--floor]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
 process, first the reference: ``embed()`` bulk throughput on those sentences (best of
@@ -34,6 +34,11 @@ coordinated omission: a request delayed behind a slow one counts its wait); load
 with at most four clients wake each client 2 ms early and yield until its send time, since a
 timer alone fires up to a millisecond late. The first
 ``--warmup`` seconds of each level are not counted.
+
+``--floor``: before each level of more than one client, the same load goes to ``--workers``
+hypercorn processes sharing one port and answering a constant body of an embedding's size
+(the HTTP floor at that load: what the HTTP fronts alone could serve on this machine with
+these load processes beside them, the ceiling of any engine behind them).
 
 ``--interleave R``: with the server up and before the sweep, R rounds each timing
 ``--single`` calls of ``embed([s])`` in this process and as many requests of one client of
@@ -202,14 +207,20 @@ async def floor_app(scope: Any, receive: Any, send: Any) -> None:
 FLOOR_BODY = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":"' + b"A" * 2048 + b'"}]}'
 
 
-def floor_server(port: int, backend: str) -> None:
-    """Serve :func:`floor_app` with hypercorn on ``port`` until killed (a process of its own)."""
+def floor_server(port: int, backend: str, reuse_port: bool = False, ready: Any = None) -> None:
+    """Serve :func:`floor_app` with hypercorn on ``port`` until killed (a process of its own;
+    ``reuse_port``: one of several on the port, as ``hetero serve --workers`` fronts are).
+    ``ready`` (a multiprocessing Event) is set once the socket listens."""
     import anyio
     from hypercorn.config import Config
 
+    from hetero.pipelines.serve import listen_socket
+
     config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
+    config.bind = [f"fd://{listen_socket('127.0.0.1', port, reuse_port=reuse_port).detach()}"]
     config.errorlog = None  # no "Running on" line among the bench's output
+    if ready is not None:
+        ready.set()
     if backend == "trio":
         from hypercorn.trio import serve as hserve_trio
 
@@ -220,33 +231,59 @@ def floor_server(port: int, backend: str) -> None:
         anyio.run(hserve, floor_app, config)
 
 
-def http_floor(texts: list[str], rate: float, duration: float, backend: str, client: str) -> list[float]:
-    """One client's latencies (s) against :func:`floor_app` on hypercorn, as the load processes measure them."""
+def floor_processes(port: int, backend: str, n: int) -> list[Any]:
+    """``n`` :func:`floor_server` processes sharing ``port``, all listening and one answering."""
     import httpx
 
     from bench.serve import floor_server as target  # by module name: picklable from `python -m bench.serve` too
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = get_context("spawn").Process(target=target, args=(port, backend), daemon=True)
-    proc.start()
+    ctx = get_context("spawn")
+    events = [ctx.Event() for _ in range(n)]
+    procs = [ctx.Process(target=target, args=(port, backend, n > 1, e), daemon=True) for e in events]
+    for proc in procs:
+        proc.start()
     try:
         deadline = time.monotonic() + 60
+        for e in events:
+            if not e.wait(max(0.0, deadline - time.monotonic())):
+                raise SystemExit("bench serve: the HTTP floor server did not start")
         while True:
             try:
                 httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={}, timeout=5)
                 break
             except httpx.HTTPError:
-                if time.monotonic() > deadline or not proc.is_alive():
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
                     raise SystemExit("bench serve: the HTTP floor server did not start") from None
                 time.sleep(0.05)
+    except BaseException:
+        stop_floor(procs)
+        raise
+    return procs
+
+
+def stop_floor(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join()
+
+
+def http_floor(texts: list[str], rate: float, duration: float, backend: str, client: str) -> list[float]:
+    """One client's latencies (s) against :func:`floor_app` on hypercorn, as the load processes measure them."""
+    port = free_port()
+    procs = floor_processes(port, backend, 1)
+    try:
         rows, _ = load_process(f"http://127.0.0.1:{port}", texts, 1, rate, duration, time.time() + 0.5, 7, 10.0,
                                client)
     finally:
-        proc.kill()
-        proc.join()
+        stop_floor(procs)
     return [lat for t, lat, status in rows if status == 200 and t >= 1.0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class RawClient:
@@ -446,6 +483,40 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
     return rows, (time.process_time() - cpu0) / max(time.monotonic() - wall0 - lead, 1e-9)
 
 
+def drive(pool: Any, worker: Any, url: str, texts: list[str], clients: int, rate: float, args: argparse.Namespace,
+          seed: int) -> tuple[list[tuple[float, float, int]], list[float], int]:
+    """One level's load on ``url`` from the load processes: every request's row (see
+    :func:`load_process`), each load process's CPU per wall second, and how many there were."""
+    procs = max(1, min(args.processes, clients))
+    shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
+    start_wall = time.time() + 2.0
+    futures = [pool.submit(worker, url, texts, c, rate * c / clients, args.warmup + args.duration, start_wall,
+                           seed + k, args.timeout, args.client) for k, c in enumerate(shares)]
+    done = [f.result() for f in futures]
+    return [r for part, _ in done for r in part], [x for _, x in done], procs
+
+
+def level_figures(rows: list[tuple[float, float, int]], warmup: float, bulk_rate: float,
+                  single_s: float) -> dict[str, Any]:
+    """Throughput (requests answered 200 over the span from the first counted request's scheduled
+    time to the last answer), latencies from the scheduled time, and the counts, past ``warmup`` s."""
+    sched = np.array([r[0] for r in rows])
+    lat = np.array([r[1] for r in rows])
+    status = np.array([r[2] for r in rows])
+    counted = sched >= warmup
+    ok = counted & (status == 200)
+    span = float((sched[ok] + lat[ok]).max() - sched[counted].min()) if ok.any() else float("nan")
+    thr = float(ok.sum() / span) if span and span > 0 else 0.0
+    lat_ms = lat[ok] * 1e3
+    p50 = percentile(lat_ms, 50)
+    return {"throughput_rps": round(thr, 1), "requests": int(counted.sum()), "ok": int(ok.sum()),
+            "n_429": int((counted & (status == 429)).sum()),
+            "failed": int((counted & (status != 200) & (status != 429)).sum()),
+            "p50_ms": p50, "p90_ms": percentile(lat_ms, 90), "p99_ms": percentile(lat_ms, 99),
+            "throughput_over_bulk": round(thr / bulk_rate, 4),
+            "p50_over_embed_one": round(p50 / (single_s * 1e3), 4) if p50 is not None else None}
+
+
 def batch_histogram(metrics: str) -> dict[str, float]:
     """Cumulative bucket counts of ``hetero_embed_batch_size`` from Prometheus text."""
     out: dict[str, float] = {}
@@ -527,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                    help="the load's HTTP client: httpx, or prepared requests on raw keep-alive connections, "
                         "which costs the load processes a fraction of the CPU (default: %(default)s)")
+    p.add_argument("--floor", action="store_true",
+                   help="before each level of more than one client, offer the same load to --workers hypercorn "
+                        "processes answering a constant body (the HTTP floor: what HTTP alone serves here)")
     p.add_argument("--interleave", type=int, default=0, metavar="R",
                    help="with the server up, R rounds alternating embed([s]) and one client of the server, "
                         "back to back and at one client's pace (default: off)")
@@ -622,9 +696,7 @@ def main(argv: list[str] | None = None) -> int:
              p90_ms=round(float(np.percentile(floor, 90)) * 1e3, 3) if floor else None)
 
     # -- the server --------------------------------------------------------------------------------------
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
            "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
@@ -665,16 +737,21 @@ def main(argv: list[str] | None = None) -> int:
             for li, clients in enumerate(levels):
                 rate = rates[li] if rates is not None else (
                     0.2 / single_s if clients == 1 else min(args.load * bulk_rate, clients * 0.5 / single_s))
-                procs = max(1, min(args.processes, clients))
-                shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
-                total = args.warmup + args.duration
+                if args.floor and clients > 1:  # the same load against HTTP alone first
+                    fport = free_port()
+                    fprocs = floor_processes(fport, args.backend, args.workers)
+                    try:
+                        frows, fload, fprocs_n = drive(pool, worker, f"http://127.0.0.1:{fport}", texts, clients,
+                                                       rate, args, li * 1000 + 500)
+                    finally:
+                        stop_floor(fprocs)
+                    emit(impl="HTTP floor", what=f"the same load against {args.workers} hypercorn processes on one "
+                         "port answering a constant body", concurrency=clients, offered_rps=round(rate, 1),
+                         **level_figures(frows, args.warmup, bulk_rate, single_s), load_processes=fprocs_n,
+                         load_cpu_per_wall_s=sorted((round(x, 2) for x in fload), reverse=True), **common)
                 before = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
                 tree0, wall0 = process_tree_cpu(server.pid), time.monotonic()
-                start_wall = time.time() + 2.0
-                futures = [pool.submit(worker, url, texts, c, rate * c / clients, total, start_wall,
-                                       li * 1000 + k, args.timeout, args.client) for k, c in enumerate(shares)]
-                done = [f.result() for f in futures]
-                rows = [r for part, _ in done for r in part]
+                rows, load_cpu, procs = drive(pool, worker, url, texts, clients, rate, args, li * 1000)
                 tree1 = process_tree_cpu(server.pid)
                 wall_s = time.monotonic() - wall0 - 2.0
                 used = {p: (c - tree0.get(p, (0.0, 0.0))[0], lp - tree0.get(p, (0.0, 0.0))[1])
@@ -683,25 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_wall = sorted(((c / wall_s, lp / wall_s) for c, lp in used.values() if c > 0), reverse=True) \
                     if wall_s > 0 else []
                 after = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
-                sched = np.array([r[0] for r in rows])
-                lat = np.array([r[1] for r in rows])
-                status = np.array([r[2] for r in rows])
-                counted = sched >= args.warmup
-                ok = counted & (status == 200)
-                if ok.any():
-                    span = float((sched[ok] + lat[ok]).max() - sched[counted].min())
-                else:
-                    span = float("nan")
-                thr = float(ok.sum() / span) if span and span > 0 else 0.0
-                lat_ms = lat[ok] * 1e3
-                p50 = percentile(lat_ms, 50)
-                line = {"concurrency": clients, "offered_rps": round(rate, 1), "throughput_rps": round(thr, 1),
-                        "requests": int(counted.sum()), "ok": int(ok.sum()),
-                        "n_429": int((counted & (status == 429)).sum()),
-                        "failed": int((counted & (status != 200) & (status != 429)).sum()),
-                        "p50_ms": p50, "p90_ms": percentile(lat_ms, 90), "p99_ms": percentile(lat_ms, 99),
-                        "throughput_over_bulk": round(thr / bulk_rate, 4),
-                        "p50_over_embed_one": round(p50 / (single_s * 1e3), 4) if p50 is not None else None,
+                line = {"concurrency": clients, "offered_rps": round(rate, 1),
+                        **level_figures(rows, args.warmup, bulk_rate, single_s),
                         "batch_sizes": histogram_delta(before, after), "load_processes": procs,
                         # server CPU (all its processes and threads) per request and per wall second:
                         # near 1.0 per worker, the event loop and recording share a saturated GIL
@@ -712,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                         # each server process (busiest first): CPU per wall second, all threads / main thread
                         "server_processes_cpu_per_wall_s": [[round(c, 2), round(lp, 2)] for c, lp in per_wall],
                         # each load process: CPU per wall second (near 1.0: the load side limits the rate)
-                        "load_cpu_per_wall_s": sorted((round(x, 2) for _, x in done), reverse=True)}
+                        "load_cpu_per_wall_s": sorted((round(x, 2) for x in load_cpu), reverse=True)}
                 emit(**line, **common)
                 summary[clients] = line
     finally:

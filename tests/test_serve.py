@@ -832,3 +832,22 @@ async def test_a_failed_warm_up_reaches_the_fronts(tiny: Model, shared_rt: heter
                     await anyio.sleep(0.01)
             assert front.warmup_error == "stage 'layer0' failed to compile: out of registers"
             assert not front.ready and front.lost is None
+
+
+def test_the_http_floor_serves_from_several_processes_on_one_port() -> None:
+    """bench serve --floor: hypercorn processes sharing a port answer the load processes' requests."""
+    import time
+
+    from bench.serve import floor_processes, free_port, level_figures, load_process, stop_floor
+
+    port = free_port()
+    procs = floor_processes(port, "asyncio", 2)
+    try:
+        assert all(p.is_alive() for p in procs)
+        rows, _ = load_process(f"http://127.0.0.1:{port}", ["a sentence"], 4, 200.0, 1.0, time.time() + 0.2, 1,
+                               10.0, "raw")
+    finally:
+        stop_floor(procs)
+    assert not any(p.is_alive() for p in procs)
+    figures = level_figures(rows, 0.0, 1000.0, 0.01)
+    assert figures["requests"] == figures["ok"] == len(rows) > 0 and figures["failed"] == figures["n_429"] == 0
