@@ -362,6 +362,7 @@ def layernorm(gpu: GPUContext, x: Tensor | np.ndarray, gamma: Tensor | np.ndarra
     if len(shape) == 0:
         raise ValueError("layernorm: x is 0-d (shape ()); layernorm needs at least one axis")
     _norm_args("layernorm", shape, gamma, beta, residual, eps)
+    _fits(gpu, "layernorm", "x", shape)
     xt = _dev(gpu, x)
     rt = _dev(gpu, residual) if residual is not None else None
     return _norm_rows(gpu, shape, "layernorm" + (".residual" if rt is not None else ""),
@@ -391,8 +392,8 @@ def _norm_rows(gpu: GPUContext, shape: tuple[int, ...], label: str, wgsl: Any, i
                gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray, eps: float, parts: int = 0,
                vocab: Sequence[int] = ()) -> Tensor:
     """One dispatch of a layernorm row kernel (``wgsl(tpr, k, cached)``'s source) over rows of
-    ``shape[-1]``, reading ``inputs`` (its first bindings) and writing a new [shape] tensor."""
-    _fits(gpu, label.split(".")[0], "x", shape)
+    ``shape[-1]``, reading ``inputs`` (its first bindings) and writing a new [shape] tensor.
+    The caller checked everything (shapes, eps, the binding size)."""
     gt, bt = _dev(gpu, gamma), _dev(gpu, beta)
     out = gpu.empty(shape, np.float32)
     n = shape[-1]
