@@ -740,19 +740,27 @@ def attention(gpu: GPUContext, q: Tensor | np.ndarray, k: Tensor | np.ndarray, v
 
 
 def attention_packed(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, *,
-                     mask: Tensor | np.ndarray | None = None, scale: float | None = None) -> Tensor:
+                     mask: Tensor | np.ndarray | None = None, scale: float | None = None,
+                     bias: Tensor | np.ndarray | None = None) -> Tensor:
     """:func:`attention` over one fused Q/K/V projection: ``qkv`` is [B, S, 3*H*D] -> [B, S, H*D].
 
     Along the last axis ``qkv`` holds q, then k, then v, each [H, D] (the output of one
     matmul against the three projection weights stacked, ``[3*H*D, in]``): one dispatch
     instead of three projections, and the fused kernel reads q, k and v in place with
     their strides (no split, no transposes). ``mask``, ``scale``: as for :func:`attention`.
+
+    ``qkv`` may also be [P, B, S, 3*H*D]: the projection's partial products over P ranges
+    of K (:func:`~hetero.kernels.matmul.matmul_partials`), which the kernel sums as it reads
+    them, and ``bias`` [3*H*D] is added to every row: a K-split projection then needs no
+    summing pass.
     """
-    qs = _f32("attention_packed", "qkv", qkv)
+    full = _f32("attention_packed", "qkv", qkv)
     if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
         raise ValueError(f"attention_packed: heads must be an integer >= 1, got {heads!r}")
+    qs, parts = _qkv_sum("attention_packed", full, 3, bias)
     if len(qs) != 3 or qs[2] % (3 * heads):
-        raise ValueError(f"attention_packed: qkv must be [B, S, 3*H*D] with H = {heads} heads, got shape {qs}")
+        raise ValueError(f"attention_packed: qkv must be [B, S, 3*H*D] (or [P, B, S, 3*H*D]) with H = {heads} "
+                         f"heads, got shape {full}")
     bsz, sq, width = qs
     hd = width // 3
     d = hd // heads
@@ -760,20 +768,21 @@ def attention_packed(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, *,
         raise ValueError(f"attention_packed: qkv of shape {qs} has no room for {heads} heads of dimension >= 1")
     sc = _scale("attention_packed", scale, 1.0 / math.sqrt(d))
     mt = _padding_mask("attention_packed", mask, bsz, sq, f"qkv of shape {qs}") if mask is not None else None
-    _fits(gpu, "attention_packed", "qkv", qs)
+    _fits(gpu, "attention_packed", "qkv", full)
     t = _dev(gpu, qkv)
     mtt = _dev(gpu, mt) if mt is not None else None
+    bt = _dev(gpu, bias) if bias is not None else None
     out = gpu.empty((bsz, sq, hd), np.float32)
     if _size(qs) == 0:
         return out
     istr = (sq * width, d, width)  # batch, head, token strides of q, k and v inside qkv
     _attention_fused(gpu, (t, t, t), (0, hd, 2 * hd), istr, istr, (sq * hd, d, hd), out, mtt, sc,
-                     (bsz, heads, sq, sq, d))
+                     (bsz, heads, sq, sq, d), summed=(parts, _size(qs), bt, width))
     return out
 
 
 def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, spans: Tensor | np.ndarray, *,
-                     scale: float | None = None) -> Tensor:
+                     scale: float | None = None, bias: Tensor | np.ndarray | None = None) -> Tensor:
     """:func:`attention_packed` over sequences of different lengths packed along one token axis.
 
     ``qkv`` is [T, 3*H*D] (q, then k, then v along the last axis, as for
@@ -788,13 +797,17 @@ def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, span
     The work follows the sequences' lengths (the sum of their squares), not the longest
     one's times their number as padded attention does: one dispatch, whose shape (and so a
     captured stage's signature) depends on ``T`` alone, whatever the lengths within it.
+
+    ``qkv`` may also be [P, T, 3*H*D], partial products summed as they are read, plus ``bias``
+    (see :func:`attention_packed`).
     """
-    qs = _f32("attention_varlen", "qkv", qkv)
+    full = _f32("attention_varlen", "qkv", qkv)
     if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
         raise ValueError(f"attention_varlen: heads must be an integer >= 1, got {heads!r}")
+    qs, parts = _qkv_sum("attention_varlen", full, 2, bias)
     if len(qs) != 2 or qs[1] % (3 * heads) or qs[1] < 3 * heads:
-        raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] with H = {heads} heads and D >= 1, "
-                         f"got shape {qs}")
+        raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] (or [P, T, 3*H*D]) with H = {heads} heads "
+                         f"and D >= 1, got shape {full}")
     _kind("attention_varlen", "spans", spans)
     sshape = tuple(int(x) for x in spans.shape)
     if sshape != (qs[0], 2):
@@ -808,15 +821,16 @@ def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, span
     hd = width // 3
     d = hd // heads
     sc = _scale("attention_varlen", scale, 1.0 / math.sqrt(d))
-    _fits(gpu, "attention_varlen", "qkv", qs)
+    _fits(gpu, "attention_varlen", "qkv", full)
     t = _dev(gpu, qkv)
     st = gpu.upload(np.ascontiguousarray(spans, dtype=np.int32)) if isinstance(spans, np.ndarray) else spans
+    bt = _dev(gpu, bias) if bias is not None else None
     out = gpu.empty((tokens, hd), np.float32)
     if tokens == 0:
         return out
     istr = (tokens * width, d, width)  # (one batch), head, token strides of q, k and v inside qkv
     _attention_fused(gpu, (t, t, t), (0, hd, 2 * hd), istr, istr, (tokens * hd, d, hd), out, None, sc,
-                     (1, heads, tokens, tokens, d), spans=st)
+                     (1, heads, tokens, tokens, d), spans=st, summed=(parts, tokens * width, bt, width))
     return out
 
 
@@ -840,26 +854,49 @@ def _padding_mask(op: str, mask: Tensor | np.ndarray, bsz: int, sk: int, keys: s
 def _attention_fused(gpu: GPUContext, qkv: tuple[Tensor, Tensor, Tensor], first: tuple[int, int, int],
                      qstr: tuple[int, int, int], kstr: tuple[int, int, int], ostr: tuple[int, int, int],
                      out: Tensor, mtt: Tensor | None, sc: float, dims: tuple[int, int, int, int, int],
-                     spans: Tensor | None = None) -> None:
+                     spans: Tensor | None = None, summed: tuple[int, int, Tensor | None, int] = (1, 0, None, 0)
+                     ) -> None:
     """One dispatch of the fused kernel: element offsets ``first`` and (batch, head, token) strides;
-    ``spans``: each token's key range (packed sequences, one batch), instead of a mask."""
+    ``spans``: each token's key range (packed sequences, one batch), instead of a mask;
+    ``summed``: (planes, elements a plane, bias, its width): q, k and v are sums of partial
+    products (planes > 1) plus a bias per column (a Tensor of ``width``)."""
     bsz, heads, sq, sk, d = dims
+    parts, pstride, bias, bw = summed
     d4 = _groups(d, 4)
     # Packed sequences: a workgroup's keys are its queries' sequences, not the whole axis.
     bq, bk = _attn_tiles(gpu, VARLEN_TILE, VARLEN_TILE, d4) if spans is not None else _attn_tiles(gpu, sq, sk, d4)
-    vec = d % 4 == 0 and all(f % 4 == 0 for f in first)
+    vec = d % 4 == 0 and all(f % 4 == 0 for f in first) and pstride % 4 == 0 and bw % 4 == 0
     float_mask = mtt is not None and mtt.dtype == _F32
-    wgsl = nn_wgsl.attention(bq, bk, d4, vec, None if mtt is None else float_mask, varlen=spans is not None)
+    wgsl = nn_wgsl.attention(bq, bk, d4, vec, None if mtt is None else float_mask, varlen=spans is not None,
+                             parts=parts > 1, bias=bias is not None)
     label = (f"nn.attention.bq{bq}.bk{bk}.d{d4 * 4}{'.vec4' if vec else ''}{'.mask' if mtt is not None else ''}"
-             f"{'.varlen' if spans is not None else ''}")
+             f"{'.varlen' if spans is not None else ''}{'.parts' if parts > 1 else ''}"
+             f"{'.bias' if bias is not None else ''}")
     kern = _compile(gpu, label, wgsl)
     nqb = _groups(sq, bq)
-    params = struct.pack("<12If7I", sq, sk, heads, nqb, d, *qstr, *kstr, first[0], sc * math.log2(math.e),
-                         first[1], first[2], 0, *ostr, 0)
+    params = struct.pack("<12If11I", sq, sk, heads, nqb, d, *qstr, *kstr, first[0], sc * math.log2(math.e),
+                         first[1], first[2], 0, *ostr, 0, parts, pstride, bw, 0)
     q, k, v = qkv
     extra = mtt if mtt is not None else spans
-    bindings: list[Any] = [q, k, v, out, params] + ([extra] if extra is not None else [])
+    bindings: list[Any] = [q, k, v, out, params] + ([extra] if extra is not None else []) + \
+        ([bias] if bias is not None else [])
     gpu.dispatch(kern, bsz * heads * nqb, *bindings)
+
+
+def _qkv_sum(op: str, qs: tuple[int, ...], rank: int, bias: Any) -> tuple[tuple[int, ...], int]:
+    """``qkv``'s shape without its planes and how many planes it has (a rank+1-D ``qkv`` is
+    partial products summed along its first axis); ``bias`` checked against its width."""
+    parts = 1
+    if len(qs) == rank + 1:
+        parts, qs = qs[0], qs[1:]
+        if parts < 1:
+            raise ValueError(f"{op}: qkv of partial products has {parts} planes along its first axis; it needs >= 1")
+    if bias is not None:
+        bs = _f32(op, "bias", bias)
+        if len(qs) == rank and bs != (qs[-1],):
+            raise ValueError(f"{op}: bias of shape {bs} does not match qkv's last axis of {qs[-1]}; bias must have "
+                             f"shape ({qs[-1]},)")
+    return qs, parts
 
 
 def _attention_matmul(gpu: GPUContext, q: Any, k: Any, v: Any, mt: Any, sc: float, layout: str,

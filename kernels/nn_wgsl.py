@@ -263,6 +263,7 @@ struct Params {
     ks_b: u32, ks_h: u32, ks_s: u32, q0: u32,   // strides of k and v; q's first element
     scale: f32, k0: u32, v0: u32, pad0: u32,    // softmax scale times log2(e); k's and v's first elements
     os_b: u32, os_h: u32, os_s: u32, pad1: u32, // strides of the output
+    parts: u32, pstride: u32, bw: u32, pad2: u32, // summed inputs: planes, elements a plane, bias width
 }
 @group(0) @binding(0) var<storage, read> q: array<$T>;
 @group(0) @binding(1) var<storage, read> k: array<$T>;
@@ -270,6 +271,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> o: array<$T>;
 @group(0) @binding(4) var<uniform> p: Params;
 $MASK_DECL
+$BIAS_DECL
 const NN_FLT_MAX: f32 = 3.40282347e38;
 
 var<workgroup> tk: array<vec4<f32>, BK * D4>;
@@ -362,6 +364,24 @@ _LD_VEC = "return {buf}[(base >> 2u) + c];"
 _LD_SCALAR = """let d0 = c * 4u;
     var r = vec4<f32>(0.0);
     for (var i = 0u; i < 4u; i++) {{ if (d0 + i < p.d) {{ r[i] = {buf}[base + d0 + i]; }} }}
+    return r;"""
+# Summed inputs (``parts``: q, k and v are the sums of p.parts planes of p.pstride elements, a
+# K split's partial products, in plane order; ``bias``: plus qb[column], p.bw columns a row),
+# the arithmetic of the split's summing pass, so the values equal the summed product's.
+_LD_VEC_SUM = """let i = (base >> 2u) + c;
+    var s = {buf}[i];
+    {parts}
+    return s{bias};"""
+_LD_SCALAR_SUM = """let d0 = c * 4u;
+    var r = vec4<f32>(0.0);
+    for (var i = 0u; i < 4u; i++) {{
+        if (d0 + i < p.d) {{
+            let e = base + d0 + i;
+            var s = {buf}[e];
+            {parts}
+            r[i] = s{bias};
+        }}
+    }}
     return r;"""
 _ST_VEC = "o[(obase >> 2u) + {c}u] = a{c} * inv;"
 _ST_SCALAR = """{{ let r = a{c} * inv;
@@ -466,11 +486,26 @@ _VARLEN_SKIP = " " * 16 + "if (t0 + j < my_lo || t0 + j >= my_hi) { continue; }"
 
 
 @lru_cache(maxsize=None)
-def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None, varlen: bool = False) -> str:
+def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None, varlen: bool = False,
+              parts: bool = False, bias: bool = False) -> str:
     """The fused attention kernel: ``bq`` queries, ``bk`` keys a tile, ``d4`` vec4 per head row;
-    ``float_mask``: the padding mask's kind (None: no mask); ``varlen``: packed sequences."""
+    ``float_mask``: the padding mask's kind (None: no mask); ``varlen``: packed sequences;
+    ``parts``, ``bias``: q, k and v summed from partial products, plus a bias per column (bound
+    after the mask or spans)."""
     t = "vec4<f32>" if vec else "f32"
-    ld = _LD_VEC if vec else _LD_SCALAR
+    if parts or bias:
+        if vec:
+            step = "for (var j = 1u; j < p.parts; j++) {{ s = s + {buf}[i + j * (p.pstride >> 2u)]; }}"
+            add = " + qb[i % (p.bw >> 2u)]"
+        else:
+            step = "for (var j = 1u; j < p.parts; j++) {{ s = s + {buf}[e + j * p.pstride]; }}"
+            add = " + qb[e % p.bw]"
+        ld = (_LD_VEC_SUM if vec else _LD_SCALAR_SUM).replace("{parts}", step if parts else "").replace(
+            "{bias}", add if bias else "")
+    else:
+        ld = _LD_VEC if vec else _LD_SCALAR
+    bias_at = 6 if (varlen or float_mask is not None) else 5
+    bias_decl = f"@group(0) @binding({bias_at}) var<storage, read> qb: array<{t}>;" if bias else ""
     if varlen:
         decl, real = _VARLEN_DECL, "return 1u;"
     elif float_mask is None:
@@ -484,7 +519,7 @@ def attention(bq: int, bk: int, d4: int, vec: bool, float_mask: bool | None, var
         return "\n".join(" " * indent + line.format(c=c) for c in range(d4))
 
     return _ATTENTION.substitute(
-        BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, KEY_REAL=real,
+        BQ=bq, BK=bk, D4=d4, T=t, MASK_DECL=decl, BIAS_DECL=bias_decl, KEY_REAL=real,
         RANGE=_VARLEN_RANGE if varlen else "    let t_lo = 0u;\n    let t_hi = p.sk;",
         KEY_SKIP=_VARLEN_SKIP if varlen else "",
         LD_Q=ld.format(buf="q"), LD_K=ld.format(buf="k"), LD_V=ld.format(buf="v"),

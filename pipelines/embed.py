@@ -70,7 +70,7 @@ from tqdm import tqdm
 import hetero
 from hetero import GPUContext, Tensor, ops
 from hetero.lowlevel import default_runtime, device_of, running_loop
-from hetero.kernels.matmul import split_k_parts
+from hetero.kernels.matmul import matmul_partials, split_k_parts
 from hetero.kernels.matmul_int8 import GPUWeight, QuantizedWeight, Strategy, matmul_int8, quantize_weight
 
 from .minilm import Model, load_model
@@ -357,11 +357,21 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
                                     bias=w[p + name + ".dense.bias"], residual=residual, eps=c.layer_norm_eps,
                                     small_split=split)
 
-    qkv = linear(x2, QKV)  # [B*S, 3H]: q | k | v
-    if packed:
-        a = ops.attention_varlen(gpu, qkv, c.num_attention_heads, mask)
+    # [B*S, 3H]: q | k | v. Where the product splits K, attention sums its partial products and
+    # adds the bias as it reads them: no summing pass.
+    if qw is None:
+        qkv_bias = w[p + QKV + ".bias"]
+        qkv, parts = matmul_partials(gpu, x2, w[p + QKV + ".weight"], transpose_b=True, bias=qkv_bias,
+                                     small_split=split)
     else:
-        a = ops.attention_packed(gpu, _view(qkv, (b, s, 3 * h)), c.num_attention_heads, mask=mask)
+        qkv, parts, qkv_bias = linear(x2, QKV), 1, None
+    summed = qkv_bias if parts > 1 else None
+    if packed:
+        a = ops.attention_varlen(gpu, qkv if parts > 1 else _view(qkv, (b * s, 3 * h)), c.num_attention_heads, mask,
+                                 bias=summed)
+    else:
+        a = ops.attention_packed(gpu, _view(qkv, ((parts,) if parts > 1 else ()) + (b, s, 3 * h)),
+                                 c.num_attention_heads, mask=mask, bias=summed)
     x1 = add_norm(_view(a, (b * s, h)), "attention.output", x2)
     # gelu(x1 @ W.T + b): where the product splits K, in the summing pass (free there);
     # else a matmul and a gelu-with-bias kernel: on the H200 the erf epilogue in the

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import anyio
 import numpy as np
 import pytest
 
@@ -107,10 +108,10 @@ def test_a_small_random_bert_matches_numpy(shared_rt: hetero.Runtime, tiny: Mode
 def test_k_split_products_fuse_their_summing_pass_with_the_layernorms_and_gelu(tiny: Model,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU a few sentences' linear layers split K (``small_split``); a layer then sums
-    the attention output's and the feed-forward output's partials in their layernorms, and
-    applies gelu in the intermediate product's summing pass. Forced here on lavapipe (which
-    never splits by itself): the embeddings stay numpy's, and no layer records a separate
-    gelu or a summing pass before a layernorm."""
+    the Q/K/V projection's partials in attention, the attention output's and the feed-forward
+    output's in their layernorms, and applies gelu in the intermediate product's summing pass.
+    Forced here on lavapipe (which never splits by itself): the embeddings stay numpy's, and
+    no layer records a separate gelu or a summing pass but the gelu one."""
     import hetero.kernels.matmul.op as mm_op
     from hetero.kernels.matmul import MatmulConfig
 
@@ -131,9 +132,15 @@ def test_k_split_products_fuse_their_summing_pass_with_the_layernorms_and_gelu(t
 
     monkeypatch.setattr(mm_op, "choose_config", forced)
     monkeypatch.setattr(hetero.GPUContext, "dispatch", spy)
+    from hetero.pipelines.embed import service_graph, token_ids
+
     with hetero.Runtime(cpu_threads=2, placement="gpu") as rt:  # its own device: nothing captured before
         got = embed(SENTENCES, model=tiny, runtime=rt, batch_size=1)
+        # the service path: sentences packed along one axis (attention_varlen reads the partials)
+        ids = token_ids(tiny, SENTENCES[:3])
+        packed = anyio.run(lambda: rt.run(service_graph(tiny, cpu=False), ids=ids))
     np.testing.assert_allclose(got, reference(tiny, SENTENCES), atol=2e-5)
+    np.testing.assert_allclose(packed, got[:3], atol=2e-5)
     layers = sum(1 for lb in labels if lb.startswith("nn.embedding_layernorm"))  # one per captured signature
     per = {key: sum(1 for lb in labels if key(lb)) for key in (
         lambda lb: lb == "matmul split-k sum gelu",
@@ -141,7 +148,10 @@ def test_k_split_products_fuse_their_summing_pass_with_the_layernorms_and_gelu(t
         lambda lb: lb == "matmul split-k sum",
         lambda lb: lb.startswith("nn.gelu") or lb.startswith("nn.layernorm.residual"))}
     layers *= TINY["num_hidden_layers"]
-    assert layers > 0 and list(per.values()) == [layers, 2 * layers, layers, 0], (per, labels)
+    assert layers > 0 and list(per.values()) == [layers, 2 * layers, 0, 0], (per, labels)
+    # the projection's partial products go straight into attention, which adds its bias
+    assert sum(1 for lb in labels if lb.startswith("nn.attention") and lb.endswith(".parts.bias")) == layers
+    assert any(".varlen.parts.bias" in lb for lb in labels)
 
 
 def test_batches_come_back_in_input_order(shared_rt: hetero.Runtime, tiny: Model) -> None:

@@ -414,9 +414,11 @@ async def test_attention_packed_matches_numpy(shared_rt: hetero.Runtime) -> None
     got = await shared_rt.run(op_graph(nn.attention_packed, 1, heads=3, scale=0.3), a0=packed(q, k, v))
     np.testing.assert_allclose(got, unpack(attention_ref(q, k, v, scale=0.3)), rtol=1e-5, atol=2e-6)
     # shapes that do not split into q, k, v of H heads
-    for shape, heads, msg in (((2, 4, 10), 2, "qkv must be [B, S, 3*H*D] with H = 2 heads, got shape (2, 4, 10)"),
+    shape_rule = "qkv must be [B, S, 3*H*D] (or [P, B, S, 3*H*D]) with H = {} heads, got shape {}"
+    for shape, heads, msg in (((2, 4, 10), 2, shape_rule.format(2, (2, 4, 10))),
                               ((2, 4, 12), 0, "heads must be an integer >= 1, got 0"),
-                              ((2, 4), 1, "qkv must be [B, S, 3*H*D] with H = 1 heads, got shape (2, 4)")):
+                              ((2, 4), 1, shape_rule.format(1, (2, 4))),
+                              ((2, 2, 4, 10), 2, shape_rule.format(2, (2, 2, 4, 10)))):
         with pytest.raises(StageError) as ei:
             await shared_rt.run(op_graph(nn.attention_packed, 1, heads=heads), a0=np.zeros(shape, np.float32))
         assert str(ei.value.__cause__) == "attention_packed: " + msg
@@ -461,7 +463,7 @@ async def test_attention_varlen_equals_each_sequence_alone(shared_rt: hetero.Run
             ops.cpu.attention_varlen(x, 1, np.array(spans, np.int32))
     with pytest.raises(StageError) as ei:
         await shared_rt.run(op_graph(nn.attention_varlen, 1, heads=4, spans=spans_of([4], 4)), a0=x)
-    assert "qkv must be [T, 3*H*D] with H = 4 heads and D >= 1, got shape (4, 6)" in str(ei.value.__cause__)
+    assert "qkv must be [T, 3*H*D] (or [P, T, 3*H*D]) with H = 4 heads and D >= 1, got shape (4, 6)" in str(ei.value.__cause__)
 
 
 def test_attention_auto_choice() -> None:
@@ -809,3 +811,40 @@ async def test_fused_layernorm_errors_name_the_op_and_the_rule(shared_rt: hetero
             call()
         assert str(info.value) == msg
     assert gpu.blocks == [] and gpu.workgroups == 0  # nothing allocated, nothing recorded
+
+
+@pytest.mark.parametrize("d", [8, 5])  # 5: the kernel's scalar loads
+async def test_attention_reads_partial_products_and_a_bias(shared_rt: hetero.Runtime, d: int) -> None:
+    """[P, B, S, 3*H*D] (and [P, T, 3*H*D]) partial products plus a bias: the same attention as
+    over their sum, which the K split's summing pass would have written (same sums, same order)."""
+    h, b, s, parts = 2, 2, 7, 3
+    width = 3 * h * d
+    rng = np.random.default_rng(d)
+    planes = rng.standard_normal((parts, b, s, width), dtype=np.float32)
+    bias = rng.standard_normal(width, dtype=np.float32)
+    summed = planes[0].copy()
+    for j in range(1, parts):
+        summed = summed + planes[j]  # the summing pass's order, then the bias
+    summed = summed + bias
+    mask = np.ones((b, s), np.float32)
+    mask[1, 5:] = 0
+    got = await shared_rt.run(op_graph(nn.attention_packed, 3, heads=h, mask="@a1", bias="@a2"), a0=planes,
+                              a1=mask, a2=bias)
+    want = await shared_rt.run(op_graph(nn.attention_packed, 2, heads=h, mask="@a1"), a0=summed, a1=mask)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # one plane and a bias: the bias alone
+    one = await shared_rt.run(op_graph(nn.attention_packed, 3, heads=h, mask="@a1", bias="@a2"), a0=planes[0],
+                              a1=mask, a2=bias)
+    np.testing.assert_allclose(one, await shared_rt.run(op_graph(nn.attention_packed, 2, heads=h, mask="@a1"),
+                                                        a0=planes[0] + bias, a1=mask), rtol=1e-6, atol=1e-6)
+    # packed sequences: [P, T, 3*H*D]
+    spans = spans_of([4, 3], 7)
+    got_v = await shared_rt.run(op_graph(nn.attention_varlen, 3, heads=h, spans="@a1", bias="@a2"),
+                                a0=planes[:, 0], a1=spans, a2=bias)
+    want_v = await shared_rt.run(op_graph(nn.attention_varlen, 2, heads=h, spans="@a1"), a0=summed[0], a1=spans)
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-6, atol=1e-6)
+    with pytest.raises(StageError) as ei:
+        await shared_rt.run(op_graph(nn.attention_packed, 2, heads=h, bias="@a1"), a0=planes,
+                            a1=np.zeros(width - 1, np.float32))
+    assert str(ei.value.__cause__) == (f"attention_packed: bias of shape ({width - 1},) does not match qkv's last axis "
+                                       f"of {width}; bias must have shape ({width},)")
