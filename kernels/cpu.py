@@ -284,9 +284,22 @@ def attention(q: Any, k: Any, v: Any, *, mask: Any = None, scale: float | None =
     return np.ascontiguousarray(np.swapaxes(out, 1, 2) if layout == "bshd" else out)
 
 
-def attention_packed(qkv: Any, heads: int, *, mask: Any = None, scale: float | None = None) -> np.ndarray:
-    """:func:`attention` over one fused Q/K/V projection: ``qkv`` [B, S, 3*H*D] -> [B, S, H*D]."""
-    a = _f32("attention_packed", "qkv", qkv)
+def _summed_qkv(op: str, qkv: Any, rank: int, bias: Any) -> np.ndarray:
+    """``qkv``, or a rank+1-D ``qkv``'s partial products summed along the first axis in order, plus ``bias``."""
+    a = _f32(op, "qkv", qkv)
+    if a.ndim == rank + 1:
+        s = a[0].copy()
+        for plane in a[1:]:
+            s += plane
+        a = s
+    return a + _f32(op, "bias", bias) if bias is not None else a
+
+
+def attention_packed(qkv: Any, heads: int, *, mask: Any = None, scale: float | None = None,
+                     bias: Any = None) -> np.ndarray:
+    """:func:`attention` over one fused Q/K/V projection: ``qkv`` [B, S, 3*H*D] (or partial products
+    [P, B, S, 3*H*D], summed) plus ``bias`` -> [B, S, H*D]."""
+    a = _summed_qkv("attention_packed", qkv, 3, bias)
     if a.ndim != 3 or a.shape[2] % (3 * heads):
         raise ValueError(f"attention_packed: qkv must be [B, S, 3*H*D] with H = {heads} heads, got shape {a.shape}")
     bsz, s, width = a.shape
@@ -313,10 +326,11 @@ def check_spans(spans: np.ndarray) -> None:
                          f"({int(s[i - 1, 0])}); the sequences must follow each other in order")
 
 
-def attention_varlen(qkv: Any, heads: int, spans: Any, *, scale: float | None = None) -> np.ndarray:
-    """:func:`attention_packed` over sequences packed along one token axis: ``qkv`` [T, 3*H*D],
-    ``spans`` [T, 2] each token's sequence ``[start, end)`` -> [T, H*D] (see the GPU op)."""
-    a = _f32("attention_varlen", "qkv", qkv)
+def attention_varlen(qkv: Any, heads: int, spans: Any, *, scale: float | None = None, bias: Any = None) -> np.ndarray:
+    """:func:`attention_packed` over sequences packed along one token axis: ``qkv`` [T, 3*H*D]
+    (or [P, T, 3*H*D]) plus ``bias``, ``spans`` [T, 2] each token's sequence ``[start, end)`` ->
+    [T, H*D] (see the GPU op)."""
+    a = _summed_qkv("attention_varlen", qkv, 2, bias)
     if a.ndim != 2 or a.shape[1] % (3 * heads) or a.shape[1] < 3 * heads:
         raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] with H = {heads} heads and D >= 1, "
                          f"got shape {a.shape}")

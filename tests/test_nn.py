@@ -843,6 +843,10 @@ async def test_attention_reads_partial_products_and_a_bias(shared_rt: hetero.Run
                                 a0=planes[:, 0], a1=spans, a2=bias)
     want_v = await shared_rt.run(op_graph(nn.attention_varlen, 2, heads=h, spans="@a1"), a0=summed[0], a1=spans)
     np.testing.assert_allclose(got_v, want_v, rtol=1e-6, atol=1e-6)
+    # the CPU twins take the same arguments
+    np.testing.assert_allclose(ops.cpu.attention_packed(planes, h, mask=mask, bias=bias), got, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ops.cpu.attention_varlen(planes[:, 0], h, spans, bias=bias), got_v, rtol=1e-4,
+                               atol=1e-5)
     with pytest.raises(StageError) as ei:
         await shared_rt.run(op_graph(nn.attention_packed, 2, heads=h, bias="@a1"), a0=planes,
                             a1=np.zeros(width - 1, np.float32))
