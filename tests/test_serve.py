@@ -93,6 +93,8 @@ async def test_the_padded_graph_and_small_packed_batches_ask_for_the_small_split
 
     for name in ("matmul", "matmul_layernorm"):  # the linear layers: two of four end in a layernorm
         monkeypatch.setattr(embed_mod.ops, name, spying(getattr(embed_mod.ops, name)))
+    # and the Q/K/V projection, whose partial products attention may sum
+    monkeypatch.setattr(embed_mod, "matmul_partials", spying(embed_mod.matmul_partials))
     async with hetero.Runtime(placement="gpu", capture=False) as rt:
         await aembed([TEXTS[0]], model=tiny, runtime=rt)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
