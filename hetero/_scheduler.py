@@ -1164,8 +1164,8 @@ def _failed_by_loss(run: Run, st: StagePlan, dev: Device, e: BaseException) -> b
     if dev.lost is None:
         return False
     # whichever thread noticed first, this run fails the same way
-    lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} was recorded; "
-                           "create a new Runtime")
+    lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} was recorded or "
+                           "submitted; create a new Runtime")
     lost.__cause__ = e
     run._set_error(lost)
     return True

@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -388,9 +388,9 @@ def _norm_args(op: str, shape: tuple[int, ...], gamma: Any, beta: Any, residual:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
-def _norm_rows(gpu: GPUContext, shape: tuple[int, ...], label: str, wgsl: Any, inputs: list[Tensor],
-               gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray, eps: float, parts: int = 0,
-               vocab: Sequence[int] = ()) -> Tensor:
+def _norm_rows(gpu: GPUContext, shape: tuple[int, ...], label: str, wgsl: Callable[[int, int, bool], str],
+               inputs: list[Tensor], gamma: Tensor | np.ndarray, beta: Tensor | np.ndarray, eps: float,
+               parts: int = 0, vocab: Sequence[int] = ()) -> Tensor:
     """One dispatch of a layernorm row kernel (``wgsl(tpr, k, cached)``'s source) over rows of
     ``shape[-1]``, reading ``inputs`` (its first bindings) and writing a new [shape] tensor.
     The caller checked everything (shapes, eps, the binding size)."""
@@ -437,7 +437,8 @@ def matmul_layernorm(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.nda
     label = "layernorm.parts" + (".bias" if has_bias else "") + (".residual" if rt is not None else "")
     inputs = [t] + ([biast] if biast is not None else []) + ([rt] if rt is not None else [])
     return _norm_rows(gpu, shape, label,
-                      lambda tpr, k, cached: nn_wgsl.layernorm(tpr, k, cached, rt is not None, True, has_bias),
+                      lambda tpr, k, cached: nn_wgsl.layernorm(tpr, k, cached, rt is not None, parts=True,
+                                                               bias=has_bias),
                       inputs, gamma, beta, eps, parts=parts)
 
 

@@ -365,13 +365,12 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
                                      small_split=split)
     else:
         qkv, parts, qkv_bias = linear(x2, QKV), 1, None
-    summed = qkv_bias if parts > 1 else None
-    if packed:
-        a = ops.attention_varlen(gpu, qkv if parts > 1 else _view(qkv, (b * s, 3 * h)), c.num_attention_heads, mask,
-                                 bias=summed)
+    summed = qkv_bias if parts > 1 else None  # unsplit, the product has its bias already
+    if packed:  # qkv is [T, 3H], or [P, T, 3H] split
+        a = ops.attention_varlen(gpu, qkv, c.num_attention_heads, mask, bias=summed)
     else:
-        a = ops.attention_packed(gpu, _view(qkv, ((parts,) if parts > 1 else ()) + (b, s, 3 * h)),
-                                 c.num_attention_heads, mask=mask, bias=summed)
+        a = ops.attention_packed(gpu, _view(qkv, qkv.shape[:-2] + (b, s, 3 * h)), c.num_attention_heads, mask=mask,
+                                 bias=summed)
     x1 = add_norm(_view(a, (b * s, h)), "attention.output", x2)
     # gelu(x1 @ W.T + b): where the product splits K, in the summing pass (free there);
     # else a matmul and a gelu-with-bias kernel: on the H200 the erf epilogue in the

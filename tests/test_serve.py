@@ -31,7 +31,7 @@ pytest.importorskip("prometheus_client")
 from hetero.pipelines.serve import EmbeddingServer, encode_embeddings, serve_async  # noqa: E402
 from hetero.pipelines.serve_engine import EmbeddingEngine, EngineClient, EngineError  # noqa: E402
 
-from bench.serve import RawClient, check_embedding, raw_request  # noqa: E402
+from bench.serve import RawClient, check_embedding, free_port, raw_request  # noqa: E402
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=40, max_seq_length=24)
@@ -521,9 +521,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     import time
 
     d = write_random_model(tmp_path / "m", seed=5, **TINY)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),

@@ -46,14 +46,6 @@ class _Park(BaseException):
         self.wait = wait
 
 
-def _words(a: np.ndarray) -> np.ndarray:
-    """``a``'s bytes in C order, zero-padded to a multiple of 4 (a queue write moves whole words)."""
-    b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    if b.size % 4:
-        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
-    return b
-
-
 def _check_uploadable(a: np.ndarray) -> None:
     if a.dtype.hasobject:
         raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
@@ -179,7 +171,7 @@ class GPUContext:
         t0 = time.perf_counter_ns()
         if staged is None:
             staged = sum(pad4(a.nbytes) for a, _, _ in items)
-        if staged > QUEUE_WRITE_MAX or not self._recorder.write_now([(_words(a), b, o) for a, b, o in items]):
+        if staged > QUEUE_WRITE_MAX or not self._recorder.write_now(items):
             if len(items) == 1 or staged > ring.chunk_bytes:
                 for a, buffer, offset in items:
                     self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))

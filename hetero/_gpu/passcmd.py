@@ -66,12 +66,15 @@ def copy_buffer_to_buffer(encoder: Any, source: Any, source_offset: int, destina
 
 
 def write_buffer(queue: int, buffer: Any, offset: int, data: np.ndarray) -> None:
-    """Write ``data``'s bytes (C-contiguous, a multiple of 4) to ``buffer`` at ``offset`` (a
-    multiple of 4) through the queue at address ``queue``, keeping the GIL (see the rules above)."""
-    if (offset | data.nbytes) & 3 or not data.flags.c_contiguous:
-        raise ValueError(f"write_buffer: offset and size must be multiples of 4 and the data C-contiguous, got "
-                         f"{offset}, {data.nbytes}")
-    _write(queue, addr(buffer), offset, data.ctypes.data, data.nbytes)
+    """Write ``data``'s bytes in C order to ``buffer`` at ``offset`` (a multiple of 4) through the
+    queue at address ``queue``, keeping the GIL (see the rules above). A queue write moves whole
+    words: a size that is not a multiple of 4 is padded with zeros, as the staging ring pads."""
+    if offset & 3:
+        raise ValueError(f"write_buffer: the offset must be a multiple of 4, got {offset}")
+    words = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if words.size % 4:
+        words = np.concatenate([words, np.zeros(4 - words.size % 4, np.uint8)])
+    _write(queue, addr(buffer), offset, words.ctypes.data, words.nbytes)
 
 
 def addr(obj: Any) -> int:

@@ -180,8 +180,7 @@ def _setup(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarray, tran
                              f"got {activation!r}")
         p = replace(p, act=activation)
     _check_bindings(gpu.limits, a, b, bias, p)
-    c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype,
-                                                        small_split=small_split)
+    c = _config(gpu, p, a.dtype, config, small_split)
     why = c.fits(gpu.limits)
     if why is not None:
         raise ValueError(f"matmul: config {c.name} cannot run on this device: {why}")
@@ -200,9 +199,19 @@ def split_k_parts(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndarra
                 transpose_b, None, None)
     if p.m == 0 or p.n == 0 or p.batch == 0:
         return 1
-    c = config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=a.dtype,
-                                                        small_split=small_split)
-    return split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))[0]
+    return split_parts(p, _config(gpu, p, a.dtype, config, small_split), _binding_cap(gpu.limits))[0]
+
+
+def _config(gpu: GPUContext, p: Problem, dtype: Any, config: MatmulConfig | None,
+            small_split: bool | None) -> MatmulConfig:
+    """``config``, else the tuned or default configuration for ``p`` on ``gpu``."""
+    return config if config is not None else choose_config(gpu, p.m, p.n, p.k, p.batch, dtype=dtype,
+                                                           small_split=small_split)
+
+
+def _binding_cap(limits: dict[str, int]) -> int:
+    """The most bytes one storage binding may hold on this device."""
+    return limits.get("max-storage-buffer-binding-size", 1 << 27)
 
 
 def shape_spec(x: np.ndarray) -> Tensor:
@@ -223,16 +232,14 @@ def matmul_partials(gpu: GPUContext, a: Tensor | np.ndarray, b: Tensor | np.ndar
     p, c, a, b, bias = _setup(gpu, a, b, transpose_b, bias, None, config, small_split)
     if p.f16:
         raise TypeError("matmul_partials: a and b are float16; the partial products are float32 only")
-    split = split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))[0]
-    if split == 1 or p.m == 0 or p.n == 0 or p.batch == 0:
-        out = gpu.empty(p.out_shape, a.dtype)
-        if p.m and p.n and p.batch:
-            for kern, groups, bindings in plan(gpu, p, c, a, b, out, bias):
-                gpu.dispatch(kern, groups, *bindings)
-        return out, 1
-    steps = plan(gpu, p, c, a, b, None, None, sum_pass=False)
+    empty = p.m == 0 or p.n == 0 or p.batch == 0
+    split = 1 if empty else split_parts(p, c, _binding_cap(gpu.limits))[0]
+    out = gpu.empty(p.out_shape, a.dtype) if split == 1 else None  # a split writes its own scratch
+    steps = [] if empty else plan(gpu, p, c, a, b, out, bias, sum_pass=False)
     for kern, groups, bindings in steps:
         gpu.dispatch(kern, groups, *bindings)
+    if out is not None:
+        return out, 1
     partials = steps[0][2][2]
     return Tensor(partials.buffer, (split, *p.out_shape), partials.dtype, partials.offset, partials.block), split
 
@@ -248,7 +255,7 @@ def plan(gpu: Any, p: Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Tenso
     binding), which the last step sums into ``out``; without ``sum_pass`` that step is left
     out (``out`` and ``bias`` unused) for a consumer that sums the partials itself."""
     limit = gpu.limits["max-compute-workgroups-per-dimension"]
-    split, kc = split_parts(p, c, gpu.limits.get("max-storage-buffer-binding-size", 1 << 27))
+    split, kc = split_parts(p, c, _binding_cap(gpu.limits))
     v = p.variant(split)
     kern = gpu.kernel(codegen.source(c, v), "main", label=f"matmul {c.name}" + (f" {v.act}" if v.act else ""))
     extra = (bias,) if bias is not None else ()
@@ -270,7 +277,7 @@ def plan(gpu: Any, p: Problem, c: MatmulConfig, a: Tensor, b: Tensor, out: Tenso
 
 
 def _check_bindings(limits: dict[str, int], a: Tensor, b: Tensor, bias: Tensor | None, p: Problem) -> None:
-    cap = limits.get("max-storage-buffer-binding-size", 1 << 27)
+    cap = _binding_cap(limits)
     out_bytes = p.batch * p.m * p.n * (2 if p.f16 else 4)
     for name, nbytes in (("a", a.nbytes), ("b", b.nbytes), ("the result", out_bytes)):
         if nbytes > cap:
