@@ -33,11 +33,11 @@ def padded_cost(costs: Sequence[int]) -> int:
 class _Item:
     __slots__ = ("inputs", "cost", "arrived", "event", "result", "error", "done", "on_done", "index")
 
-    def __init__(self, inputs: dict[str, Any], cost: int,
+    def __init__(self, inputs: dict[str, Any], cost: int, arrived: float,
                  on_done: Callable[[int, Any, BaseException | None], None] | None = None, index: int = 0) -> None:
         self.inputs = inputs
         self.cost = cost
-        self.arrived = time.monotonic()
+        self.arrived = arrived
         # A caller waiting in a task waits on the event; a submitter gets on_done(index, ...) instead.
         self.event = anyio.Event() if on_done is None else None
         self.on_done = on_done
@@ -200,16 +200,18 @@ class Batcher:
             raise RuntimeClosedError("this batcher is closed; create a new one with rt.batcher(...)")
         self.runtime._check_open()
         items = []
+        now = time.monotonic()
+        check, cost = self._plan.check_inputs, self.cost
         for i, x in enumerate(inputs):
             if not isinstance(x, Mapping):
                 raise InputError(f"batcher items must be dicts of graph inputs, got {type(x).__name__}")
-            self._plan.check_inputs(x)
+            check(x)
             c = 1
-            if self.cost is not None:
-                c = self.cost(x)
+            if cost is not None:
+                c = cost(x)
                 if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
                     raise HeteroError(f"batcher: cost() must return an integer >= 0, got {c!r}")
-            items.append(_Item(dict(x), int(c), on_done, i))
+            items.append(_Item(dict(x), int(c), now, on_done, i))
         if len(self._queue) + len(items) > self.max_queued:
             raise OverloadedError(
                 f"the batcher of graph {self.graph.name!r} is overloaded: {len(self._queue)} items queued, "
@@ -417,7 +419,7 @@ class Batcher:
                                   f"first axis, expected {n} (one per caller); the graph must return one entry "
                                   "per input item")
             if isinstance(o, np.ndarray):
-                per.append([o[i].copy() for i in range(n)])
+                per.append(list(o.copy()))  # rows of one copy: out of the batch's array in one call
             else:
                 per.append([o[i] for i in range(n)])
         if self._plan.single_output:

@@ -1115,29 +1115,17 @@ class EmbeddingService:
             return np.zeros((0, self.model.dim), np.float32)
         return np.stack(rows)
 
-    def submit_ids(self, ids: Sequence[np.ndarray], on_done: Callable[[np.ndarray | None, BaseException | None], None]
-                   ) -> None:
-        """:meth:`embed_ids` without waiting, from the event loop: ``on_done(rows, None)`` once every
-        sentence is embedded, or ``on_done(None, error)`` with the first error once all have
-        finished (:meth:`hetero.Batcher.submit`: an OverloadedError is raised at once)."""
-        n = len(ids)
-        if n == 0:
-            on_done(np.zeros((0, self.model.dim), np.float32), None)
-            return
-        rows = np.empty((n, self.model.dim), np.float32)
-        state: list[Any] = [n, None]  # sentences left, first error
+    def submit_each(self, ids: Sequence[np.ndarray],
+                    on_row: Callable[[int, np.ndarray | None, BaseException | None], None]) -> None:
+        """Each tokenized sentence as one item of the batcher, without waiting, from the event loop.
 
-        def one(i: int, row: Any, error: BaseException | None) -> None:
-            if error is not None:
-                if state[1] is None:
-                    state[1] = error
-            else:
-                rows[i] = row
-            state[0] -= 1
-            if state[0] == 0:
-                on_done(None, state[1]) if state[1] is not None else on_done(rows, None)
-
-        self.batcher.submit([{"ids": x} for x in ids], one)
+        ``on_row(i, row, None)`` once sentence ``i`` is embedded (``row``: ``[hidden]``, its own
+        copy), or ``on_row(i, None, error)`` if its batch failed. Admission is all or none, and
+        a full queue raises :class:`hetero.OverloadedError` at once (:meth:`hetero.Batcher.submit`).
+        A server answering many requests from one task submits them together this way.
+        """
+        if len(ids):
+            self.batcher.submit([{"ids": x} for x in ids], on_row)
 
     async def aembed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of ``texts`` ``[len(texts), hidden]``, in order, through the batcher."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -439,13 +440,14 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False, listen: boo
 
 async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, *,
                       ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
-                      signals: bool = True, reuse_port: bool = False) -> None:
+                      signals: bool = True, reuse_port: bool = False, freeze_heap: bool = False) -> None:
     """Serve ``server.app`` with hypercorn on the running loop (asyncio or trio) until :meth:`~EmbeddingServer.shutdown`.
 
     ``signals``: SIGTERM and SIGINT call ``server.shutdown()``. ``ready(url)`` is called
     once the socket is bound (``port=0`` binds an ephemeral port; the URL names it).
     Shutdown is graceful: new requests get 503, requests in flight finish (up to
-    ``graceful_timeout`` seconds), then the lifespan stops the server.
+    ``graceful_timeout`` seconds), then the lifespan stops the server. ``freeze_heap``: the
+    process is the server's alone; once warm-up is over, ``gc.freeze()``.
     """
     try:
         from hypercorn.config import Config
@@ -462,6 +464,7 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
     stop = server.stop_event()
 
     watching = anyio.CancelScope()  # cancelled once hypercorn has returned (the host task is never cancelled)
+    freezing = anyio.CancelScope()  # the same, for a warm-up that never ended
 
     async def on_signal() -> None:
         with watching, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
@@ -471,6 +474,8 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
     async with anyio.create_task_group() as tg:
         if signals:
             tg.start_soon(on_signal)
+        if freeze_heap:
+            tg.start_soon(_freeze_heap_when_ready, server, freezing)
         if ready is not None:
             shown = f"[{bound_host}]" if ":" in bound_host else bound_host
             ready(f"http://{shown}:{bound_port}")
@@ -483,16 +488,37 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
 
             await hserve_asyncio(server.app, config, shutdown_trigger=stop.wait)
         watching.cancel()
+        freezing.cancel()
 
 
 def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, backend: str = "asyncio",
           *, ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
           reuse_port: bool = False) -> None:
-    """:func:`serve_async` on a new ``backend`` event loop, until SIGTERM or SIGINT."""
+    """:func:`serve_async` on a new ``backend`` event loop, until SIGTERM or SIGINT.
+
+    The process is the server's from here on: once warm-up is over, what start-up allocated
+    is moved out of the garbage collector's reach (``gc.freeze()``).
+    """
     if backend not in ("asyncio", "trio"):
         raise HeteroError(f"--backend must be 'asyncio' or 'trio', got {backend!r}")
     anyio.run(lambda: serve_async(server, host, port, ready=ready, graceful_timeout=graceful_timeout,
-                                  reuse_port=reuse_port), backend=backend)
+                                  reuse_port=reuse_port, freeze_heap=True), backend=backend)
+
+
+async def _freeze_heap_when_ready(state: Any, scope: anyio.CancelScope | None = None) -> None:
+    """Once ``state`` (a server or an engine) is ready, or its warm-up failed, ``gc.freeze()``.
+
+    For a process that is the server's alone. What start-up allocated (the model, its
+    tokenizer, compiled kernels, captured stages: tens of thousands of objects) moves out
+    of the garbage collector's reach, so that its collections, which the objects of every
+    request trigger, no longer scan it (about a tenth of an engine's host time per request
+    on the CPU machine, BENCHMARKS.md). ``scope``: run inside it (cancelled when serving ends).
+    """
+    with scope if scope is not None else contextlib.nullcontext():
+        while not state.ready and state.warmup_error is None and state.lost is None:
+            await anyio.sleep(0.05)
+        gc.collect()  # what is garbage now is not kept for good
+        gc.freeze()
 
 
 # The EmbeddingServer options an engine process takes (the others are the fronts').
@@ -518,6 +544,7 @@ def _engine_main(options: dict[str, Any], address_file: str, secret: bytes, back
 
     async def main() -> None:
         async with engine.running(), anyio.create_task_group() as tg:
+            tg.start_soon(_freeze_heap_when_ready, engine)
             await tg.start(engine.serve_fronts, address_file, secret)
             with anyio.open_signal_receiver(signal.SIGTERM) as received:
                 async for _ in received:

@@ -18,20 +18,25 @@ both; a connection without it is closed. Frames are ``u32 body length | u8 kind 
 (little-endian):
 
 - ``HELLO`` (front to engine, first): the secret;
-- ``EMBED`` (front to engine): ``u64 id | u32 n | n x u32 lengths | int32 token ids``;
-- ``RESULT``: ``u64 id | u32 n | u32 dim | float32 rows [n, dim]``;
+- ``EMBED`` (front to engine): ``u32 k | u32 m | k x u64 request ids | k x u32 sentences |
+  m x u32 lengths | int32 token ids``: ``k`` requests of ``m`` sentences in all;
+- ``RESULT``: ``u32 k | u32 dim | k x u64 request ids | k x u32 rows | float32 rows [sum, dim]``;
 - ``ERROR``: ``u64 id |`` JSON ``{"status", "message", "code"}``;
 - ``STATUS``: JSON ``{"ready", "lost", "warmup_error", "adapter"}``, on connect and on each change.
 
-Each side gathers the frames it sends while its event loop runs and writes them in one
-``send`` (the replies to one batch leave together). A front whose link closes answers 503
-from then on; the engine drops the items of a front that left.
+The work per request on the engine's event loop is what bounds one engine (BENCHMARKS.md),
+so each side gathers what it sends while its event loop runs and writes it in one ``send``:
+a front's requests of one pass of its loop travel as one EMBED frame, which the engine
+admits to the batcher in one call; the answers that are ready when the engine's writer runs
+travel as one RESULT frame. A front whose link closes answers 503 from then on; the engine
+drops the items of a front that left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import itertools
 import json
 import os
 import struct
@@ -54,8 +59,7 @@ __all__ = ["EmbeddingEngine", "EngineClient", "EngineError"]
 
 _HEADER = struct.Struct("<IB")
 _ID = struct.Struct("<Q")
-_EMBED_HEAD = struct.Struct("<QI")  # request id, sentences; then the lengths and the token ids
-_RESULT_HEAD = struct.Struct("<QII")
+_COUNTS = struct.Struct("<II")  # EMBED: requests, sentences; RESULT: requests, dimension
 _EMBED, _RESULT, _ERROR, _STATUS, _HELLO = 1, 2, 3, 4, 5
 _RECEIVE_BYTES = 1 << 20
 # The longest frame either side accepts: a request of --max-client-batch-size sentences of
@@ -83,19 +87,27 @@ class _Link:
         self._wake = anyio.Event()
 
     def send(self, kind: int, *parts: bytes | memoryview) -> None:
+        self._put(kind, *parts)
+        self._wake.set()
+
+    def _put(self, kind: int, *parts: bytes | memoryview) -> None:
         self._out += _HEADER.pack(sum(len(p) for p in parts), kind)
         for p in parts:
             self._out += p
-        self._wake.set()
+
+    def _gather(self) -> None:
+        """Put the frames made of what waited since the last write (the subclasses' requests, answers)."""
 
     async def writer(self) -> None:
-        """Write what ``send`` gathered, until the stream breaks or closes."""
+        """Write what gathered since the last write, until the stream breaks or closes."""
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
+                self._gather()
                 data, self._out = self._out, bytearray()
-                await self.stream.send(bytes(data))
+                if data:
+                    await self.stream.send(bytes(data))
 
     async def frames(self, first_limit: int = _MAX_FRAME) -> AsyncIterator[tuple[int, bytes]]:
         """``(kind, body)`` of each frame received, until the other side closes (then it returns).
@@ -122,6 +134,157 @@ class _Link:
                 yield kind, bytes(buf[pos + _HEADER.size:end])
                 pos = end
             del buf[:pos]
+
+
+# A front splits what it gathered into EMBED frames of about this many bytes at most.
+_GATHER_BYTES = 16 << 20
+
+
+class _FrontLink(_Link):
+    """A front's link: the requests made during one pass of its event loop leave as one EMBED frame.
+
+    ``wanted(rid)`` says whether request ``rid`` still has a caller (one cancelled before
+    its frame left is not sent).
+    """
+
+    def __init__(self, stream: anyio.abc.ByteStream, wanted: Callable[[int], bool]) -> None:
+        super().__init__(stream)
+        self._wanted = wanted
+        self._requests: list[tuple[int, Sequence[np.ndarray]]] = []
+
+    def request(self, rid: int, ids: Sequence[np.ndarray]) -> None:
+        self._requests.append((rid, ids))
+        self._wake.set()
+
+    def _gather(self) -> None:
+        requests, self._requests = self._requests, []
+        chunk: list[tuple[int, Sequence[np.ndarray]]] = []
+        size = 0
+        for rid, ids in requests:
+            if not self._wanted(rid):
+                continue
+            chunk.append((rid, ids))
+            size += 16 + sum(4 * len(x) + 4 for x in ids)
+            if size >= _GATHER_BYTES:
+                self._put(_EMBED, *_embed_parts(chunk))
+                chunk, size = [], 0
+        if chunk:
+            self._put(_EMBED, *_embed_parts(chunk))
+
+
+class _EngineLink(_Link):
+    """The engine's link to one front: the answers ready when its writer runs leave as one RESULT frame."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, dim: int) -> None:
+        super().__init__(stream)
+        self.dim = dim
+        self._answers: list[tuple[int, np.ndarray]] = []
+
+    def answer(self, rid: int, rows: np.ndarray) -> None:
+        self._answers.append((rid, rows))
+        self._wake.set()
+
+    def _gather(self) -> None:
+        if self._answers:
+            answers, self._answers = self._answers, []
+            rids = np.fromiter((rid for rid, _ in answers), np.uint64, len(answers))
+            counts = np.fromiter((len(rows) for _, rows in answers), np.uint32, len(answers))
+            self._put(_RESULT, _COUNTS.pack(len(answers), self.dim), rids.tobytes(), counts.tobytes(),
+                      np.concatenate([rows for _, rows in answers]).tobytes())
+
+
+def _embed_parts(requests: Sequence[tuple[int, Sequence[np.ndarray]]]) -> list[bytes]:
+    """An EMBED frame's body: the requests ``(id, token id arrays)``."""
+    sentences = [x for _, ids in requests for x in ids]
+    k, m = len(requests), len(sentences)
+    rids = np.fromiter((rid for rid, _ in requests), np.uint64, k)
+    counts = np.fromiter((len(ids) for _, ids in requests), np.uint32, k)
+    lengths = np.fromiter((len(x) for x in sentences), np.uint32, m)
+    flat = np.concatenate(sentences).astype(np.int32, copy=False) if m else np.zeros(0, np.int32)
+    return [_COUNTS.pack(k, m), rids.tobytes(), counts.tobytes(), lengths.tobytes(), flat.tobytes()]
+
+
+def _parse_embed(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """An EMBED frame's request ids, sentence counts and sentences; HeteroError if it does not add up."""
+    k, m = _COUNTS.unpack_from(body)
+    pos = _COUNTS.size
+    if len(body) < pos + 12 * k + 4 * m:
+        raise HeteroError(f"engine link: an EMBED frame of {len(body)} bytes is too short for {k} requests "
+                          f"of {m} sentences")
+    rids = np.frombuffer(body, np.uint64, k, pos)
+    counts = np.frombuffer(body, np.uint32, k, pos + 8 * k)
+    lengths = np.frombuffer(body, np.uint32, m, pos + 12 * k)
+    flat = np.frombuffer(body, np.int32, offset=pos + 12 * k + 4 * m)
+    if int(counts.sum(dtype=np.int64)) != m or int(lengths.sum(dtype=np.int64)) != len(flat):
+        raise HeteroError(f"engine link: a malformed EMBED frame ({k} requests, {m} sentences, {len(flat)} "
+                          "token ids that do not add up)")
+    ends = np.cumsum(lengths, dtype=np.int64).tolist()
+    ids = [flat[start:end] for start, end in zip([0, *ends], ends)]  # (np.split costs more per sentence)
+    return rids.tolist(), counts.tolist(), ids
+
+
+def _parse_result(body: bytes) -> list[tuple[int, np.ndarray]]:
+    """A RESULT frame's ``(request id, rows)``: views of one read-only array."""
+    k, dim = _COUNTS.unpack_from(body)
+    pos = _COUNTS.size
+    rids = np.frombuffer(body, np.uint64, k, pos).tolist()
+    counts = np.frombuffer(body, np.uint32, k, pos + 8 * k).tolist()
+    total = sum(counts)
+    rows = np.frombuffer(body, np.float32, total * dim, pos + 12 * k).reshape(total, dim)
+    out, start = [], 0
+    for rid, n in zip(rids, counts):
+        out.append((rid, rows[start:start + n]))
+        start += n
+    return out
+
+
+class _Answers:
+    """The requests of one EMBED frame on the engine: each sentence's row as its batch ends, each
+    request answered on its link once all of its sentences are done (with the first error, if any)."""
+
+    __slots__ = ("engine", "link", "rids", "starts", "owner", "left", "errors", "rows")
+
+    def __init__(self, engine: EmbeddingEngine, link: _EngineLink, rids: list[int], counts: list[int]) -> None:
+        self.engine = engine
+        self.link = link
+        self.rids = rids
+        self.starts = [0, *itertools.accumulate(counts)]
+        self.owner = [j for j, c in enumerate(counts) for _ in range(c)]  # each sentence's request
+        self.left = list(counts)
+        self.errors: list[BaseException | None] = [None] * len(rids)
+        self.rows = np.empty((self.starts[-1], link.dim), np.float32)
+        for j, c in enumerate(counts):
+            if c == 0:
+                self._answer(j)
+
+    def row(self, i: int, row: np.ndarray | None, error: BaseException | None) -> None:
+        """Sentence ``i`` of the frame finished (the batcher's ``on_done``)."""
+        j = self.owner[i]
+        if error is not None:
+            if self.errors[j] is None:
+                self.errors[j] = error
+        else:
+            self.rows[i] = row
+        self.left[j] -= 1
+        if self.left[j] == 0:
+            self._answer(j)
+
+    def refuse(self, j: int, error: BaseException) -> None:
+        """Request ``j`` was refused at admission: answer its error now."""
+        self.errors[j] = error
+        self.left[j] = 0
+        self._answer(j)
+
+    def _answer(self, j: int) -> None:
+        if self.link.closed:
+            return
+        error = self.errors[j]
+        if error is None:
+            self.link.answer(self.rids[j], self.rows[self.starts[j]:self.starts[j + 1]])
+            return
+        e = self.engine._engine_error(error)
+        self.link.send(_ERROR, _ID.pack(self.rids[j]),
+                       json.dumps({"status": e.status, "message": e.message, "code": e.code}).encode())
 
 
 def _status_body(state: Any) -> bytes:
@@ -158,7 +321,7 @@ class EmbeddingEngine:
         self.adapter: str | None = None
         self._on_batch = on_batch
         self._gauges = gauges
-        self._links: set[_Link] = set()
+        self._links: set[_EngineLink] = set()
         self.stopping = False
 
     def capture_entries(self) -> int:
@@ -264,7 +427,7 @@ class EmbeddingEngine:
             await listener.serve(lambda stream: self._serve_front(stream, secret))
 
     async def _serve_front(self, stream: anyio.abc.ByteStream, secret: bytes) -> None:
-        link = _Link(stream)
+        link = _EngineLink(stream, self.model.dim)
         try:
             async with stream, anyio.create_task_group() as tg:
                 frames = link.frames(first_limit=len(secret))
@@ -286,32 +449,29 @@ class EmbeddingEngine:
             link.closed = True  # the sentences it sent run on; their answers go nowhere
             self._links.discard(link)
 
-    def _submit(self, link: _Link, body: bytes) -> None:
-        """One EMBED frame's sentences into the batcher; the answer goes back on ``link`` when all are done."""
+    def _submit(self, link: _EngineLink, body: bytes) -> None:
+        """One EMBED frame's sentences into the batcher in one call; each request is answered on
+        ``link`` when all of its sentences are done."""
         assert self.service is not None
-        rid, n = _EMBED_HEAD.unpack_from(body)
-        flat = np.frombuffer(body, np.int32, offset=_EMBED_HEAD.size + 4 * n)
-        if n == 1:
-            ids = [flat]
-        else:
-            lengths = np.frombuffer(body, np.uint32, n, _EMBED_HEAD.size)
-            ids = np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64)) if n else []
-
-        def done(rows: np.ndarray | None, error: BaseException | None) -> None:
-            if link.closed:
-                return
-            if rows is None:
-                assert error is not None
-                e = self._engine_error(error)
-                link.send(_ERROR, _ID.pack(rid), json.dumps({"status": e.status, "message": e.message,
-                                                             "code": e.code}).encode())
-            else:
-                link.send(_RESULT, _RESULT_HEAD.pack(rid, rows.shape[0], rows.shape[1]), rows.tobytes())
-
+        rids, counts, ids = _parse_embed(body)
+        answers = _Answers(self, link, rids, counts)
         try:
-            self.service.submit_ids(ids, done)
-        except Exception as e:  # refused at once (overloaded, closing)
-            done(None, e)
+            self.service.submit_each(ids, answers.row)
+            return
+        except OverloadedError:
+            pass  # the frame as a whole does not fit: admit what does, request by request
+        except Exception as e:  # refused at once (closing)
+            for j in range(len(rids)):
+                answers.refuse(j, e)
+            return
+        for j in range(len(rids)):
+            start, end = answers.starts[j], answers.starts[j + 1]
+            if start == end:
+                continue
+            try:
+                self.service.submit_each(ids[start:end], lambda i, row, error, s=start: answers.row(s + i, row, error))
+            except Exception as e:
+                answers.refuse(j, e)
 
     def _tell_links(self) -> None:
         body = _status_body(self)
@@ -347,7 +507,7 @@ class EngineClient:
         self.lost: str | None = None
         self.warmup_error: str | None = None
         self.adapter: str | None = None
-        self._link: _Link | None = None
+        self._link: _FrontLink | None = None
         self._next = 0
         self._pending: dict[int, _Pending] = {}  # requests sent, by id
 
@@ -387,15 +547,14 @@ class EngineClient:
         except HeteroError as e:
             self._gone(str(e))
             return
-        link = self._link = _Link(stream)
+        link = self._link = _FrontLink(stream, self._pending.__contains__)
         link.send(_HELLO, self.secret)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.writer)
             async for kind, body in link.frames():
                 if kind == _RESULT:
-                    rid, n, dim = _RESULT_HEAD.unpack_from(body)
-                    self._settle(rid, np.frombuffer(body, np.float32, n * dim, _RESULT_HEAD.size).reshape(n, dim),
-                                 None)
+                    for rid, rows in _parse_result(body):
+                        self._settle(rid, rows, None)
                 elif kind == _ERROR:
                     (rid,) = _ID.unpack_from(body)
                     err = json.loads(body[_ID.size:])
@@ -429,9 +588,7 @@ class EngineClient:
             raise EngineError(503, why, "unavailable")
         rid = self._next = self._next + 1
         entry = self._pending[rid] = _Pending()
-        lengths = np.fromiter((len(x) for x in ids), np.uint32, len(ids))
-        flat = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
-        link.send(_EMBED, _EMBED_HEAD.pack(rid, len(ids)), lengths.tobytes(), flat.tobytes())
+        link.request(rid, ids)  # sent with the other requests of this pass of the event loop
         try:
             await entry.event.wait()
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -459,17 +460,23 @@ async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
 
 @pytest.mark.anyio
 async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    import gc
+
     server = EmbeddingServer(tiny, runtime=shared_rt, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
     urls: list[str] = []
+    assert gc.get_freeze_count() == 0
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: serve_async(server, "127.0.0.1", 0, ready=urls.append, signals=False,
-                                              graceful_timeout=5))
+                                              graceful_timeout=5, freeze_heap=True))
             while not urls:
                 await anyio.sleep(0.01)
             async with httpx.AsyncClient(base_url=urls[0]) as c:
                 while (await c.get("/health")).status_code != 200:
                     await anyio.sleep(0.02)
+                while not gc.get_freeze_count():  # the heap is frozen once warm-up is over
+                    await anyio.sleep(0.01)
+                gc.unfreeze()  # (this process is the tests', not the server's)
                 r = await c.post("/v1/embeddings", json={"input": TEXTS[:3]})
                 assert r.status_code == 200
                 vecs = np.array([d["embedding"] for d in r.json()["data"]], np.float32)
@@ -706,6 +713,65 @@ async def test_two_fronts_share_the_engine_and_get_embed_s_vectors(tiny: Model, 
 
 
 @pytest.mark.anyio
+async def test_the_requests_of_one_pass_travel_as_one_frame(tiny: Model, shared_rt: hetero.Runtime, sock_path: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests made in one pass of a front's event loop reach the engine as one EMBED frame, which
+    the engine admits to the batcher in one call; an empty request is answered at once."""
+    import hetero.pipelines.serve_engine as link_mod
+
+    frames: list[list[int]] = []
+    parse = link_mod._parse_embed
+
+    def counting(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
+        rids, counts, ids = parse(body)
+        frames.append(counts)
+        return rids, counts, ids
+
+    monkeypatch.setattr(link_mod, "_parse_embed", counting)
+    engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
+    requests = [TEXTS[:2], [], TEXTS[2:3], TEXTS[1:4], TEXTS[4:5]]
+    got: dict[int, np.ndarray] = {}
+    async with engine_serving(engine, sock_path):
+        front = EngineClient(sock_path, SECRET)
+        async with front.running():
+            await ready(front)
+            ids = [token_ids(tiny, r) for r in requests]
+
+            async def one(i: int) -> None:
+                got[i] = await front.embed_ids(ids[i])  # each sends before its first await
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+    assert len(frames) == 1 and sorted(frames[0]) == [0, 1, 1, 2, 3]  # (trio starts tasks in any order)
+    ref = {t: row for t, row in zip(TEXTS, await aembed(TEXTS, model=tiny, runtime=shared_rt))}
+    for i, texts in enumerate(requests):
+        assert got[i].shape == (len(texts), tiny.dim)
+        if texts:
+            np.testing.assert_allclose(got[i], np.stack([ref[t] for t in texts]), atol=1e-5)
+
+
+def test_link_frames_round_trip_and_refuse_what_does_not_add_up() -> None:
+    from hetero.pipelines.serve_engine import _embed_parts, _parse_embed, _parse_result
+
+    sent = [(7, [np.array([101, 5, 102], np.int32)]), (9, []),
+            (2**40, [np.array([101, 102], np.int32), np.array([101, 8, 9, 102], np.int32)])]
+    body = b"".join(_embed_parts(sent))
+    rids, counts, ids = _parse_embed(body)
+    assert rids == [7, 9, 2**40] and counts == [1, 0, 2]
+    assert [x.tolist() for x in ids] == [[101, 5, 102], [101, 102], [101, 8, 9, 102]]
+    with pytest.raises(hetero.HeteroError, match="do not add up"):
+        _parse_embed(body[:-4])  # a token id short
+    with pytest.raises(hetero.HeteroError, match="too short"):
+        _parse_embed(body[:12])
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    result = struct.pack("<II", 2, 4) + np.array([5, 6], np.uint64).tobytes() + \
+        np.array([1, 2], np.uint32).tobytes() + rows.tobytes()
+    (a, ra), (b, rb) = _parse_result(result)
+    assert (a, b) == (5, 6) and ra.tolist() == rows[:1].tolist() and rb.tolist() == rows[1:].tolist()
+
+
+@pytest.mark.anyio
 async def test_overload_reaches_the_front_as_429(tiny: Model, shared_rt: hetero.Runtime, sock_path: str) -> None:
     """One batch in flight, one sentence queued: of twenty requests sent together, the rest get 429 at once."""
     engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False, max_queued=1,
@@ -797,8 +863,6 @@ async def test_a_connection_without_the_secret_is_closed(tiny: Model, shared_rt:
 @pytest.mark.anyio
 async def test_a_stranger_announcing_a_huge_frame_is_dropped_at_once(tiny: Model, shared_rt: hetero.Runtime,
                                                                      sock_path: str) -> None:
-    import struct
-
     engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
     async with engine_serving(engine, sock_path):
         port = int(Path(sock_path).read_text())
