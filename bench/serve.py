@@ -525,6 +525,14 @@ def batch_histogram(metrics: str) -> dict[str, float]:
     return out
 
 
+def request_seconds(metrics: str) -> tuple[float, float]:
+    """``hetero_embed_request_duration_seconds``' sum and count from Prometheus text: the time the
+    fronts spent answering requests (parse, tokenize, the engine's answer, encode), not HTTP's."""
+    found = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^hetero_embed_request_duration_seconds_(sum|count) ([0-9.e+]+)$', metrics, re.M)}
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
 def histogram_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """Batches per size bucket (``"<=8"``: sizes 5 to 8) between two scrapes."""
     out: dict[str, int] = {}
@@ -749,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
                          "port answering a constant body", concurrency=clients, offered_rps=round(rate, 1),
                          **level_figures(frows, args.warmup, bulk_rate, single_s), load_processes=fprocs_n,
                          load_cpu_per_wall_s=sorted((round(x, 2) for x in fload), reverse=True), **common)
-                before = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
+                scrape = httpx.get(url + "/metrics", timeout=30).text
+                before, answered0 = batch_histogram(scrape), request_seconds(scrape)
                 tree0, wall0 = process_tree_cpu(server.pid), time.monotonic()
                 rows, load_cpu, procs = drive(pool, worker, url, texts, clients, rate, args, li * 1000)
                 tree1 = process_tree_cpu(server.pid)
@@ -759,9 +768,17 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_s, loop_s = sum(c for c, _ in used.values()), sum(lp for _, lp in used.values())
                 per_wall = sorted(((c / wall_s, lp / wall_s) for c, lp in used.values() if c > 0), reverse=True) \
                     if wall_s > 0 else []
-                after = batch_histogram(httpx.get(url + "/metrics", timeout=30).text)
-                line = {"concurrency": clients, "offered_rps": round(rate, 1),
-                        **level_figures(rows, args.warmup, bulk_rate, single_s),
+                scrape = httpx.get(url + "/metrics", timeout=30).text
+                after, answered1 = batch_histogram(scrape), request_seconds(scrape)
+                answered = (answered1[0] - answered0[0], answered1[1] - answered0[1])
+                figures = level_figures(rows, args.warmup, bulk_rate, single_s)
+                line = {"concurrency": clients, "offered_rps": round(rate, 1), **figures,
+                        # a client waits for its answer before it sends again: with every client
+                        # behind its schedule, each round trip lasts clients / throughput
+                        "round_trip_ms": round(clients / figures["throughput_rps"] * 1e3, 2)
+                        if figures["throughput_rps"] else None,
+                        # of which a front answering it, from its body read to its answer made
+                        "front_answer_ms_mean": round(answered[0] / answered[1] * 1e3, 3) if answered[1] else None,
                         "batch_sizes": histogram_delta(before, after), "load_processes": procs,
                         # server CPU (all its processes and threads) per request and per wall second:
                         # near 1.0 per worker, the event loop and recording share a saturated GIL
