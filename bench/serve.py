@@ -639,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client,
               "workers": args.workers,
               "engines": args.engines, "max_in_flight": args.max_in_flight,
+              # the fronts read requests and write answers with orjson where it is installed
+              "orjson": importlib.util.find_spec("orjson") is not None,
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
 

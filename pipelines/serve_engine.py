@@ -15,7 +15,7 @@ to answer) and the state ``ready``, ``lost``, ``warmup_error``, ``adapter``.
 The link is TCP on the loopback interface. The engine writes its port to an address file
 in a private directory (mode 0700) and fronts begin with a secret the parent process gave
 both; a connection without it is closed. Frames are ``u32 body length | u8 kind | body``
-(little-endian):
+(in the machine's byte order: both ends run on it):
 
 - ``HELLO`` (front to engine, first): the secret;
 - ``EMBED`` (front to engine): ``u32 k | u32 m | k x u64 request ids | k x u32 sentences |
@@ -42,6 +42,7 @@ import os
 import struct
 import sys
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -57,9 +58,9 @@ from .minilm import Model
 
 __all__ = ["EmbeddingEngine", "EngineClient", "EngineError"]
 
-_HEADER = struct.Struct("<IB")
-_ID = struct.Struct("<Q")
-_COUNTS = struct.Struct("<II")  # EMBED: requests, sentences; RESULT: requests, dimension
+_HEADER = struct.Struct("=IB")
+_ID = struct.Struct("=Q")
+_COUNTS = struct.Struct("=II")  # EMBED: requests, sentences; RESULT: requests, dimension
 _EMBED, _RESULT, _ERROR, _STATUS, _HELLO = 1, 2, 3, 4, 5
 _RECEIVE_BYTES = 1 << 20
 # The longest frame either side accepts: a request of --max-client-batch-size sentences of
@@ -187,66 +188,67 @@ class _EngineLink(_Link):
     def _gather(self) -> None:
         if self._answers:
             answers, self._answers = self._answers, []
-            rids = np.fromiter((rid for rid, _ in answers), np.uint64, len(answers))
-            counts = np.fromiter((len(rows) for _, rows in answers), np.uint32, len(answers))
-            self._put(_RESULT, _COUNTS.pack(len(answers), self.dim), rids.tobytes(), counts.tobytes(),
+            rids = array("Q", [rid for rid, _ in answers]).tobytes()
+            self._put(_RESULT, _COUNTS.pack(len(answers), self.dim), rids,
+                      array("I", [len(rows) for _, rows in answers]).tobytes(),
                       np.concatenate([rows for _, rows in answers]).tobytes())
 
 
 def _embed_parts(requests: Sequence[tuple[int, Sequence[np.ndarray]]]) -> list[bytes]:
-    """An EMBED frame's body: the requests ``(id, token id arrays)``."""
+    """An EMBED frame's body: the requests ``(id, token id arrays)``.
+
+    (Frames are mostly of a few sentences: the lists go through ``array`` and ``memoryview``,
+    which cost a fraction of numpy's calls at that size.)
+    """
     sentences = [x for _, ids in requests for x in ids]
-    k, m = len(requests), len(sentences)
-    rids = np.fromiter((rid for rid, _ in requests), np.uint64, k)
-    counts = np.fromiter((len(ids) for _, ids in requests), np.uint32, k)
-    lengths = np.fromiter((len(x) for x in sentences), np.uint32, m)
-    flat = np.concatenate(sentences).astype(np.int32, copy=False) if m else np.zeros(0, np.int32)
-    return [_COUNTS.pack(k, m), rids.tobytes(), counts.tobytes(), lengths.tobytes(), flat.tobytes()]
+    flat = np.concatenate(sentences).astype(np.int32, copy=False) if sentences else np.zeros(0, np.int32)
+    return [_COUNTS.pack(len(requests), len(sentences)), array("Q", [rid for rid, _ in requests]).tobytes(),
+            array("I", [len(ids) for _, ids in requests]).tobytes(),
+            array("I", [len(x) for x in sentences]).tobytes(), flat.tobytes()]
 
 
 def _parse_embed(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
     """An EMBED frame's request ids, sentence counts and sentences; HeteroError if it does not add up."""
     k, m = _COUNTS.unpack_from(body)
     pos = _COUNTS.size
-    if len(body) < pos + 12 * k + 4 * m:
-        raise HeteroError(f"engine link: an EMBED frame of {len(body)} bytes is too short for {k} requests "
+    tokens_at = pos + 12 * k + 4 * m
+    if len(body) < tokens_at or (len(body) - tokens_at) % 4:
+        raise HeteroError(f"engine link: an EMBED frame of {len(body)} bytes does not fit {k} requests "
                           f"of {m} sentences")
-    rids = np.frombuffer(body, np.uint64, k, pos)
-    counts = np.frombuffer(body, np.uint32, k, pos + 8 * k)
-    lengths = np.frombuffer(body, np.uint32, m, pos + 12 * k)
-    flat = np.frombuffer(body, np.int32, offset=pos + 12 * k + 4 * m)
-    if int(counts.sum(dtype=np.int64)) != m or int(lengths.sum(dtype=np.int64)) != len(flat):
+    view = memoryview(body)
+    rids = view[pos:pos + 8 * k].cast("Q").tolist()
+    counts = view[pos + 8 * k:pos + 12 * k].cast("I").tolist()
+    lengths = view[pos + 12 * k:tokens_at].cast("I").tolist()
+    flat = np.frombuffer(body, np.int32, offset=tokens_at)
+    ends = list(itertools.accumulate(lengths))
+    if sum(counts) != m or (ends[-1] if ends else 0) != len(flat):
         raise HeteroError(f"engine link: a malformed EMBED frame ({k} requests, {m} sentences, {len(flat)} "
                           "token ids that do not add up)")
-    ends = np.cumsum(lengths, dtype=np.int64).tolist()
-    ids = [flat[start:end] for start, end in zip([0, *ends], ends)]  # (np.split costs more per sentence)
-    return rids.tolist(), counts.tolist(), ids
+    return rids, counts, [flat[start:end] for start, end in zip([0, *ends], ends)]
 
 
 def _parse_result(body: bytes) -> list[tuple[int, np.ndarray]]:
     """A RESULT frame's ``(request id, rows)``: views of one read-only array."""
     k, dim = _COUNTS.unpack_from(body)
     pos = _COUNTS.size
-    rids = np.frombuffer(body, np.uint64, k, pos).tolist()
-    counts = np.frombuffer(body, np.uint32, k, pos + 8 * k).tolist()
-    total = sum(counts)
+    view = memoryview(body)
+    rids = view[pos:pos + 8 * k].cast("Q").tolist()
+    ends = list(itertools.accumulate(view[pos + 8 * k:pos + 12 * k].cast("I").tolist()))
+    total = ends[-1] if ends else 0
     rows = np.frombuffer(body, np.float32, total * dim, pos + 12 * k).reshape(total, dim)
-    out, start = [], 0
-    for rid, n in zip(rids, counts):
-        out.append((rid, rows[start:start + n]))
-        start += n
-    return out
+    return [(rid, rows[start:end]) for rid, start, end in zip(rids, [0, *ends], ends)]
 
 
 class _Answers:
     """The requests of one EMBED frame on the engine: each sentence's row as its batch ends, each
     request answered on its link once all of its sentences are done (with the first error, if any)."""
 
-    __slots__ = ("engine", "link", "rids", "starts", "owner", "left", "errors", "rows")
+    __slots__ = ("link", "http_error", "rids", "starts", "owner", "left", "errors", "rows")
 
-    def __init__(self, engine: EmbeddingEngine, link: _EngineLink, rids: list[int], counts: list[int]) -> None:
-        self.engine = engine
+    def __init__(self, link: _EngineLink, rids: list[int], counts: list[int],
+                 http_error: Callable[[BaseException], EngineError]) -> None:
         self.link = link
+        self.http_error = http_error
         self.rids = rids
         self.starts = [0, *itertools.accumulate(counts)]
         self.owner = [j for j, c in enumerate(counts) for _ in range(c)]  # each sentence's request
@@ -282,7 +284,7 @@ class _Answers:
         if error is None:
             self.link.answer(self.rids[j], self.rows[self.starts[j]:self.starts[j + 1]])
             return
-        e = self.engine._engine_error(error)
+        e = self.http_error(error)
         self.link.send(_ERROR, _ID.pack(self.rids[j]),
                        json.dumps({"status": e.status, "message": e.message, "code": e.code}).encode())
 
@@ -454,7 +456,7 @@ class EmbeddingEngine:
         ``link`` when all of its sentences are done."""
         assert self.service is not None
         rids, counts, ids = _parse_embed(body)
-        answers = _Answers(self, link, rids, counts)
+        answers = _Answers(link, rids, counts, self._engine_error)
         try:
             self.service.submit_each(ids, answers.row)
             return

@@ -762,7 +762,7 @@ def test_link_frames_round_trip_and_refuse_what_does_not_add_up() -> None:
     assert [x.tolist() for x in ids] == [[101, 5, 102], [101, 102], [101, 8, 9, 102]]
     with pytest.raises(hetero.HeteroError, match="do not add up"):
         _parse_embed(body[:-4])  # a token id short
-    with pytest.raises(hetero.HeteroError, match="too short"):
+    with pytest.raises(hetero.HeteroError, match="does not fit"):
         _parse_embed(body[:12])
     rows = np.arange(12, dtype=np.float32).reshape(3, 4)
     result = struct.pack("<II", 2, 4) + np.array([5, 6], np.uint64).tobytes() + \
