@@ -751,6 +751,44 @@ async def test_the_requests_of_one_pass_travel_as_one_frame(tiny: Model, shared_
             np.testing.assert_allclose(got[i], np.stack([ref[t] for t in texts]), atol=1e-5)
 
 
+@pytest.mark.anyio
+async def test_a_failed_batch_fails_each_of_its_requests_through_the_link(
+        tiny: Model, shared_rt: hetero.Runtime, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
+    async with engine_serving(engine, sock_path):
+        front = EngineClient(sock_path, SECRET)
+        async with front.running():
+            await ready(front)
+
+            async def failing_run(graph: hetero.Graph, **inputs: Any) -> Any:
+                raise hetero.HeteroError("stage 'encoder0' failed: out of memory")
+
+            monkeypatch.setattr(shared_rt, "run", failing_run)
+            outcomes: dict[int, object] = {}
+            requests = [TEXTS[:2], [], TEXTS[2:3]]
+
+            async def one(i: int) -> None:
+                try:
+                    outcomes[i] = await front.embed_ids(token_ids(tiny, requests[i]))
+                except EngineError as e:
+                    outcomes[i] = e
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(requests)):
+                        tg.start_soon(one, i)
+            monkeypatch.undo()
+            for i in (0, 2):
+                e = outcomes[i]
+                assert isinstance(e, EngineError) and e.status == 500 and e.code == "internal_error"
+                assert "stage 'encoder0' failed: out of memory" in e.message
+            empty = outcomes[1]
+            assert isinstance(empty, np.ndarray) and empty.shape == (0, tiny.dim)
+            rows = await front.embed_ids(token_ids(tiny, TEXTS[:1]))  # the engine serves on
+            assert rows.shape == (1, tiny.dim)
+    assert engine.queued == 0
+
+
 def test_link_frames_round_trip_and_refuse_what_does_not_add_up() -> None:
     from hetero.pipelines.serve_engine import _embed_parts, _parse_embed, _parse_result
 
