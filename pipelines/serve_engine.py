@@ -35,6 +35,7 @@ drops the items of a front that left.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import itertools
 import json
@@ -271,6 +272,10 @@ class _Answers:
         if self.left[j] == 0:
             self._answer(j)
 
+    def row_after(self, start: int, i: int, row: np.ndarray | None, error: BaseException | None) -> None:
+        """Sentence ``start + i`` of the frame finished (for the items submitted from ``start`` on)."""
+        self.row(start + i, row, error)
+
     def refuse(self, j: int, error: BaseException) -> None:
         """Request ``j`` was refused at admission: answer its error now."""
         self.errors[j] = error
@@ -471,7 +476,7 @@ class EmbeddingEngine:
             if start == end:
                 continue
             try:
-                self.service.submit_each(ids[start:end], lambda i, row, error, s=start: answers.row(s + i, row, error))
+                self.service.submit_each(ids[start:end], functools.partial(answers.row_after, start))
             except Exception as e:
                 answers.refuse(j, e)
 
