@@ -210,6 +210,8 @@ def _embed_parts(requests: Sequence[tuple[int, Sequence[np.ndarray]]]) -> list[b
 
 def _parse_embed(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
     """An EMBED frame's request ids, sentence counts and sentences; HeteroError if it does not add up."""
+    if len(body) < _COUNTS.size:
+        raise HeteroError(f"engine link: an EMBED frame of {len(body)} bytes, shorter than its counts")
     k, m = _COUNTS.unpack_from(body)
     pos = _COUNTS.size
     tokens_at = pos + 12 * k + 4 * m

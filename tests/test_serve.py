@@ -802,6 +802,8 @@ def test_link_frames_round_trip_and_refuse_what_does_not_add_up() -> None:
         _parse_embed(body[:-4])  # a token id short
     with pytest.raises(hetero.HeteroError, match="does not fit"):
         _parse_embed(body[:12])
+    with pytest.raises(hetero.HeteroError, match="shorter than its counts"):
+        _parse_embed(body[:4])
     rows = np.arange(12, dtype=np.float32).reshape(3, 4)
     result = struct.pack("<II", 2, 4) + np.array([5, 6], np.uint64).tobytes() + \
         np.array([1, 2], np.uint32).tobytes() + rows.tobytes()
