@@ -525,12 +525,21 @@ def batch_histogram(metrics: str) -> dict[str, float]:
     return out
 
 
-def request_seconds(metrics: str) -> tuple[float, float]:
-    """``hetero_embed_request_duration_seconds``' sum and count from Prometheus text: the time the
-    fronts spent answering requests (parse, tokenize, the engine's answer, encode), not HTTP's."""
-    found = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^hetero_embed_request_duration_seconds_(sum|count) ([0-9.e+]+)$', metrics, re.M)}
-    return found.get("sum", 0.0), found.get("count", 0.0)
+# The histograms whose means each level prints: the fronts' time answering a request (parse,
+# tokenize, the engine's answer, encode; not HTTP's), and the engine's per batch: the mean
+# time its sentences waited for it to form, and its run.
+_TIMED = {"front_answer": "hetero_embed_request_duration_seconds", "batch_queue": "hetero_embed_queue_duration_seconds",
+          "batch_run": "hetero_embed_batch_duration_seconds"}
+
+
+def histogram_sums(metrics: str) -> dict[str, tuple[float, float]]:
+    """Sum and count of each of ``_TIMED``'s histograms, from Prometheus text."""
+    out = {}
+    for key, name in _TIMED.items():
+        found = {m.group(1): float(m.group(2)) for m in re.finditer(
+            rf'^{name}_(sum|count) ([0-9.e+]+)$', metrics, re.M)}
+        out[key] = (found.get("sum", 0.0), found.get("count", 0.0))
+    return out
 
 
 def histogram_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
@@ -760,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
                          **level_figures(frows, args.warmup, bulk_rate, single_s), load_processes=fprocs_n,
                          load_cpu_per_wall_s=sorted((round(x, 2) for x in fload), reverse=True), **common)
                 scrape = httpx.get(url + "/metrics", timeout=30).text
-                before, answered0 = batch_histogram(scrape), request_seconds(scrape)
+                before, timed0 = batch_histogram(scrape), histogram_sums(scrape)
                 tree0, wall0 = process_tree_cpu(server.pid), time.monotonic()
                 rows, load_cpu, procs = drive(pool, worker, url, texts, clients, rate, args, li * 1000)
                 tree1 = process_tree_cpu(server.pid)
@@ -771,16 +780,20 @@ def main(argv: list[str] | None = None) -> int:
                 per_wall = sorted(((c / wall_s, lp / wall_s) for c, lp in used.values() if c > 0), reverse=True) \
                     if wall_s > 0 else []
                 scrape = httpx.get(url + "/metrics", timeout=30).text
-                after, answered1 = batch_histogram(scrape), request_seconds(scrape)
-                answered = (answered1[0] - answered0[0], answered1[1] - answered0[1])
+                after, timed1 = batch_histogram(scrape), histogram_sums(scrape)
+                means = {}
+                for key in _TIMED:
+                    total, count = (timed1[key][0] - timed0[key][0], timed1[key][1] - timed0[key][1])
+                    means[f"{key}_ms_mean"] = round(total / count * 1e3, 3) if count else None
                 figures = level_figures(rows, args.warmup, bulk_rate, single_s)
                 line = {"concurrency": clients, "offered_rps": round(rate, 1), **figures,
                         # a client waits for its answer before it sends again: with every client
                         # behind its schedule, each round trip lasts clients / throughput
                         "round_trip_ms": round(clients / figures["throughput_rps"] * 1e3, 2)
                         if figures["throughput_rps"] else None,
-                        # of which a front answering it, from its body read to its answer made
-                        "front_answer_ms_mean": round(answered[0] / answered[1] * 1e3, 3) if answered[1] else None,
+                        # of which a front answering it (from its body read to its answer made), and
+                        # per batch of the engine: its sentences' mean wait for it, its run
+                        **means,
                         "batch_sizes": histogram_delta(before, after), "load_processes": procs,
                         # server CPU (all its processes and threads) per request and per wall second:
                         # near 1.0 per worker, the event loop and recording share a saturated GIL

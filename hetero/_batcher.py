@@ -87,13 +87,18 @@ class Batcher:
       trio) of its first call and is bound to that loop while the loop runs; a call from
       another running loop raises :class:`~hetero.HeteroError`. Once that loop has ended (its
       dispatching task was cancelled), the next call binds the batcher to the caller's loop.
+    - **Observers** (optional, called on the event loop; an exception they raise is ignored):
+      ``on_batch(items, cost)`` when a batch forms; ``on_batch_done(items, waited, ran)``
+      when its runs have ended (done or failed), with the mean seconds its items waited in
+      the queue and the seconds from forming to the end.
     """
 
     def __init__(self, runtime: Runtime, graph: Graph, *, max_batch_size: int = 64, max_wait: float = 0.0,
                  cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,
                  max_queued: int = 4096, max_in_flight: int = 2,
                  split: Callable[[list[int]], list[list[int]]] | None = None,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
+                 on_batch: Callable[[int, int], None] | None = None,
+                 on_batch_done: Callable[[int, float, float], None] | None = None) -> None:
         from ._graph import Graph
 
         if not isinstance(graph, Graph):
@@ -116,6 +121,7 @@ class Batcher:
         self.max_in_flight = max_in_flight
         self.split = split
         self.on_batch = on_batch
+        self.on_batch_done = on_batch_done
         self._plan = graph.plan()
         self._queue: collections.deque[_Item] = collections.deque()
         self._in_flight = 0
@@ -348,6 +354,7 @@ class Batcher:
         return batch
 
     async def _run_batch(self, batch: list[_Item]) -> None:
+        formed = time.monotonic()
         try:
             self.batches += 1
             self.items += len(batch)
@@ -368,6 +375,12 @@ class Batcher:
         finally:
             self._in_flight -= 1
             self._poke()
+            if self.on_batch_done is not None:
+                try:
+                    self.on_batch_done(len(batch), formed - sum(it.arrived for it in batch) / len(batch),
+                                       time.monotonic() - formed)
+                except Exception:
+                    pass  # an observer's failure must not fail the batch
 
     def _groups(self, batch: list[_Item]) -> list[list[int]]:
         assert self.split is not None

@@ -282,7 +282,8 @@ class Runtime:
                 cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,
                 max_queued: int = 4096, max_in_flight: int = 2,
                 split: Callable[[list[int]], list[list[int]]] | None = None,
-                on_batch: Callable[[int, int], None] | None = None) -> Batcher:
+                on_batch: Callable[[int, int], None] | None = None,
+                on_batch_done: Callable[[int, float, float], None] | None = None) -> Batcher:
         """An async callable gathering concurrent ``await b(**inputs)`` calls into batched runs of ``graph``.
 
         Each graph input receives the list of the batch's items' values (arrival order); each
@@ -292,11 +293,13 @@ class Runtime:
         and ``max_cost`` (item count times the largest ``cost(inputs)``: padded cost). A full
         queue (``max_queued``) raises :class:`~hetero.OverloadedError` at once. ``split``
         runs a batch as several concurrent runs; ``on_batch(items, cost)`` observes each
-        batch formed. See :class:`~hetero.Batcher` for the rules (cancellation, errors, loops).
+        batch formed, ``on_batch_done(items, waited, ran)`` each batch ended (its items' mean
+        queue wait and its run, in seconds). See :class:`~hetero.Batcher` for the rules (cancellation, errors, loops).
         """
         self._check_open()
         return Batcher(self, graph, max_batch_size=max_batch_size, max_wait=max_wait, cost=cost, max_cost=max_cost,
-                       max_queued=max_queued, max_in_flight=max_in_flight, split=split, on_batch=on_batch)
+                       max_queued=max_queued, max_in_flight=max_in_flight, split=split, on_batch=on_batch,
+                       on_batch_done=on_batch_done)
 
     def stats(self) -> RunStats:
         """Per-stage timings of the last run started (wall instants; GPU time where measured)."""

@@ -1060,7 +1060,8 @@ class EmbeddingService:
     def __init__(self, runtime: hetero.Runtime, model: Model | str | os.PathLike[str] = "minilm", *,
                  int8: bool = False, max_batch_tokens: int = 16384, max_batch_size: int | None = None,
                  max_queued: int = 4096, max_in_flight: int = 2, max_wait: float = 0.0,
-                 on_batch: Callable[[int, int], None] | None = None) -> None:
+                 on_batch: Callable[[int, int], None] | None = None,
+                 on_batch_done: Callable[[int, float, float], None] | None = None) -> None:
         self.model = get_model(model)
         self.int8 = bool(int8)
         longest = self.model.config.max_seq_length
@@ -1075,7 +1076,7 @@ class EmbeddingService:
         self.batcher = runtime.batcher(
             self.graph, max_batch_size=self.max_batch_size, max_wait=max_wait,
             cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,
-            max_in_flight=max_in_flight, on_batch=on_batch)
+            max_in_flight=max_in_flight, on_batch=on_batch, on_batch_done=on_batch_done)
         self._filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)  # the shortest sentence
         self._tokenize = TokenGroups(self.model)
 

@@ -140,7 +140,8 @@ class EmbeddingServer:
             self.backend = EmbeddingEngine(
                 self.model, runtime=runtime, int8=self.int8, max_batch_tokens=max_batch_tokens,
                 max_queued=max_queued, max_in_flight=max_in_flight, precapture=self.precapture,
-                on_batch=self.metrics.on_batch, gauges=self.metrics.set_gauges if self.metrics.multiprocess else None)
+                on_batch=self.metrics.on_batch, on_batch_done=self.metrics.on_batch_done,
+                gauges=self.metrics.set_gauges if self.metrics.multiprocess else None)
 
         self.routes = Starlette(routes=[
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
@@ -536,7 +537,8 @@ def _engine_main(options: dict[str, Any], address_file: str, secret: bytes, back
     metrics = ServeMetrics(lambda: 0, lambda: 0)  # several processes: the gauges are set, not read
     engine = EmbeddingEngine(get_model(options.get("model", "minilm")),
                              **{k: options[k] for k in _ENGINE_OPTIONS if k in options},
-                             on_batch=metrics.on_batch, gauges=metrics.set_gauges)
+                             on_batch=metrics.on_batch, on_batch_done=metrics.on_batch_done,
+                             gauges=metrics.set_gauges)
 
     # Ctrl-C reaches the whole process group: the fronts drain, and the parent sends this
     # process SIGTERM once they are done.

@@ -306,7 +306,8 @@ class EmbeddingEngine:
 
     ``model``: a loaded Model (``hetero.pipelines.embed.get_model``). ``runtime``: a Runtime to
     use (left open); by default :meth:`running` makes one (with a capture cache for every
-    packed shape) and closes it. ``on_batch(items, cost)`` is called for each batch formed.
+    packed shape) and closes it. ``on_batch(items, cost)`` is called for each batch formed,
+    ``on_batch_done(items, waited, ran)`` for each batch ended (:class:`hetero.Batcher`).
     ``gauges(queued, memory_in_use)``, when given, is called a few times a second while
     running (the process-shared Prometheus gauges of a multi-process server).
     """
@@ -314,6 +315,7 @@ class EmbeddingEngine:
     def __init__(self, model: Model, *, runtime: hetero.Runtime | None = None, int8: bool = False,
                  max_batch_tokens: int = 16384, max_queued: int = 4096, max_in_flight: int = 2,
                  precapture: bool = True, on_batch: Callable[[int, int], None] | None = None,
+                 on_batch_done: Callable[[int, float, float], None] | None = None,
                  gauges: Callable[[int, int], None] | None = None) -> None:
         self.model = model
         self.int8 = bool(int8)
@@ -329,6 +331,7 @@ class EmbeddingEngine:
         self.warmup_error: str | None = None
         self.adapter: str | None = None
         self._on_batch = on_batch
+        self._on_batch_done = on_batch_done
         self._gauges = gauges
         self._links: set[_EngineLink] = set()
         self.stopping = False
@@ -346,7 +349,8 @@ class EmbeddingEngine:
             self.runtime = hetero.Runtime(capture_cache=self.capture_entries())
         self.service = EmbeddingService(self.runtime, self.model, int8=self.int8,
                                         max_batch_tokens=self.max_batch_tokens, max_queued=self.max_queued,
-                                        max_in_flight=self.max_in_flight, on_batch=self._on_batch)
+                                        max_in_flight=self.max_in_flight, on_batch=self._on_batch,
+                                        on_batch_done=self._on_batch_done)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._warmup)

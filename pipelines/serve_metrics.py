@@ -49,6 +49,13 @@ class ServeMetrics:
         self.batch_size = prom.Histogram(
             "hetero_embed_batch_size", "Sentences per batch formed", registry=reg,
             buckets=tuple(float(1 << k) for k in range(13)))
+        waits = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
+        self.queue_duration = prom.Histogram(
+            "hetero_embed_queue_duration_seconds", "Mean time the sentences of a batch waited for it to form "
+            "(one observation per batch)", registry=reg, buckets=waits)
+        self.batch_duration = prom.Histogram(
+            "hetero_embed_batch_duration_seconds", "Time from a batch forming to its rows (one observation per "
+            "batch)", registry=reg, buckets=waits)
         self.queue = prom.Gauge("hetero_embed_queue_inputs", "Sentences waiting for a batch", registry=reg,
                                 multiprocess_mode="livesum")
         self.memory = prom.Gauge("hetero_gpu_memory_in_use_bytes", "Device memory in use by the buffer pool",
@@ -66,6 +73,10 @@ class ServeMetrics:
     def on_batch(self, items: int, cost: int) -> None:
         self.batches.inc()
         self.batch_size.observe(items)
+
+    def on_batch_done(self, items: int, waited: float, ran: float) -> None:
+        self.queue_duration.observe(waited)
+        self.batch_duration.observe(ran)
 
     def set_gauges(self, queued: int, memory_in_use: int) -> None:
         self.queue.set(queued)

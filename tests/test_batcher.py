@@ -341,3 +341,31 @@ def test_batcher_rebinds_after_its_loop_ends(rt: hetero.Runtime) -> None:
     assert anyio.run(one, 1, backend="asyncio") == 2
     assert anyio.run(one, 2, backend="trio") == 4
     assert anyio.run(one, 3, backend="asyncio") == 6
+
+
+async def test_batch_observers_see_each_batch_form_and_end(rt: hetero.Runtime) -> None:
+    """One batch runs (50 ms of sleep) while more callers queue: the next batch's items waited
+    at least until it ended; a failed batch is observed too."""
+    seen: list[list[int]] = []
+    formed: list[tuple[int, int]] = []
+    ended: list[tuple[int, float, float]] = []
+    b = rt.batcher(doubling_graph(seen, delay=0.05), max_in_flight=1, on_batch=lambda n, c: formed.append((n, c)),
+                   on_batch_done=lambda n, waited, ran: ended.append((n, waited, ran)))
+
+    async def call(i: int) -> None:
+        try:
+            await b(x=i)
+        except hetero.StageError:
+            assert i in (2, 3, -1)  # the poisoned batch fails its callers
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, 1)
+        await anyio.sleep(0.01)  # the first batch (item 1) is running
+        for i in (2, 3, -1):
+            tg.start_soon(call, i)
+    assert [n for n, _ in formed] == [len(s) for s in seen] == [n for n, _, _ in ended] == [1, 3]
+    (_, first_wait, first_ran), (_, second_wait, second_ran) = ended
+    assert first_ran >= 0.05 and second_ran >= 0.05  # each ran its sleep (the second failed after it)
+    assert second_wait >= 0.03  # queued behind the first batch's remaining sleep
+    assert first_wait >= 0.0
+    await b.aclose()

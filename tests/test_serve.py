@@ -358,7 +358,8 @@ async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> No
             for name in ('hetero_embed_requests_total{code="200"} 3.0', 'hetero_embed_requests_total{code="413"}',
                          "hetero_embed_inputs_total", "hetero_embed_batches_total",
                          "hetero_embed_request_duration_seconds_bucket", "hetero_embed_batch_size_bucket",
-                         "hetero_embed_queue_inputs", "hetero_gpu_memory_in_use_bytes"):
+                         "hetero_embed_queue_inputs", "hetero_gpu_memory_in_use_bytes",
+                         "hetero_embed_queue_duration_seconds_bucket", "hetero_embed_batch_duration_seconds_bucket"):
                 assert name in metrics, name
         assert (await c.get("/health")).status_code == 503  # stopped
 
@@ -562,6 +563,8 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
         # The engine process formed the batches: every sentence served went through one.
         assert re_float(metrics, r"^hetero_embed_batch_size_sum (\S+)$") >= 16
         assert re_float(metrics, r"^hetero_embed_batches_total (\S+)$") >= 1
+        assert re_float(metrics, r"^hetero_embed_batch_duration_seconds_count (\S+)$") == \
+            re_float(metrics, r"^hetero_embed_batches_total (\S+)$")  # each batch that formed also ended
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         log.seek(0)
