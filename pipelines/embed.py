@@ -1120,8 +1120,8 @@ class EmbeddingService:
                     on_row: Callable[[int, np.ndarray | None, BaseException | None], None]) -> None:
         """Each tokenized sentence as one item of the batcher, without waiting, from the event loop.
 
-        ``on_row(i, row, None)`` once sentence ``i`` is embedded (``row``: ``[hidden]``, its own
-        copy), or ``on_row(i, None, error)`` if its batch failed. Admission is all or none, and
+        ``on_row(i, row, None)`` once sentence ``i`` is embedded (``row``: ``[hidden]``, copied out
+        of the batch's output), or ``on_row(i, None, error)`` if its batch failed. Admission is all or none, and
         a full queue raises :class:`hetero.OverloadedError` at once (:meth:`hetero.Batcher.submit`).
         A server answering many requests from one task submits them together this way.
         """

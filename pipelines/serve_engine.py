@@ -24,8 +24,9 @@ both; a connection without it is closed. Frames are ``u32 body length | u8 kind 
 - ``ERROR``: ``u64 id |`` JSON ``{"status", "message", "code"}``;
 - ``STATUS``: JSON ``{"ready", "lost", "warmup_error", "adapter"}``, on connect and on each change.
 
-The work per request on the engine's event loop is what bounds one engine (BENCHMARKS.md),
-so each side gathers what it sends while its event loop runs and writes it in one ``send``:
+One engine's event loop does the link work of every front's requests, so the work it does
+per request is kept to a minimum. Each side gathers what it sends while its event loop runs
+and writes it in one ``send``:
 a front's requests of one pass of its loop travel as one EMBED frame, which the engine
 admits to the batcher in one call; the answers that are ready when the engine's writer runs
 travel as one RESULT frame. A front whose link closes answers 503 from then on; the engine

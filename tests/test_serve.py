@@ -792,6 +792,42 @@ async def test_a_failed_batch_fails_each_of_its_requests_through_the_link(
     assert engine.queued == 0
 
 
+@pytest.mark.anyio
+async def test_a_front_splits_what_it_gathered_past_the_frame_size(tiny: Model, shared_rt: hetero.Runtime,
+                                                                   sock_path: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetero.pipelines.serve_engine as link_mod
+
+    frames: list[list[int]] = []
+    parse = link_mod._parse_embed
+
+    def counting(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
+        rids, counts, ids = parse(body)
+        frames.append(counts)
+        return rids, counts, ids
+
+    monkeypatch.setattr(link_mod, "_parse_embed", counting)
+    monkeypatch.setattr(link_mod, "_GATHER_BYTES", 1)  # every request fills a frame
+    engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
+    got: dict[int, np.ndarray] = {}
+    async with engine_serving(engine, sock_path):
+        front = EngineClient(sock_path, SECRET)
+        async with front.running():
+            await ready(front)
+            ids = [token_ids(tiny, [t]) for t in TEXTS[:3]]
+
+            async def one(i: int) -> None:
+                got[i] = await front.embed_ids(ids[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+    assert frames == [[1], [1], [1]]
+    ref = await aembed(TEXTS[:3], model=tiny, runtime=shared_rt)
+    for i in range(3):
+        np.testing.assert_allclose(got[i][0], ref[i], atol=1e-5)
+
+
 def test_link_frames_round_trip_and_refuse_what_does_not_add_up() -> None:
     from hetero.pipelines.serve_engine import _embed_parts, _parse_embed, _parse_result
 
