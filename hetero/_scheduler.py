@@ -898,7 +898,7 @@ class Scheduler:
         # One recording thread records in queue order, so an upload recorded for one
         # reader is in place for every later one; several threads could reorder them.
         share = run.plan.shared_uploads if rec.shared and not st.mixed else {}
-        with rec.lock:
+        with rec.lock, dev.submission.recording():
             attempt = 0
             while True:
                 attempt += 1

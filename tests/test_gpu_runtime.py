@@ -780,6 +780,40 @@ async def test_spinning_fence_thread_runs_graphs(monkeypatch: pytest.MonkeyPatch
             np.testing.assert_array_equal(r, x * k * 32)
 
 
+async def test_fence_spin_pauses_while_a_stage_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage is marked as recording while it records (and commits); the spin's turns sleep
+    FENCE_SPIN_PAUSE_S then, and not at all otherwise."""
+    from hetero._gpu import submission
+
+    monkeypatch.setenv("HETERO_FENCE_SPIN_US", "300")
+    marks: list[int] = []
+
+    def probe(gpu: hetero.GPUContext, src: Tensor) -> Tensor:
+        marks.append(len(gpu._dev.submission._recording))
+        return scale(gpu, src)
+
+    g = hetero.Graph("spin-pause")
+    g.output(g.gpu(probe, g.gpu(probe, g.input("x"), name="a"), name="b"))
+    x = np.ones(256, np.float32)
+    async with hetero.Runtime() as rt:
+        np.testing.assert_array_equal(await rt.run(g, x=x), x * 4)
+        sub = rt.device().submission
+        assert marks == [1, 1] and sub._recording == []  # marked during each stage, cleared after
+        slept: list[float] = []
+        monkeypatch.setattr(submission.time, "sleep", slept.append)
+        sub._spin_pause()
+        with sub.recording():
+            sub._spin_pause()
+            with sub.recording():  # stages on two recording threads
+                sub._spin_pause()
+            sub._spin_pause()
+        sub._spin_pause()
+        monkeypatch.undo()
+        assert slept == [0, submission.FENCE_SPIN_PAUSE_S, submission.FENCE_SPIN_PAUSE_S,
+                         submission.FENCE_SPIN_PAUSE_S, 0]
+        np.testing.assert_array_equal(await rt.run(g, x=x), x * 4)
+
+
 def _mapped_view(a: np.ndarray) -> bool:
     while isinstance(a, np.ndarray):
         a = a.base

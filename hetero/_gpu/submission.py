@@ -103,6 +103,9 @@ class Submission:
         self._sleepers: list[tuple[int, threading.Lock]] = []  # Fence.wait between polls
         # Recorders holding open encoders (see share_encoders).
         self._open_encoders: list[OpenEncoder] = []
+        # One token per stage being recorded now, on any thread (see recording()): list
+        # appends and pops are atomic, so no lock is taken on the recording path.
+        self._recording: list[None] = []
         self.submissions = 0
         self._fence_thread = threading.Thread(target=self._fence_loop, name="hetero-fence", daemon=True)
         self._fence_thread.start()
@@ -156,6 +159,28 @@ class Submission:
         """Submit everything recorded so far and return the ``Fence`` of the newest submission."""
         self.flush()
         return Fence(self, self._submitted)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Around a stage's recording: meanwhile the fence thread's spin pauses between its
+        turns (see :meth:`_spin_pause`)."""
+        self._recording.append(None)
+        try:
+            yield
+        finally:
+            self._recording.pop()
+
+    def _spin_pause(self) -> None:
+        """One pause of the fence thread's spin: none while no stage is being recorded (a
+        finished submission or a new fence is seen at once), else :data:`FENCE_SPIN_PAUSE_S`.
+
+        Each turn of the spin takes the interpreter lock, and a stage's recording gives the
+        lock up in every wgpu-py call (creating its encoder and pass, finishing, submitting):
+        a spinner turning without pause takes the lock at each of those, and the recording
+        thread waits to get it back every time. On the H200 the recording thread spent
+        about 150 us less CPU per lone call with the pause (BENCHMARKS.md, sixteenth session).
+        """
+        time.sleep(FENCE_SPIN_PAUSE_S if self._recording else 0)
 
     def completed(self, index: int) -> bool:
         """Whether submission ``index`` completed, without blocking (safe on the event loop).
@@ -370,7 +395,7 @@ class Submission:
         A fence thread asleep in ``get()`` takes a futex wake-up for each new submission;
         right after a fence, the next one usually follows within microseconds (streams,
         chains of small stages), so look again for up to ``fence_spin_s`` first.
-        ``sleep(0)`` gives the GIL away on every turn.
+        Each turn gives the GIL away (:meth:`_spin_pause`).
         """
         fences = self._fences
         try:
@@ -382,7 +407,7 @@ class Submission:
         if self.fence_spin_s > 0:
             deadline = time.perf_counter() + self.fence_spin_s
             while time.perf_counter() < deadline:
-                time.sleep(0)
+                self._spin_pause()
                 try:
                     return fences.get_nowait()
                 except queue.Empty:
@@ -440,7 +465,7 @@ class Submission:
                     self._lib.wgpuDevicePoll(self.device._internal, False, self._ffi.NULL)
                     if index <= self._completed or time.perf_counter() >= deadline:
                         break
-                    time.sleep(0)  # the GIL goes to the loop between polls
+                    self._spin_pause()  # the GIL goes to the loop (and the recording thread) between polls
                 if index <= self._completed:
                     return
             self.wait(index)
@@ -482,6 +507,8 @@ class Submission:
 # 3.05-3.57, batch 32 11-13% more sentences/s (BENCHMARKS.md, ninth session).
 FENCE_SPIN_US = 2000.0
 FENCE_SPIN_MIN_CPUS = 8
+# Between two turns of the spin while a stage is being recorded (see Submission._spin_pause).
+FENCE_SPIN_PAUSE_S = 50e-6
 # After the spin the fence thread blocks in one poll. HETERO_FENCE_POLL_US=N makes it poll
 # without blocking instead, asleep in between for an eighth of the time waited so far (at
 # least N us, at most FENCE_POLL_MAX_S). Why one might: in wgpu-native 29 a blocking poll holds
