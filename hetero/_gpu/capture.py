@@ -73,8 +73,7 @@ DEFAULT_CACHE_ENTRIES = 1024
 
 # The pass commands of a replay go straight into wgpu-native, keeping the GIL (see passcmd).
 _set_pipeline, _set_bind_group, _dispatch = passcmd.set_pipeline, passcmd.set_bind_group, passcmd.dispatch
-_addr = passcmd.addr
-_NULL = None
+_handle, _NO_OFFSETS = passcmd.handle, passcmd.NO_OFFSETS
 
 # Where a binding's buffer comes from.
 ARG, TEMP, CONST = 0, 1, 2
@@ -97,7 +96,7 @@ class _Op:
     """One captured dispatch."""
 
     kernel: Kernel
-    pipeline: int  # the native handle's address (the kernel holds the pipeline)
+    pipeline: passcmd.Handle  # the native handle (the kernel holds the pipeline); one object per pipeline and capture
     groups: tuple[int, int, int]
     total: int
     slots: tuple[Slot, ...]
@@ -105,7 +104,7 @@ class _Op:
     group: Any  # the bind group itself when every binding is constant, else None
     whole: Any = None  # a grid kernel's group-1 bind group for the whole grid in one dispatch (made on first use)
     whole_uniform: Any = None  # the uniform it binds (held here too: the bind cache may drop it)
-    whole_addr: int = 0  # whole's native handle
+    whole_addr: passcmd.Handle | None = None  # whole's native handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +141,7 @@ class Capture:
         self.consts = consts  # buffers bound as constants: kept alive with the capture
         self._memo_key: tuple[Any, ...] | None = None
         self._memo_groups: list[Any] = []
-        self._memo_addrs: list[int] = []  # their native handles
+        self._memo_addrs: list[passcmd.Handle] = []  # their native handles
         self._memo_gen = -1
         # Per op, bind groups by the (buffer id, offset) of its entries, for replays over other
         # buffers than the last one's; valid while the bind cache's generation is _op_gen.
@@ -316,6 +315,7 @@ class Capturing:
         self._created: list[int] = []  # dispatches captured before each temporary was made
         self._temp_of_block: dict[int, int] = {}
         self._ops: list[_Op] = []
+        self._pipelines: dict[int, passcmd.Handle] = {}  # one handle per pipeline (ops compare them by identity)
         self._consts: dict[int, Any] = {}
         self.reason: str | None = None
 
@@ -367,7 +367,10 @@ class Capturing:
                 self._consts[id(buf)] = buf
                 slots.append((CONST, buf, off, size))
         constant = all(s[0] == CONST for s in slots)
-        self._ops.append(_Op(k, _addr(k.pipeline), groups, groups[0] * groups[1] * groups[2], tuple(slots),
+        pipeline = self._pipelines.get(id(k.pipeline))
+        if pipeline is None:
+            pipeline = self._pipelines[id(k.pipeline)] = _handle(k.pipeline)
+        self._ops.append(_Op(k, pipeline, groups, groups[0] * groups[1] * groups[2], tuple(slots),
                              layout, bind_group if constant else None))
 
     def finish(self, result: Any) -> Capture | _Unreplayable:
@@ -419,7 +422,7 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     return map_values(cap.result, resolve, _Ref)
 
 
-def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]) -> tuple[list[int], list[Any]]:
+def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]) -> tuple[list[passcmd.Handle], list[Any]]:
     """Each op's bind group over this replay's arguments and blocks: their native addresses, and the
     groups (to keep referenced while the addresses are issued: another replay may swap the memo).
 
@@ -466,14 +469,14 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
             groups.append(group)
         else:
             groups.append(hit[0])
-    addrs = [_addr(g) for g in groups]
+    addrs = [_handle(g) for g in groups]
     if stable:
         with cap._lock:
             cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, addrs, gen
     return addrs, groups
 
 
-def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
+def _issue(ctx: GPUContext, cap: Capture, groups: list[passcmd.Handle]) -> None:
     """The dispatches, through the C functions, into the recorder's open compute pass.
 
     The recording thread holds the recorder (its lock, or a recorder of its own), so the
@@ -491,18 +494,18 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
     begin_span, end_span = rec.begin_pass_span, rec.end_pass_span
     split_groups: list[Any] = []  # group-1 bind groups of split dispatches, held until the loop ends
     h: Any = None
-    pipeline = 0
+    pipeline: Any = None
     for op, bg in zip(cap.ops, groups):
         k = op.kernel
         gx, gy, gz = op.groups
         if not k.grid:
             est = estimate(k.key, op.total)
             if reserve(est) or h is None:
-                h, pipeline = _addr(compute_pass()), 0
-            if op.pipeline != pipeline:
+                h, pipeline = _handle(compute_pass()), None
+            if op.pipeline is not pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg, 0, _NULL)
+            _set_bind_group(h, 0, bg, _NO_OFFSETS, None)
             if tracing:
                 span = begin_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
                 _dispatch(h, gx, gy, gz)
@@ -518,22 +521,22 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
             w = min(chunk, gx - x0)
             est = estimate(k.key, w * per_x)
             if reserve(est) or h is None:
-                h, pipeline = _addr(compute_pass()), 0
+                h, pipeline = _handle(compute_pass()), None
             if w == gx and op.whole is not None:
                 bg1 = op.whole_addr  # the common case: one dispatch covers the grid
             else:
                 grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
                 group1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
-                bg1 = _addr(group1)
+                bg1 = _handle(group1)
                 if w == gx:  # a uniform is never destroyed while the device lives
                     op.whole, op.whole_uniform, op.whole_addr = group1, grid, bg1
                 else:
                     split_groups.append(group1)  # alive until the pass holds it
-            if op.pipeline != pipeline:
+            if op.pipeline is not pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg, 0, _NULL)
-            _set_bind_group(h, 1, bg1, 0, _NULL)
+            _set_bind_group(h, 0, bg, _NO_OFFSETS, None)
+            _set_bind_group(h, 1, bg1, _NO_OFFSETS, None)
             if tracing or cost.should_time(k.key):
                 span = begin_span(h, k.label, ("dispatch", k.key, w * per_x, "replayed"))
                 _dispatch(h, w, gy, gz)
@@ -543,7 +546,7 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[int]) -> None:
             note(k.key, w * per_x, est)
 
 
-def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[int], budget: float, limit: int) -> bool:
+def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle], budget: float, limit: int) -> bool:
     """:func:`_issue`'s common case in one tight loop: the stage's estimated GPU time fits the open
     submission and every grid kernel fits one dispatch (its whole-grid bind group made), so no
     dispatch is split and the submission is not ended. False (nothing issued) otherwise."""
@@ -558,19 +561,19 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[int], budget: f
                 return False
     if rec.est_ns + est > budget:
         return False
-    h = _addr(rec.compute_pass())
-    pipeline = 0
+    h = _handle(rec.compute_pass())
+    pipeline = None
     for op, bg in zip(cap.ops, groups):
-        if op.pipeline != pipeline:
+        if op.pipeline is not pipeline:
             pipeline = op.pipeline
             _set_pipeline(h, pipeline)
-        _set_bind_group(h, 0, bg, 0, _NULL)
+        _set_bind_group(h, 0, bg, _NO_OFFSETS, None)
         gx, gy, gz = op.groups
         k = op.kernel
         if not k.grid:
             _dispatch(h, gx, gy, gz)
             continue
-        _set_bind_group(h, 1, op.whole_addr, 0, _NULL)
+        _set_bind_group(h, 1, op.whole_addr, _NO_OFFSETS, None)
         if cost.should_time(k.key):  # cost-model samples of splittable kernels
             span = rec.begin_pass_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
             _dispatch(h, gx, gy, gz)

@@ -82,13 +82,13 @@ class _Budget:
         if self._frame is not None and h >= 0 and epoch == self._epoch:
             self._frame.end(self._target(), h)
 
-    def begin_pass_span(self, pass_address: int, label: str, meta: Any) -> int:
+    def begin_pass_span(self, pass_address: Any, label: str, meta: Any) -> int:
         """:meth:`begin_span` for a loop that issues its commands into the open compute pass at
         ``pass_address`` (:mod:`hetero._gpu.passcmd`); end it with :meth:`end_pass_span` before
         that pass ends."""
         return -1 if self._frame is None else self._frame.begin_in_pass(pass_address, label, meta)
 
-    def end_pass_span(self, pass_address: int, handle: int) -> None:
+    def end_pass_span(self, pass_address: Any, handle: int) -> None:
         if handle >= 0 and self._frame is not None:
             self._frame.end_in_pass(pass_address, handle)
 

@@ -234,7 +234,7 @@ class TimerFrame:
         return {"query_set": self._timer.query_set, "beginning_of_pass_write_index": start,
                 "end_of_pass_write_index": end}
 
-    def _write_in_pass(self, pass_address: int) -> int:
+    def _write_in_pass(self, pass_address: Any) -> int:
         """:meth:`_write` into the open compute pass at ``pass_address``, straight into wgpu-native."""
         timer = self._timer
         if not timer.in_passes:
@@ -259,7 +259,7 @@ class TimerFrame:
         """
         return self._open(self._write(target), label, meta)
 
-    def begin_in_pass(self, pass_address: int, label: str, meta: Any = None) -> int:
+    def begin_in_pass(self, pass_address: Any, label: str, meta: Any = None) -> int:
         """:meth:`begin` in the open compute pass whose native handle is at ``pass_address``,
         for loops that issue their commands through :mod:`hetero._gpu.passcmd`."""
         return self._open(self._write_in_pass(pass_address), label, meta)
@@ -276,7 +276,7 @@ class TimerFrame:
         if handle >= 0:
             self._close(handle, self._write(target))
 
-    def end_in_pass(self, pass_address: int, handle: int) -> None:
+    def end_in_pass(self, pass_address: Any, handle: int) -> None:
         """:meth:`end` in the open compute pass at ``pass_address`` (see :meth:`begin_in_pass`)."""
         if handle >= 0:
             self._close(handle, self._write_in_pass(pass_address))
