@@ -171,8 +171,8 @@ class Submission:
             self._recording.pop()
 
     def _spin_pause(self) -> None:
-        """One pause of the fence thread's spin: none while no stage is being recorded (a
-        finished submission or a new fence is seen at once), else :data:`FENCE_SPIN_PAUSE_S`.
+        """One pause of the fence thread's spin while it polls a submission: none while no stage
+        is being recorded (a finished submission is seen at once), else :data:`FENCE_SPIN_PAUSE_S`.
 
         Each turn of the spin takes the interpreter lock, and a stage's recording gives the
         lock up in every wgpu-py call (creating its encoder and pass, finishing, submitting):
@@ -389,29 +389,27 @@ class Submission:
                     log.exception("deferred fence callback failed")
 
     def _next_fence(self) -> tuple[int, Callable[[], None]] | None:
-        """The next fence to wait for: spin briefly (releasing the GIL), then run the deferred
+        """The next fence to wait for: wait up to ``fence_spin_s`` for one, then run the deferred
         housekeeping, then block.
 
-        A fence thread asleep in ``get()`` takes a futex wake-up for each new submission;
-        right after a fence, the next one usually follows within microseconds (streams,
-        chains of small stages), so look again for up to ``fence_spin_s`` first.
-        Each turn gives the GIL away (:meth:`_spin_pause`).
+        Right after a fence the next one usually follows soon (streams, chains of small
+        stages, the next stage of a run), so the housekeeping waits until none came for
+        ``fence_spin_s``: the thread a completion just woke (the event loop's, a worker)
+        takes the GIL meanwhile, instead of waiting for it behind the housekeeping. The wait
+        blocks on the queue with the GIL released: a fence's GPU work outlasts the wake-up,
+        and a spin here took the GIL from the next run's tokenizing and recording at every
+        turn (it spun while the next call started).
         """
         fences = self._fences
         try:
             return fences.get_nowait()
         except queue.Empty:
             pass
-        # Spin before the housekeeping: the thread a completion just woke (the event loop's,
-        # a worker) takes the GIL meanwhile, instead of waiting for it behind the housekeeping.
         if self.fence_spin_s > 0:
-            deadline = time.perf_counter() + self.fence_spin_s
-            while time.perf_counter() < deadline:
-                self._spin_pause()
-                try:
-                    return fences.get_nowait()
-                except queue.Empty:
-                    pass
+            try:
+                return fences.get(timeout=self.fence_spin_s)
+            except queue.Empty:
+                pass
         if self._deferred:
             self._run_deferred()
             try:
@@ -497,14 +495,15 @@ class Submission:
         self._fence_thread.join(timeout=CLOSE_WAIT_S)
 
 
-# The fence thread's spin, on hosts with at least FENCE_SPIN_MIN_CPUS cores: for a new
-# submission before it sleeps (``_next_fence``), and polling a fresh one without blocking
-# before a blocking poll (``_await_completion``). Fewer cores: no spin (the spinner would
-# take the CPU a software GPU needs). Long enough to cover a small run's GPU work (a lone
-# sentence's encoder is about 1 ms): the thread sees it finish without a wake-up, and no
-# blocking poll holds up the next submission meanwhile (see FENCE_POLL_MAX_S). On the H200
-# 2 ms against 100 us, three alternated pairs: a lone sentence 2.99-3.15 ms against
-# 3.05-3.57, batch 32 11-13% more sentences/s (BENCHMARKS.md, ninth session).
+# The fence thread's spin, on hosts with at least FENCE_SPIN_MIN_CPUS cores: polling a fresh
+# submission without blocking before a blocking poll (``_await_completion``), and how long it
+# waits for a new submission (a blocking wait) before its housekeeping (``_next_fence``).
+# Fewer cores: no spin (the spinner would take the CPU a software GPU needs). Long enough to
+# cover a small run's GPU work (a lone sentence's encoder is about 1 ms): the thread sees it
+# finish without a wake-up, and no blocking poll holds up the next submission meanwhile (see
+# FENCE_POLL_MAX_S). On the H200 2 ms against 100 us, three alternated pairs: a lone sentence
+# 2.99-3.15 ms against 3.05-3.57, batch 32 11-13% more sentences/s (BENCHMARKS.md, ninth
+# session).
 FENCE_SPIN_US = 2000.0
 FENCE_SPIN_MIN_CPUS = 8
 # Between two turns of the spin while a stage is being recorded (see Submission._spin_pause).
