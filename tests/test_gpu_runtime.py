@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import gc
+import sys
 import threading
 import time
 from typing import Any
@@ -812,6 +813,27 @@ async def test_fence_spin_pauses_while_a_stage_records(monkeypatch: pytest.Monke
         assert slept == [0, submission.FENCE_SPIN_PAUSE_S, submission.FENCE_SPIN_PAUSE_S,
                          submission.FENCE_SPIN_PAUSE_S, 0]
         np.testing.assert_array_equal(await rt.run(g, x=x), x * 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux setting")
+def test_fence_thread_sleeps_precisely() -> None:
+    """The fence thread's timer slack is 1 us (its spin's pauses end on time), other threads keep theirs."""
+    import ctypes
+
+    from hetero._gpu import submission
+
+    libc = ctypes.CDLL(None)
+    slack: list[int] = []
+
+    def probe() -> None:
+        submission._precise_sleeps()
+        slack.append(libc.prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK, in ns
+
+    before = libc.prctl(30, 0, 0, 0, 0)
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert slack == [1000] and libc.prctl(30, 0, 0, 0, 0) == before
 
 
 def _mapped_view(a: np.ndarray) -> bool:

@@ -34,10 +34,12 @@ and nothing reaches the queue.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -178,7 +180,9 @@ class Submission:
         lock up in every wgpu-py call (creating its encoder and pass, finishing, submitting):
         a spinner turning without pause takes the lock at each of those, and the recording
         thread waits to get it back every time. On the H200 the recording thread spent
-        about 150 us less CPU per lone call with the pause (BENCHMARKS.md, sixteenth session).
+        about 150 us less CPU per lone call with the pause; 0, 20 and 50 us made no
+        difference to a batch-32 pass that the machine's drift did not swamp (BENCHMARKS.md,
+        sixteenth session). Short, so that a busy GPU's completions are still seen soon.
         """
         time.sleep(FENCE_SPIN_PAUSE_S if self._recording else 0)
 
@@ -419,6 +423,7 @@ class Submission:
         return fences.get()
 
     def _fence_loop(self) -> None:
+        _precise_sleeps()
         while True:
             item = self._next_fence()
             if item is None:
@@ -506,8 +511,9 @@ class Submission:
 # session).
 FENCE_SPIN_US = 2000.0
 FENCE_SPIN_MIN_CPUS = 8
-# Between two turns of the spin while a stage is being recorded (see Submission._spin_pause).
-FENCE_SPIN_PAUSE_S = 50e-6
+# Between two turns of the spin while a stage is being recorded (see Submission._spin_pause;
+# the fence thread's timer slack is 1 us, so that a pause this short ends on time).
+FENCE_SPIN_PAUSE_S = 20e-6
 # After the spin the fence thread blocks in one poll. HETERO_FENCE_POLL_US=N makes it poll
 # without blocking instead, asleep in between for an eighth of the time waited so far (at
 # least N us, at most FENCE_POLL_MAX_S). Why one might: in wgpu-native 29 a blocking poll holds
@@ -588,6 +594,21 @@ def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
             time.sleep(pause)
 
     poller._poll_func = poll_func
+
+
+def _precise_sleeps() -> None:
+    """Let the calling thread's short sleeps end on time (Linux: a timer slack of 1 us instead of
+    the default 50 us, which stretched each of the spin's pauses to two or three times its length)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1000), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):  # pragma: no cover - no prctl: the default slack stays
+        log.debug("hetero: could not set the fence thread's timer slack", exc_info=True)
+
+
+_PR_SET_TIMERSLACK = 29
 
 
 def _fence_spin_s() -> float:
