@@ -359,10 +359,7 @@ class Batcher:
             self.batches += 1
             self.items += len(batch)
             if self.on_batch is not None:
-                try:
-                    self.on_batch(len(batch), padded_cost([it.cost for it in batch]))
-                except Exception:
-                    pass  # an observer's failure must not fail the batch
+                _observe(self.on_batch, len(batch), padded_cost([it.cost for it in batch]))
             groups = [list(range(len(batch)))]
             if self.split is not None and len(batch) > 1:
                 groups = self._groups(batch)
@@ -376,11 +373,8 @@ class Batcher:
             self._in_flight -= 1
             self._poke()
             if self.on_batch_done is not None:
-                try:
-                    self.on_batch_done(len(batch), formed - sum(it.arrived for it in batch) / len(batch),
-                                       time.monotonic() - formed)
-                except Exception:
-                    pass  # an observer's failure must not fail the batch
+                _observe(self.on_batch_done, len(batch), formed - sum(it.arrived for it in batch) / len(batch),
+                         time.monotonic() - formed)
 
     def _groups(self, batch: list[_Item]) -> list[list[int]]:
         assert self.split is not None
@@ -451,3 +445,11 @@ class Batcher:
                 item.on_done(item.index, result, error)
             except Exception:  # a submitter's failure must not fail the batch for the others
                 log.exception("batcher: an on_done callback of Batcher.submit failed (item %d)", item.index)
+
+
+def _observe(observer: Callable[..., None], *args: Any) -> None:
+    """Call a batch observer (``on_batch``, ``on_batch_done``): its failure must not fail the batch."""
+    try:
+        observer(*args)
+    except Exception:
+        pass

@@ -715,11 +715,8 @@ async def test_two_fronts_share_the_engine_and_get_embed_s_vectors(tiny: Model, 
     assert sum(batches) == sum(len(r) for r in requests)
 
 
-@pytest.mark.anyio
-async def test_the_requests_of_one_pass_travel_as_one_frame(tiny: Model, shared_rt: hetero.Runtime, sock_path: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Requests made in one pass of a front's event loop reach the engine as one EMBED frame, which
-    the engine admits to the batcher in one call; an empty request is answered at once."""
+def _count_embed_frames(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The sentence counts of each EMBED frame the engine parses from now on, in arrival order."""
     import hetero.pipelines.serve_engine as link_mod
 
     frames: list[list[int]] = []
@@ -731,6 +728,15 @@ async def test_the_requests_of_one_pass_travel_as_one_frame(tiny: Model, shared_
         return rids, counts, ids
 
     monkeypatch.setattr(link_mod, "_parse_embed", counting)
+    return frames
+
+
+@pytest.mark.anyio
+async def test_the_requests_of_one_pass_travel_as_one_frame(tiny: Model, shared_rt: hetero.Runtime, sock_path: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests made in one pass of a front's event loop reach the engine as one EMBED frame, which
+    the engine admits to the batcher in one call; an empty request is answered at once."""
+    frames = _count_embed_frames(monkeypatch)
     engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
     requests = [TEXTS[:2], [], TEXTS[2:3], TEXTS[1:4], TEXTS[4:5]]
     got: dict[int, np.ndarray] = {}
@@ -798,15 +804,7 @@ async def test_a_front_splits_what_it_gathered_past_the_frame_size(tiny: Model, 
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import hetero.pipelines.serve_engine as link_mod
 
-    frames: list[list[int]] = []
-    parse = link_mod._parse_embed
-
-    def counting(body: bytes) -> tuple[list[int], list[int], list[np.ndarray]]:
-        rids, counts, ids = parse(body)
-        frames.append(counts)
-        return rids, counts, ids
-
-    monkeypatch.setattr(link_mod, "_parse_embed", counting)
+    frames = _count_embed_frames(monkeypatch)
     monkeypatch.setattr(link_mod, "_GATHER_BYTES", 1)  # every request fills a frame
     engine = EmbeddingEngine(tiny, runtime=shared_rt, max_batch_tokens=256, precapture=False)
     got: dict[int, np.ndarray] = {}

@@ -104,7 +104,7 @@ class _Op:
     group: Any  # the bind group itself when every binding is constant, else None
     whole: Any = None  # a grid kernel's group-1 bind group for the whole grid in one dispatch (made on first use)
     whole_uniform: Any = None  # the uniform it binds (held here too: the bind cache may drop it)
-    whole_addr: passcmd.Handle | None = None  # whole's native handle
+    whole_handle: passcmd.Handle | None = None  # whole's native handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class Capture:
     """A stage's captured work for one signature."""
 
     __slots__ = ("ops", "temps", "block_of", "block_bytes", "uploads", "result", "workgroups", "work", "consts",
-                 "_memo_key", "_memo_groups", "_memo_addrs", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests",
+                 "_memo_key", "_memo_groups", "_memo_handles", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests",
                  "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[int, np.ndarray | None]], result: Any,
@@ -141,7 +141,7 @@ class Capture:
         self.consts = consts  # buffers bound as constants: kept alive with the capture
         self._memo_key: tuple[Any, ...] | None = None
         self._memo_groups: list[Any] = []
-        self._memo_addrs: list[passcmd.Handle] = []  # their native handles
+        self._memo_handles: list[passcmd.Handle] = []  # their native handles
         self._memo_gen = -1
         # Per op, bind groups by the (buffer id, offset) of its entries, for replays over other
         # buffers than the last one's; valid while the bind cache's generation is _op_gen.
@@ -404,8 +404,8 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
     block_of = cap.block_of
     if cap.uploads:
         ctx._write([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
-    addrs, alive = _bind_groups(ctx._dev.binds, cap, flat, blocks)
-    _issue(ctx, cap, addrs)
+    handles, alive = _bind_groups(ctx._dev.binds, cap, flat, blocks)
+    _issue(ctx, cap, handles)
     del alive
     ctx.workgroups += cap.workgroups
 
@@ -423,8 +423,8 @@ def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
 
 
 def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]) -> tuple[list[passcmd.Handle], list[Any]]:
-    """Each op's bind group over this replay's arguments and blocks: their native addresses, and the
-    groups (to keep referenced while the addresses are issued: another replay may swap the memo).
+    """Each op's bind group over this replay's arguments and blocks: their native handles, and the
+    groups (to keep referenced while the handles are issued: another replay may swap the memo).
 
     Those of the previous replay when every buffer is the same (and the bind cache destroyed
     none since); else each op's own, by the buffers it binds now; else through the bind cache.
@@ -432,7 +432,7 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
     key = tuple((t.buffer, t.offset) for t in flat) + tuple((b.buffer, b.offset) for b in blocks)
     with cap._lock:
         if cap._memo_key == key and cap._memo_gen == binds.generation:
-            return cap._memo_addrs, cap._memo_groups
+            return cap._memo_handles, cap._memo_groups
     gen = binds.generation
     stable = all(binds.is_stable(t.buffer) for t in flat)
     with cap._lock:
@@ -469,11 +469,11 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
             groups.append(group)
         else:
             groups.append(hit[0])
-    addrs = [_handle(g) for g in groups]
+    handles = [_handle(g) for g in groups]
     if stable:
         with cap._lock:
-            cap._memo_key, cap._memo_groups, cap._memo_addrs, cap._memo_gen = key, groups, addrs, gen
-    return addrs, groups
+            cap._memo_key, cap._memo_groups, cap._memo_handles, cap._memo_gen = key, groups, handles, gen
+    return handles, groups
 
 
 def _issue(ctx: GPUContext, cap: Capture, groups: list[passcmd.Handle]) -> None:
@@ -523,13 +523,13 @@ def _issue(ctx: GPUContext, cap: Capture, groups: list[passcmd.Handle]) -> None:
             if reserve(est) or h is None:
                 h, pipeline = _handle(compute_pass()), None
             if w == gx and op.whole is not None:
-                bg1 = op.whole_addr  # the common case: one dispatch covers the grid
+                bg1 = op.whole_handle  # the common case: one dispatch covers the grid
             else:
                 grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
                 group1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
                 bg1 = _handle(group1)
                 if w == gx:  # a uniform is never destroyed while the device lives
-                    op.whole, op.whole_uniform, op.whole_addr = group1, grid, bg1
+                    op.whole, op.whole_uniform, op.whole_handle = group1, grid, bg1
                 else:
                     split_groups.append(group1)  # alive until the pass holds it
             if op.pipeline is not pipeline:
@@ -573,7 +573,7 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle]
         if not k.grid:
             _dispatch(h, gx, gy, gz)
             continue
-        _set_bind_group(h, 1, op.whole_addr, _NO_OFFSETS, None)
+        _set_bind_group(h, 1, op.whole_handle, _NO_OFFSETS, None)
         if cost.should_time(k.key):  # cost-model samples of splittable kernels
             span = rec.begin_pass_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
             _dispatch(h, gx, gy, gz)

@@ -596,6 +596,9 @@ def _poll_promises_without_blocking(device: Any, lib: Any, ffi: Any) -> None:
     poller._poll_func = poll_func
 
 
+_PR_SET_TIMERSLACK = 29  # prctl(2)
+
+
 def _precise_sleeps() -> None:
     """Let the calling thread's short sleeps end on time (Linux: a timer slack of 1 us instead of
     the default 50 us, which stretched each of the spin's pauses to two or three times its length)."""
@@ -606,9 +609,6 @@ def _precise_sleeps() -> None:
         libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1000), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
     except (OSError, AttributeError):  # pragma: no cover - no prctl: the default slack stays
         log.debug("hetero: could not set the fence thread's timer slack", exc_info=True)
-
-
-_PR_SET_TIMERSLACK = 29
 
 
 def _fence_spin_s() -> float:
