@@ -64,7 +64,11 @@ class Batcher:
       ``max_in_flight`` of this batcher's batches are running and an item is queued. It takes
       queued items in FIFO order (never skipping one) up to ``max_batch_size`` items and up
       to ``max_cost``. No timer: under light load a lone item runs at once; under heavy load
-      items queue while the batches in flight run, and the next batch takes them all.
+      items queue while the batches in flight run, and the next batch takes them all. An
+      item (or a :meth:`gather` or :meth:`submit` call's items) that finds nothing queued
+      and no batch running forms its batch in the call itself, without waiting for the
+      dispatching task to wake; a lone ``await b(...)`` then runs its batch in the caller's
+      own task.
       ``max_wait > 0`` (seconds) makes a batch wait up to that long after its first item
       arrived for more items, unless it is already full.
     - **Cost rule** (text-embeddings-inference's padded-token budget): each item has a cost
@@ -132,6 +136,7 @@ class Batcher:
         self._closed = False
         self._stopped: anyio.Event | None = None
         self._task: Any = None
+        self._tg: Any = None  # the dispatching task's task group, while it runs
         self.batches = 0  # batches formed so far
         self.items = 0  # items handed to batches so far
 
@@ -148,7 +153,12 @@ class Batcher:
 
     async def __call__(self, **inputs: Any) -> Any:
         """Submit one item; return its entry of the batch's outputs (a tuple for several outputs)."""
-        item = self._admit([inputs])[0]
+        item = self._admit([inputs], inline=True)[0]
+        if item.done:  # formed its own batch at once: run it here (cancelling this call cancels only it)
+            await self._run_batch([item])
+            if item.error is not None:
+                raise item.error
+            return item.result
         return await self._await(item)
 
     async def gather(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
@@ -200,8 +210,12 @@ class Batcher:
         await self.aclose()
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, inputs: list[Any],
-               on_done: Callable[[int, Any, BaseException | None], None] | None = None) -> list[_Item]:
+    def _admit(self, inputs: list[Any], on_done: Callable[[int, Any, BaseException | None], None] | None = None,
+               inline: bool = False) -> list[_Item]:
+        """Check and queue items (all or none). With nothing queued and no batch running, the
+        first batch forms at once: ``inline`` leaves a lone item's batch to the caller to run
+        (the item is marked done), otherwise the batch starts in the dispatcher's task group.
+        """
         if self._closing or self._closed:
             raise RuntimeClosedError("this batcher is closed; create a new one with rt.batcher(...)")
         self.runtime._check_open()
@@ -223,8 +237,15 @@ class Batcher:
                 f"the batcher of graph {self.graph.name!r} is overloaded: {len(self._queue)} items queued, "
                 f"{len(items)} more would pass max_queued={self.max_queued}; retry later or raise max_queued")
         self._bind()
+        idle = not self._queue and self._in_flight == 0 and self.max_wait == 0
         self._queue.extend(items)
-        self._poke()
+        if idle and (inline and len(items) == 1 or self._tg is not None):
+            batch = self._take()
+            self._in_flight += 1
+            if not (inline and len(items) == 1):
+                self._tg.start_soon(self._run_batch, batch)
+        if self._queue:
+            self._poke()
         return items
 
     async def _await(self, item: _Item) -> Any:
@@ -290,9 +311,10 @@ class Batcher:
     async def _dispatch(self) -> None:
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 while True:
                     if not self._queue:
-                        if self._closing:
+                        if self._closing and self._in_flight == 0:  # batches run in callers' tasks too
                             break
                         await self._changes()
                         continue
@@ -322,6 +344,7 @@ class Batcher:
             self._running = False
             self._loop = None
             self._task = None
+            self._tg = None
             if self._stopped is not None:
                 self._stopped.set()
 
@@ -351,13 +374,13 @@ class Batcher:
             batch.append(q.popleft())
         for item in batch:
             item.done = True  # no longer queued: a caller that leaves now leaves it running
+        self.batches += 1
+        self.items += len(batch)
         return batch
 
     async def _run_batch(self, batch: list[_Item]) -> None:
         formed = time.monotonic()
         try:
-            self.batches += 1
-            self.items += len(batch)
             if self.on_batch is not None:
                 _observe(self.on_batch, len(batch), padded_cost([it.cost for it in batch]))
             groups = [list(range(len(batch)))]

@@ -369,3 +369,68 @@ async def test_batch_observers_see_each_batch_form_and_end(rt: hetero.Runtime) -
     assert second_wait >= 0.03  # queued behind the first batch's remaining sleep
     assert first_wait >= 0.0
     await b.aclose()
+
+
+async def test_idle_batcher_forms_the_batch_in_the_call(rt: hetero.Runtime) -> None:
+    """Nothing queued, nothing running: a lone caller's batch runs in the caller's own task, and
+    submit() forms its batch before returning; a burst that follows is gathered by the dispatcher."""
+    seen: list[list[int]] = []
+    gate = threading.Event()
+    runners: list[object] = []
+    b = rt.batcher(doubling_graph(seen, delay=0.0, gate=gate), max_in_flight=2,
+                   on_batch=lambda n, c: runners.append(anyio.get_current_task().id))
+    gate.set()
+    assert int(await b(x=3)) == 6
+    assert runners == [anyio.get_current_task().id]  # no hand-off to the dispatching task
+
+    gate.clear()
+    done: list[tuple[int, object]] = []
+    b.submit([{"x": 0}], lambda i, r, e: done.append((0, r)))
+    assert (b.batches, b.in_flight, b.queued) == (2, 1, 0)  # formed before submit() returned
+    b.submit([{"x": 1}, {"x": 2}], lambda i, r, e: done.append((i + 1, r)))
+    assert (b.batches, b.in_flight, b.queued) == (2, 1, 2)  # a batch runs: these wait for the dispatcher
+    gate.set()
+    with anyio.fail_after(30):
+        while len(done) < 3:
+            await anyio.sleep(0.005)
+    assert sorted((i, int(r)) for i, r in done) == [(0, 0), (1, 2), (2, 4)]
+    assert seen[1:] == [[0], [1, 2]]
+
+    # A burst of callers after a lull: the first runs alone at once, the dispatcher gathers the rest.
+    seen.clear()
+    results: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        results[i] = int(await b(x=i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(10, 20):
+            tg.start_soon(call, i)
+    assert results == {i: 2 * i for i in range(10, 20)}
+    assert [len(s) for s in seen] == [1, 9]
+    await b.aclose()
+
+
+async def test_aclose_waits_for_a_batch_run_by_its_caller(rt: hetero.Runtime) -> None:
+    seen: list[list[int]] = []
+    gate = threading.Event()
+    b = rt.batcher(doubling_graph(seen, delay=0.0, gate=gate))
+    order: list[str] = []
+
+    async def call() -> None:
+        assert int(await b(x=0)) == 0
+        order.append("result")
+
+    async def close() -> None:
+        await b.aclose()
+        order.append("closed")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        while not seen:  # the lone caller's batch runs in its task, held by the gate
+            await anyio.sleep(0.001)
+        tg.start_soon(close)
+        await anyio.sleep(0.05)
+        assert order == [] and b.in_flight == 1
+        gate.set()
+    assert order == ["result", "closed"]
