@@ -394,7 +394,8 @@ class Batcher:
                         tg.start_soon(self._run_group, [batch[i] for i in g])
         finally:
             self._in_flight -= 1
-            self._poke()
+            if self._queue or self._closing:  # else the dispatcher has nothing to do until the next admission
+                self._poke()
             if self.on_batch_done is not None:
                 _observe(self.on_batch_done, len(batch), formed - sum(it.arrived for it in batch) / len(batch),
                          time.monotonic() - formed)
