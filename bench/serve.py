@@ -37,8 +37,9 @@ timer alone fires up to a millisecond late. The first
 
 ``--floor``: before each level of more than one client, the same load goes to ``--workers``
 hypercorn processes sharing one port and answering a constant body of an embedding's size
-(the HTTP floor at that load: what the HTTP fronts alone could serve on this machine with
-these load processes beside them, the ceiling of any engine behind them).
+(the HTTP floor at that load: what the HTTP fronts alone serve on this machine with these
+load processes beside them). A floor that answers all it was offered has not reached its
+ceiling: offer it more (``--rates``) to find what bounds any engine behind the fronts.
 
 ``--interleave R``: with the server up and before the sweep, R rounds each timing
 ``--single`` calls of ``embed([s])`` in this process and as many requests of one client of
