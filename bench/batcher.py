@@ -13,6 +13,7 @@ one state to another: compare trees by alternating whole runs of this program.)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import anyio
@@ -58,7 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", choices=("asyncio", "trio", "both"), default="both")
     a = ap.parse_args(argv)
-    for backend in ("asyncio", "trio") if a.backend == "both" else (a.backend,):
+    backends = ["asyncio", "trio"] if a.backend == "both" else [a.backend]
+    if a.backend == "both" and importlib.util.find_spec("trio") is None:
+        backends.remove("trio")
+        print("# trio is not installed: asyncio only")
+    for backend in backends:
         direct, batched = anyio.run(lone_calls, a.calls, a.rounds, backend=backend)
         d, b = float(np.median(direct)) * 1e6, float(np.median(batched)) * 1e6
         emit(backend=backend, calls=a.calls, rounds=a.rounds, rt_run_us=round(d, 1), batcher_call_us=round(b, 1),
