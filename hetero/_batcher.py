@@ -80,9 +80,11 @@ class Batcher:
       groups of item indices; each group runs as a graph run of its own, concurrently, and
       together they count as one batch in flight (the embedding pipeline sorts by length
       and splits where padding would waste much).
-    - **Cancellation.** A batch runs in a task the batcher owns. Cancelling a caller whose
-      item is still queued removes the item; cancelling one whose item is in a running batch
-      only stops that caller's wait: the batch runs on for the others.
+    - **Cancellation.** A batch runs in a task the batcher owns, unless it is a lone
+      ``await b(...)``'s own batch (see above), whose run that call's cancellation stops: it
+      has no other items. Cancelling a caller whose item is still queued removes the item;
+      cancelling one whose item is in a running batch only stops that caller's wait: the
+      batch runs on for the others.
     - **Errors.** A failed run fails exactly its callers, each with the run's error (a
       :class:`~hetero.StageError` names the stage).
     - **Overload.** A call that finds ``max_queued`` items queued raises
