@@ -215,8 +215,8 @@ class Batcher:
     def _admit(self, inputs: list[Any], on_done: Callable[[int, Any, BaseException | None], None] | None = None,
                inline: bool = False) -> list[_Item]:
         """Check and queue items (all or none). With nothing queued and no batch running, the
-        first batch forms at once: ``inline`` leaves a lone item's batch to the caller to run
-        (the item is marked done), otherwise the batch starts in the dispatcher's task group.
+        first batch forms at once: ``inline`` (a lone caller's one item) leaves it to the caller
+        to run (the item is marked done); otherwise it starts in the dispatcher's task group.
         """
         if self._closing or self._closed:
             raise RuntimeClosedError("this batcher is closed; create a new one with rt.batcher(...)")
@@ -241,10 +241,10 @@ class Batcher:
         self._bind()
         idle = not self._queue and self._in_flight == 0 and self.max_wait == 0
         self._queue.extend(items)
-        if idle and (inline and len(items) == 1 or self._tg is not None):
+        if idle and (inline or self._tg is not None):
             batch = self._take()
             self._in_flight += 1
-            if not (inline and len(items) == 1):
+            if not inline:
                 self._tg.start_soon(self._run_batch, batch)
         if self._queue:
             self._poke()

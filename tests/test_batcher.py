@@ -31,17 +31,23 @@ def doubling_graph(seen: list[list[int]], delay: float = 0.02, gate: threading.E
     return g
 
 
-async def test_concurrent_callers_share_batches(rt: hetero.Runtime) -> None:
-    seen: list[list[int]] = []
-    b = rt.batcher(doubling_graph(seen, delay=0.05), max_in_flight=1)
+async def call_all(b: hetero.Batcher, xs: range) -> dict[int, int]:
+    """``await b(x=i)`` for each ``i``, every caller started in the same pass of the loop: their results."""
     results: dict[int, int] = {}
 
     async def call(i: int) -> None:
         results[i] = int(await b(x=i))
 
     async with anyio.create_task_group() as tg:
-        for i in range(1, 65):
+        for i in xs:
             tg.start_soon(call, i)
+    return results
+
+
+async def test_concurrent_callers_share_batches(rt: hetero.Runtime) -> None:
+    seen: list[list[int]] = []
+    b = rt.batcher(doubling_graph(seen, delay=0.05), max_in_flight=1)
+    results = await call_all(b, range(1, 65))
     assert results == {i: 2 * i for i in range(1, 65)}
     assert sorted(x for batch in seen for x in batch) == list(range(1, 65))
     # 64 callers and a 50 ms batch: they gather into a few batches, not 64 runs.
@@ -398,15 +404,7 @@ async def test_idle_batcher_forms_the_batch_in_the_call(rt: hetero.Runtime) -> N
 
     # A burst of callers after a lull: the first runs alone at once, the dispatcher gathers the rest.
     seen.clear()
-    results: dict[int, int] = {}
-
-    async def call(i: int) -> None:
-        results[i] = int(await b(x=i))
-
-    async with anyio.create_task_group() as tg:
-        for i in range(10, 20):
-            tg.start_soon(call, i)
-    assert results == {i: 2 * i for i in range(10, 20)}
+    assert await call_all(b, range(10, 20)) == {i: 2 * i for i in range(10, 20)}
     assert [len(s) for s in seen] == [1, 9]
     await b.aclose()
 

@@ -15,8 +15,9 @@ Rules:
   timestamps into the timer's own query set, copies whose ranges the transfer ring
   checked). An error callback wgpu-native made from one of them would run on the calling
   thread, which holds the GIL.
-- Handles are integer addresses (:func:`addr`), taken once per object; the object must stay
-  alive while its address is in use.
+- Handles are integer addresses (:func:`addr`), or for the undeclared commands below
+  :class:`Handle` objects (:func:`handle`), taken once per object; the object must stay
+  alive while its handle is in use.
 - The three pass commands a replay issues per dispatch (:data:`set_pipeline`,
   :data:`set_bind_group`, :data:`dispatch`) are declared without argument types: ctypes'
   conversion of declared arguments costs more than the call itself (a replayed stage of 25
