@@ -1,7 +1,7 @@
 """``hetero serve`` under open-loop load: throughput and latency beside in-process bulk ``embed()``.
 
     python -m bench serve [--model minilm|random|tiny|DIR] [--concurrency 1,16,256] [--duration 10]
-                          [--load 0.85] [--backend asyncio|trio] [--workers 1] [--engines 1] [--int8]
+                          [--load 0.85] [--backend auto|asyncio|uvloop|trio] [--workers 1] [--engines 1] [--int8]
                           [--processes N] [--interleave R] [--floor]
 
 Sentences are real text: the sentences of the standard library's docstrings. In this
@@ -214,24 +214,20 @@ def floor_server(port: int, backend: str, reuse_port: bool = False, ready: Any =
     """Serve :func:`floor_app` with hypercorn on ``port`` until killed (a process of its own;
     ``reuse_port``: one of several on the port, as ``hetero serve --workers`` fronts are).
     ``ready`` (a multiprocessing Event) is set once the socket listens."""
-    import anyio
     from hypercorn.config import Config
 
-    from hetero.pipelines.serve import listen_socket
+    from hetero.pipelines.serve import listen_socket, resolve_backend, run_on
 
     config = Config()
     config.bind = [f"fd://{listen_socket('127.0.0.1', port, reuse_port=reuse_port).detach()}"]
     config.errorlog = None  # no "Running on" line among the bench's output
     if ready is not None:
         ready.set()
-    if backend == "trio":
-        from hypercorn.trio import serve as hserve_trio
-
-        anyio.run(hserve_trio, floor_app, config, backend="trio")
+    if resolve_backend(backend) == "trio":
+        from hypercorn.trio import serve as hserve
     else:
-        from hypercorn.asyncio import serve as hserve
-
-        anyio.run(hserve, floor_app, config)
+        from hypercorn.asyncio import serve as hserve  # type: ignore[assignment]
+    run_on(backend, lambda: hserve(floor_app, config))  # on the loop the server runs on
 
 
 def floor_processes(port: int, backend: str, n: int) -> list[Any]:
@@ -607,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=128, help="embed()'s batch size for the bulk reference")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--single", type=int, default=200, help="embed([s]) calls timed for the latency reference")
-    p.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    p.add_argument("--backend", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
+                   help="hetero serve --backend, also the HTTP floor's (default: %(default)s)")
     p.add_argument("--int8", action="store_true")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (HTTP front processes)")
@@ -652,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    common = {"model": args.model, "int8": args.int8, "backend": args.backend, "client": args.client,
+    from hetero.pipelines.serve import resolve_backend
+
+    common = {"model": args.model, "int8": args.int8, "backend": resolve_backend(args.backend), "client": args.client,
               "workers": args.workers,
               "engines": args.engines, "max_in_flight": args.max_in_flight,
               # the fronts read requests and write answers with orjson where it is installed

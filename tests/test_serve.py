@@ -515,6 +515,39 @@ def test_serve_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "max_seq_length" in capsys.readouterr().err
 
 
+def test_backends_resolve_and_uvloop_runs_the_loop(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend auto`` is uvloop where installed; ``run_on`` runs on the loop named; a backend
+    that cannot run is refused before anything starts."""
+    import asyncio
+    import importlib.util
+
+    from hetero.pipelines.serve import resolve_backend, run_on
+
+    pytest.importorskip("uvloop")
+    assert resolve_backend("auto") == "uvloop"
+    assert [resolve_backend(b) for b in ("asyncio", "uvloop", "trio")] == ["asyncio", "uvloop", "trio"]
+
+    async def loop_kind() -> str:
+        from hetero.lowlevel import running_loop
+
+        return "trio" if running_loop() == "trio" else type(asyncio.get_running_loop()).__module__
+
+    assert run_on("uvloop", loop_kind).startswith("uvloop")
+    assert run_on("asyncio", loop_kind).startswith("asyncio")
+    assert run_on("trio", loop_kind) == "trio"
+    with pytest.raises(hetero.HeteroError, match="one of auto, asyncio, uvloop, trio; got 'tornado'"):
+        resolve_backend("tornado")
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    assert resolve_backend("auto") == "asyncio"
+    with pytest.raises(hetero.HeteroError, match="needs uvloop, which is not installed"):
+        resolve_backend("uvloop")
+    assert cli_main(["serve", "--model", "minilm", "--backend", "uvloop"]) == 1  # before the model loads
+    assert "needs uvloop" in capsys.readouterr().err
+
+
 def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime) -> None:
     """``hetero serve --workers 3 --engines 2`` in a subprocess: every front serves embed()'s vectors
     (two of them through one engine, the third through the other), /metrics sums the fronts'
@@ -534,7 +567,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
                              "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture",
-                             "--max-in-flight", "3"],
+                             "--max-in-flight", "3", "--backend", "uvloop"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
@@ -570,6 +603,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
         log.seek(0)
         out = log.read()
         assert "hetero serve: stopped" in out and "Traceback" not in out, out
+        assert "(uvloop, 3 front processes and 2 engine processes)" in out, out
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, if anything is left
