@@ -610,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="hetero serve --workers (HTTP front processes)")
     p.add_argument("--engines", type=int, default=1, help="hetero serve --engines (engine processes behind them)")
     p.add_argument("--max-in-flight", type=int, default=2, help="hetero serve --max-in-flight (batches per engine)")
+    p.add_argument("--max-wait", type=float, default=0.0, metavar="MS", help="hetero serve --max-wait (default: 0)")
     p.add_argument("--processes", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
                    help="load processes at most (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as failed")
@@ -653,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
 
     common = {"model": args.model, "int8": args.int8, "backend": resolve_backend(args.backend), "client": args.client,
               "workers": args.workers,
-              "engines": args.engines, "max_in_flight": args.max_in_flight,
+              "engines": args.engines, "max_in_flight": args.max_in_flight, "max_wait_ms": args.max_wait,
               # the fronts read requests and write answers with orjson where it is installed
               "orjson": importlib.util.find_spec("orjson") is not None,
               "n": len(texts),
@@ -727,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
            "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
            "--max-queued", "65536", "--workers", str(args.workers), "--engines", str(args.engines),
-           "--max-in-flight", str(args.max_in_flight)] + \
+           "--max-in-flight", str(args.max_in_flight), "--max-wait", str(args.max_wait)] + \
         (["--int8"] if args.int8 else [])
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -103,7 +103,7 @@ class EmbeddingServer:
     def __init__(self, model: Model | str | os.PathLike[str] = "minilm", *, runtime: hetero.Runtime | None = None,
                  model_name: str | None = None, int8: bool = False, max_batch_tokens: int = 16384,
                  max_client_batch_size: int = 2048, max_queued: int = 4096, max_in_flight: int = 2,
-                 precapture: bool = True, engine: EngineClient | None = None) -> None:
+                 max_wait: float = 0.0, precapture: bool = True, engine: EngineClient | None = None) -> None:
         import_serve()
         from starlette.applications import Starlette
         from starlette.routing import Route
@@ -124,6 +124,10 @@ class EmbeddingServer:
         self.max_client_batch_size = max_client_batch_size
         self.max_queued = max_queued
         self.max_in_flight = max_in_flight
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 <= max_wait < 60:
+            raise HeteroError(f"max_wait must be seconds from 0 to below 60 (--max-wait takes milliseconds), "
+                              f"got {max_wait!r}")
+        self.max_wait = float(max_wait)
         self.precapture = bool(precapture)
         self.draining = False
         self.active = 0  # requests being served
@@ -139,7 +143,7 @@ class EmbeddingServer:
         else:
             self.backend = EmbeddingEngine(
                 self.model, runtime=runtime, int8=self.int8, max_batch_tokens=max_batch_tokens,
-                max_queued=max_queued, max_in_flight=max_in_flight, precapture=self.precapture,
+                max_queued=max_queued, max_in_flight=max_in_flight, max_wait=max_wait, precapture=self.precapture,
                 on_batch=self.metrics.on_batch, on_batch_done=self.metrics.on_batch_done,
                 gauges=self.metrics.set_gauges if self.metrics.multiprocess else None)
 
@@ -280,6 +284,7 @@ class EmbeddingServer:
             "int8": self.int8, "adapter": self.adapter, "ready": self.ready,
             "max_batch_tokens": self.max_batch_tokens, "max_client_batch_size": self.max_client_batch_size,
             "max_queued_inputs": self.max_queued, "max_batches_in_flight": self.max_in_flight,
+            "max_wait_ms": self.max_wait * 1e3,
             "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
         })
 
@@ -552,7 +557,7 @@ async def _freeze_heap_when_ready(state: Any, scope: anyio.CancelScope | None = 
 
 
 # The EmbeddingServer options an engine process takes (the others are the fronts').
-_ENGINE_OPTIONS = ("int8", "max_batch_tokens", "max_queued", "max_in_flight", "precapture")
+_ENGINE_OPTIONS = ("int8", "max_batch_tokens", "max_queued", "max_in_flight", "max_wait", "precapture")
 
 
 def _front_main(options: dict[str, Any], host: str, port: int, backend: str, address_file: str, secret: bytes
@@ -732,6 +737,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=positive_int, default=2, metavar="N",
                    help="batches an engine runs at once: the next forms while the GPU encodes these "
                    "(default: %(default)s)")
+    p.add_argument("--max-wait", dest="max_wait_ms", type=_milliseconds, default=0.0, metavar="MS",
+                   help="how long a batch may wait for more sentences after its first, unless full; 0: a batch "
+                   "forms as soon as the engine can take it (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="HTTP front processes on the port (parsing, tokenizing, answering); with more than one, "
                    "they share one engine process that owns the GPU and batches the sentences of all of them; "
@@ -747,6 +755,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "slower first batches of each shape)")
     p.set_defaults(func=run)
     return p
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds (a number >= 0), got {text!r}") from None
+    if not 0 <= value < 60_000:
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to below 60000, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -772,6 +790,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     options: dict[str, Any] = dict(model=args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
                                    max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
                                    max_in_flight=int(getattr(args, "max_in_flight", 2)),
+                                   max_wait=float(getattr(args, "max_wait_ms", 0.0)) / 1e3,
                                    precapture=bool(getattr(args, "precapture", True)))
     workers = int(getattr(args, "workers", 1))
     engines = int(getattr(args, "engines", 1))

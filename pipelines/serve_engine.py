@@ -315,7 +315,7 @@ class EmbeddingEngine:
 
     def __init__(self, model: Model, *, runtime: hetero.Runtime | None = None, int8: bool = False,
                  max_batch_tokens: int = 16384, max_queued: int = 4096, max_in_flight: int = 2,
-                 precapture: bool = True, on_batch: Callable[[int, int], None] | None = None,
+                 max_wait: float = 0.0, precapture: bool = True, on_batch: Callable[[int, int], None] | None = None,
                  on_batch_done: Callable[[int, float, float], None] | None = None,
                  gauges: Callable[[int, int], None] | None = None) -> None:
         self.model = model
@@ -323,6 +323,7 @@ class EmbeddingEngine:
         self.max_batch_tokens = max_batch_tokens
         self.max_queued = max_queued
         self.max_in_flight = max_in_flight
+        self.max_wait = max_wait
         self.precapture = bool(precapture)
         self._own_runtime = runtime is None
         self.runtime = runtime
@@ -350,7 +351,8 @@ class EmbeddingEngine:
             self.runtime = hetero.Runtime(capture_cache=self.capture_entries())
         self.service = EmbeddingService(self.runtime, self.model, int8=self.int8,
                                         max_batch_tokens=self.max_batch_tokens, max_queued=self.max_queued,
-                                        max_in_flight=self.max_in_flight, on_batch=self._on_batch,
+                                        max_in_flight=self.max_in_flight, max_wait=self.max_wait,
+                                        on_batch=self._on_batch,
                                         on_batch_done=self._on_batch_done)
         try:
             async with anyio.create_task_group() as tg:

@@ -300,6 +300,25 @@ def client(server: EmbeddingServer) -> Any:
 
 
 @pytest.mark.anyio
+async def test_max_wait_reaches_the_batcher_and_info(tiny: Model, shared_rt: hetero.Runtime,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``max_wait`` (``--max-wait`` ms) is the engine batcher's, /info reports it; bad values are refused."""
+    server = EmbeddingServer(tiny, runtime=shared_rt, max_wait=0.002, precapture=False)
+    async with client(server) as c, server.running():
+        await server.wait_ready()
+        assert server.service is not None and server.service.batcher.max_wait == 0.002
+        assert (await c.get("/info")).json()["max_wait_ms"] == 2.0
+        r = await c.post("/v1/embeddings", json={"input": TEXTS[:2]})
+        assert r.status_code == 200, r.text
+    for bad in (-0.001, float("nan"), 60.0, True, "1"):
+        with pytest.raises(hetero.HeteroError, match="max_wait must be seconds from 0 to below 60"):
+            EmbeddingServer(tiny, runtime=shared_rt, max_wait=bad)  # type: ignore[arg-type]
+    for bad_ms in ("-1", "nan", "x", "60000"):
+        assert cli_main(["serve", "--model", "minilm", "--max-wait", bad_ms]) == 2
+        assert "--max-wait: expected milliseconds" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
 async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
     server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=8, precapture=False)
     async with client(server) as c:
@@ -567,7 +586,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
                              "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture",
-                             "--max-in-flight", "3", "--backend", "uvloop"],
+                             "--max-in-flight", "3", "--backend", "uvloop", "--max-wait", "0.5"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
@@ -578,7 +597,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     info = httpx.get(url + "/info", timeout=5).json()
-                    assert info["max_batches_in_flight"] == 3
+                    assert info["max_batches_in_flight"] == 3 and info["max_wait_ms"] == 0.5
                     pids.add(info["worker_pid"])
             except httpx.HTTPError:
                 pass
