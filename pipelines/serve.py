@@ -726,8 +726,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="event loop the server runs on: asyncio, asyncio with uvloop's loop (faster: less host "
-                   "time per request), trio; auto: uvloop where installed, else asyncio (default: %(default)s)")
+                   help="event loop the server runs on: asyncio, asyncio on uvloop's loop (less CPU time per "
+                   "request), trio; auto: uvloop where installed, else asyncio (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=16384, metavar="N",
                    help="padded tokens per batch: sentences x longest sentence (default: %(default)s)")
     p.add_argument("--max-client-batch-size", type=positive_int, default=2048, metavar="N",
