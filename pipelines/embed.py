@@ -210,11 +210,16 @@ def tokenize(texts: Sequence[str], model: Model) -> tuple[np.ndarray, np.ndarray
 
 
 def _encode(model: Model, texts: Sequence[str]) -> list[Any]:
-    """The tokenizer's encodings of ``texts``. One text is encoded on this thread: encode_batch
-    hands even one text to the tokenizer's thread pool, whose wake-up is most of a lone
-    sentence's tokenizing on a many-core host."""
+    """The tokenizer's encodings of ``texts`` (their ids and type ids are read, nothing else).
+    One text is encoded on this thread: encode_batch hands even one text to the tokenizer's
+    thread pool, whose wake-up is most of a lone sentence's tokenizing on a many-core host.
+    Several go through ``encode_batch_fast`` where the tokenizers package has it (0.20 on):
+    the same ids without character offsets, about a sixth less time per text."""
     tok = model.tokenizer
-    return [tok.encode(texts[0])] if len(texts) == 1 else tok.encode_batch(list(texts))
+    if len(texts) == 1:
+        return [tok.encode(texts[0])]
+    batch = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+    return batch(list(texts))
 
 
 def _mask(tokens: tuple[np.ndarray, ...]) -> np.ndarray:

@@ -626,3 +626,19 @@ def test_one_text_tokenizes_as_its_row_of_a_batch(tiny: Model) -> None:
         for a, b in zip(one, two):
             assert a.dtype == np.int32 and a.flags.c_contiguous and a.shape == (1, b.shape[1])
             np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_batch_encodings_are_the_one_text_encodings(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several texts go through the tokenizer's batch call without offsets where it has one
+    (encode_batch_fast), else encode_batch: ids and type ids are each text's own encode()'s,
+    truncation included."""
+    from hetero.pipelines.embed import _encode
+
+    texts = ["", "a", "The quick brown fox jumps over the lazy dog.", "x " * 300, *SENTENCES]
+    want = [(e.ids, e.type_ids) for e in (tiny.tokenizer.encode(t) for t in texts)]
+    assert hasattr(tiny.tokenizer, "encode_batch_fast")  # the tokenizers this suite installs have it
+    assert [(e.ids, e.type_ids) for e in _encode(tiny, texts)] == want
+    spy = _ThreadOfEncode(tiny.tokenizer)  # encode and encode_batch only: the fallback
+    monkeypatch.setattr(tiny, "tokenizer", spy)
+    assert [(e.ids, e.type_ids) for e in _encode(tiny, texts)] == want
+    assert len(spy.threads) == 1  # one encode_batch call
