@@ -989,7 +989,7 @@ class _Group:
 
 class TokenGroups:
     """:func:`atoken_ids` for many concurrent callers: the texts of the callers that ask in the
-    same pass of the event loop are tokenized in one ``encode_batch`` call.
+    same pass of the event loop are tokenized in one batch call (``_encode``).
 
     Each caller tokenizing its own request held the interpreter for the whole of its
     ``encode`` call: under 256 concurrent single-sentence callers in one process the
