@@ -38,8 +38,9 @@ class _Item:
         self.inputs = inputs
         self.cost = cost
         self.arrived = arrived
-        # A caller waiting in a task waits on the event; a submitter gets on_done(index, ...) instead.
-        self.event = anyio.Event() if on_done is None else None
+        # A caller waiting in a task waits on the event (made by _admit unless the caller runs the item
+        # itself); a submitter gets on_done(index, ...) instead.
+        self.event: anyio.Event | None = None
         self.on_done = on_done
         self.index = index
         self.result: Any = None
@@ -246,6 +247,9 @@ class Batcher:
             self._in_flight += 1
             if not inline:
                 self._tg.start_soon(self._run_batch, batch)
+        if on_done is None and not (inline and items[0].done):  # a lone caller running its own item needs no event
+            for item in items:
+                item.event = anyio.Event()
         if self._queue:
             self._poke()
         return items
