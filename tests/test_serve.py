@@ -1045,3 +1045,42 @@ def test_the_http_floor_serves_from_several_processes_on_one_port() -> None:
     assert not any(p.is_alive() for p in procs)
     figures = level_figures(rows, 0.0, 1000.0, 0.01)
     assert figures["requests"] == figures["ok"] == len(rows) > 0 and figures["failed"] == figures["n_429"] == 0
+
+
+_FRONT_TOKENIZE = """
+import os, sys
+from hetero.pipelines.embed import _encode, get_model
+from hetero.pipelines.serve import _front_environment
+
+_front_environment()
+model = get_model(sys.argv[1])
+before = len(os.listdir("/proc/self/task"))
+for _ in range(20):
+    _encode(model, ["The quick brown fox.", "jumps over", "the lazy dog", "again and again"])
+print(os.environ["TOKENIZERS_PARALLELISM"], before, len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+@pytest.mark.parametrize("user_value", [None, "true"])
+def test_fronts_tokenize_without_a_thread_pool(tmp_path: Path, user_value: str | None) -> None:
+    """A front process tokenizes several texts on its own thread: the tokenizers package starts no
+    thread pool there (many fronts' pools would wait for cores). A value the user set is kept,
+    and then the pool starts (so this test sees one where there is one)."""
+    import os
+    import subprocess
+    import sys
+
+    d = write_random_model(tmp_path / "m", seed=5, **TINY)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    if user_value is not None:
+        env["TOKENIZERS_PARALLELISM"] = user_value
+    out = subprocess.run([sys.executable, "-c", _FRONT_TOKENIZE, str(d)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    value, before, after = out.stdout.split()
+    if user_value is None:
+        assert (value, int(after)) == ("false", int(before))
+    else:
+        assert value == "true" and int(after) > int(before)
