@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in levels:
         # The HTTP floor: the same one client against hypercorn answering a constant body, at the
         # one-client level's pace. A served request's latency above it is the server's own work.
-        floor = http_floor(texts, 1.0 / gap, max(4.0, min(args.duration, 8.0)), args.backend, args.client)
+        floor = http_floor(texts, 1.0 / gap, max(4.0, min(args.duration, 8.0)), common["backend"], args.client)
         floor_ms = round(float(np.median(floor)) * 1e3, 3) if floor else None
         emit(impl="HTTP floor", what="one client against a constant answer from hypercorn, at the same pace",
              **common, calls=len(floor), p50_ms=floor_ms,
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero", "serve", "--model", str(model_dir), "--port", str(port),
-           "--backend", args.backend, "--max-batch-tokens", str(args.max_batch_tokens),
+           "--backend", common["backend"], "--max-batch-tokens", str(args.max_batch_tokens),
            "--max-queued", "65536", "--workers", str(args.workers), "--engines", str(args.engines),
            "--max-in-flight", str(args.max_in_flight), "--max-wait", str(args.max_wait)] + \
         (["--int8"] if args.int8 else [])
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
-    summary: dict[str, Any] = {}
+    summary: dict[int, Any] = {}
     try:
         deadline = time.monotonic() + 600
         ready_pids: set[int] = set()
@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
                     0.2 / single_s if clients == 1 else min(args.load * bulk_rate, clients * 0.5 / single_s))
                 if args.floor and clients > 1:  # the same load against HTTP alone first
                     fport = free_port()
-                    fprocs = floor_processes(fport, args.backend, args.workers)
+                    fprocs = floor_processes(fport, common["backend"], args.workers)
                     try:
                         frows, fload, fprocs_n = drive(pool, worker, f"http://127.0.0.1:{fport}", texts, clients,
                                                        rate, args, li * 1000 + 500)

@@ -560,16 +560,14 @@ async def _freeze_heap_when_ready(state: Any, scope: anyio.CancelScope | None = 
 _ENGINE_OPTIONS = ("int8", "max_batch_tokens", "max_queued", "max_in_flight", "max_wait", "precapture")
 
 
-# A front tokenizes the few texts of one event-loop pass; the tokenizers package would spread
-# them over a thread pool of its own (as many threads as cores) in every front, and with many
-# fronts those threads wait for cores more than they work. The fronts are the parallelism.
-_FRONT_ENV = {"TOKENIZERS_PARALLELISM": "false"}
-
-
 def _front_environment() -> None:
-    """Set a front process's environment (:data:`_FRONT_ENV`); a value the user set is kept."""
-    for name, value in _FRONT_ENV.items():
-        os.environ.setdefault(name, value)
+    """A front tokenizes on its own thread (a ``TOKENIZERS_PARALLELISM`` the user set is kept).
+
+    A front tokenizes the few texts of one event-loop pass; the tokenizers package would spread
+    them over a thread pool of its own (as many threads as cores) in every front, and with many
+    fronts those threads wait for cores more than they work. The fronts are the parallelism.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _front_main(options: dict[str, Any], host: str, port: int, backend: str, address_file: str, secret: bytes
