@@ -195,6 +195,17 @@ class Runtime:
         return self._sched.cpu.size
 
     @property
+    def abandoned_threads(self) -> int:
+        """CPU worker threads given up on when their stage timed out, and still running its function.
+
+        A thread cannot be killed: a timed-out CPU stage's thread is replaced by a new worker
+        (the pool keeps ``cpu_threads`` live ones) and ends when its function returns. While
+        4 x ``cpu_threads`` of them are still running, a CPU stage with a ``timeout`` fails
+        at once; code that may hang belongs in a process stage (``process=True``).
+        """
+        return self._sched.cpu.abandoned
+
+    @property
     def cpu_processes(self) -> int:
         """Size of the process pool for ``process=True`` stages (started on first use)."""
         return self._sched.cpu_processes

@@ -37,15 +37,25 @@ Policy
 * A stage's ``timeout`` covers all its attempts. The waiter on the event loop
   watches started timed stages; a worker also checks on completion, so a run
   never completes past a stage's timeout.
+* A thread cannot be killed. When a CPU thread stage times out, the pool gives up
+  on the worker running it (*abandons* it) and starts a replacement, so
+  ``cpu_threads`` workers keep serving the queue; the abandoned thread ends once its
+  function returns. While ``ABANDONED_PER_THREAD`` x ``cpu_threads`` abandoned threads
+  are still running, a timed CPU thread stage fails at once instead of starting: each
+  such stage could hang and cost another thread. Process stages are the remedy for
+  code that may hang: their worker is killed.
 
 State
 -----
 Per run (:class:`Run`): host values, device values, remaining-dependency counts,
-the number of unfinished stages, start times of timed stages, held device blocks
-(GPU values and shared uploads), and the first error. Counts are changed under the
+the number of unfinished stages, start times of timed stages (and, for CPU thread
+stages, the worker running each: whoever takes it from the run, the finishing worker
+or the timeout, decides whether that worker is abandoned), held device blocks (GPU
+values and shared uploads), and the first error. Counts are changed under the
 run's lock; the plan is shared, read-only. Once the run's caller has its outputs (or
 its error, or was cancelled) the run forgets its values: stages of it that complete
 later store nothing, and the Run kept for ``Runtime.stats()`` holds only timings.
+Per CPU pool: its live workers, and the count of abandoned ones still running.
 """
 
 from __future__ import annotations
@@ -99,8 +109,27 @@ _UPLOAD_HINTS = 256
 _CLEANUP_WAIT = 5.0
 
 
+# While this many abandoned threads per CPU worker are still running, timed CPU thread
+# stages fail at once (see the module docstring): hung threads must not pile up unbounded.
+ABANDONED_PER_THREAD = 4
+
+
+class _Worker:
+    """One worker thread of a pool; ``abandoned`` once the pool gave up on it."""
+
+    __slots__ = ("abandoned", "thread")
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.thread: threading.Thread | None = None
+
+
 class WorkerPool:
-    """A fixed set of daemon threads serving a priority queue of jobs."""
+    """A fixed number of live daemon threads serving a priority queue of jobs.
+
+    A worker stuck in a job can be abandoned (:meth:`abandon`): a new thread takes its
+    place at once, and the stuck one ends when its job returns.
+    """
 
     def __init__(self, name: str, threads: int, on_idle: Callable[[], None] | None = None,
                  on_start: Callable[[], None] | None = None) -> None:
@@ -118,15 +147,46 @@ class WorkerPool:
         self._cv = threading.Condition(self._lock)
         self._arrival = itertools.count()
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # the live workers (abandoned ones leave it)
+        self._numbers = itertools.count()
+        self._local = threading.local()  # .worker: the _Worker of a pool thread
+        self._abandoned = 0  # abandoned workers whose job has not returned yet
 
     def _start(self) -> None:
         if self._on_start is not None:
             self._on_start()
-        for n in range(self.size):
-            t = threading.Thread(target=self._work, name=f"{self.name}-{n}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        for _ in range(self.size):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """Start one worker (the lock held, or before any worker runs)."""
+        w = _Worker()
+        t = w.thread = threading.Thread(target=self._work, args=(w,), name=f"{self.name}-{next(self._numbers)}",
+                                        daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    @property
+    def abandoned(self) -> int:
+        """Abandoned workers still running their job."""
+        return self._abandoned
+
+    def current(self) -> _Worker | None:
+        """The worker of this pool running the calling thread, or None."""
+        return getattr(self._local, "worker", None)
+
+    def abandon(self, worker: _Worker) -> int:
+        """Give up on ``worker`` (stuck in its job): a new worker replaces it; returns the abandoned count."""
+        with self._lock:
+            if not worker.abandoned:
+                worker.abandoned = True
+                self._abandoned += 1
+                self._busy -= 1
+                if worker.thread in self._threads:
+                    self._threads.remove(worker.thread)
+                if not self._closed:
+                    self._spawn()
+            return self._abandoned
 
     def submit(self, key: Any, job: Callable[[], None]) -> None:
         with self._lock:
@@ -143,7 +203,8 @@ class WorkerPool:
                 heapq.heappush(self._heap, (key, next(self._arrival), job))
             self._cv.notify(len(items))
 
-    def _work(self) -> None:
+    def _work(self, worker: _Worker) -> None:
+        self._local.worker = worker
         heap, lock, cv, on_idle = self._heap, self._lock, self._cv, self._on_idle
         heappop = heapq.heappop
         while True:
@@ -159,6 +220,9 @@ class WorkerPool:
             except BaseException:  # pragma: no cover - a defect: keep the thread serving the queue
                 log.exception("%s: a job failed", self.name)
             with lock:
+                if worker.abandoned:  # a replacement serves the queue: this thread ends
+                    self._abandoned -= 1
+                    return
                 self._busy -= 1
                 idle = not self._busy and not heap
             if idle and on_idle is not None:
@@ -168,10 +232,12 @@ class WorkerPool:
                     log.exception("%s: idle hook failed", self.name)
 
     def close(self) -> None:
+        """Stop the workers and join the live ones (abandoned threads are not waited for)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        for t in self._threads:
+            threads = list(self._threads)
+        for t in threads:
             t.join(timeout=5)
 
 
@@ -198,6 +264,9 @@ class Run:
         self.stopped = False  # failed, cancelled or done: start nothing more
         self.done = False
         self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
+        # Timed CPU thread stages now running -> their worker; taken (under the lock) either by
+        # the worker when the function returns or by the timeout, which then abandons it.
+        self.timed_workers: dict[int, _Worker] = {}
         # Device memory: a GPU value's blocks are held while holds[i] > 0 (see Plan.holds).
         self.holds = list(plan.holds)
         # CPU values uploaded once for all their GPU readers (plan.shared_uploads): the
@@ -332,6 +401,10 @@ class Run:
             assert st.timeout is not None
             left = t0 + st.timeout - now
             if left <= 0:
+                with self.lock:
+                    worker = self.timed_workers.pop(i, None)
+                if worker is not None:  # still in its function: its thread is lost to the pool
+                    self.sched.abandon_worker(st, worker)
                 self.fail_timeout(st)
                 return 0.0
             nearest = min(nearest, left)
@@ -433,6 +506,18 @@ class Run:
         err = StageError(f"{_kind(st)} stage {st.name!r} timed out after {st.timeout:g} s", st.name)
         err.__cause__ = exc
         self._set_error(err)
+
+    def fail_abandoned_cap(self, st: StagePlan, abandoned: int, cap: int) -> None:
+        self._set_error(StageError(
+            f"cpu stage {st.name!r} with a timeout cannot start: {abandoned} threads abandoned by timed-out "
+            f"stages are still running, the cap is {cap} ({ABANDONED_PER_THREAD} x cpu_threads); a thread "
+            "cannot be killed: run code that may hang as a process stage (g.cpu(fn, ..., process=True)), "
+            "whose worker is killed on timeout", st.name))
+
+    def keep_worker(self, i: int) -> bool:
+        """Timed CPU thread stage ``i``'s function returned: False when its worker was abandoned meanwhile."""
+        with self.lock:
+            return self.timed_workers.pop(i, None) is not None
 
     def _set_error(self, err: BaseException) -> None:
         with self.lock:
@@ -603,6 +688,12 @@ class Scheduler:
         for i in inline:  # after the others are queued: they need not wait for these
             run_cpu(run, i, inline=True)
 
+    def abandon_worker(self, st: StagePlan, worker: _Worker) -> None:
+        """Timed CPU thread stage ``st`` overran while its function still runs: replace its worker."""
+        n = self.cpu.abandon(worker)
+        log.warning("cpu stage %r timed out after %g s and its thread cannot be killed: the thread is abandoned "
+                    "and a new worker replaces it (%d abandoned threads still running)", st.name, st.timeout, n)
+
     def _limit_blas(self) -> None:
         """Before the CPU workers start: numpy's BLAS gets ``cpu_count // workers`` threads per call.
 
@@ -730,8 +821,16 @@ class Scheduler:
                 started[i] = perf_ns()
                 host_args = None
                 t_fn = 0
+                worker = None
                 if not plain:
                     if not st.simple:
+                        worker = self.cpu.current()
+                        if worker is not None:
+                            abandoned, cap = self.cpu.abandoned, ABANDONED_PER_THREAD * self.cpu.size
+                            if abandoned >= cap:
+                                run.fail_abandoned_cap(st, abandoned, cap)
+                                return
+                            run.timed_workers[i] = worker
                         run.begin_timed(st)
                     if st.mixed:  # placed on the CPU: device values come to the host first
                         try:
@@ -739,6 +838,8 @@ class Scheduler:
                         except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
                             if not st.simple:
                                 run.timed_started.pop(i, None)
+                                if worker is not None and not run.keep_worker(i):
+                                    return  # timed out meanwhile, and its thread was abandoned
                             run.fail(st, e)
                             return
                         if host_args is None:
@@ -761,6 +862,8 @@ class Scheduler:
                         if not _retry(run, st, e, attempt):
                             if not st.simple:
                                 run.timed_started.pop(i, None)
+                                if worker is not None and not run.keep_worker(i):
+                                    return  # timed out meanwhile, and its thread was abandoned
                             run.fail(st, e, attempt)
                             return
                 got = host_args = None
@@ -771,8 +874,11 @@ class Scheduler:
                     self.placement_done(run, i, (done - t_fn) / 1e9)
                 if self.tracer is not None:
                     self.tracer.span(st.name, "cpu", started[i], done, args=_span_args(run, i))
-                if not plain and not st.simple and not run.end_timed(st):
-                    return
+                if not plain and not st.simple:
+                    if worker is not None and not run.keep_worker(i):
+                        return  # timed out meanwhile, and its thread was abandoned
+                    if not run.end_timed(st):
+                        return
                 ready, ready_cpu = run.complete(i, value, st.gpu_consumers, st.cpu_consumers)
                 value = None
                 if ready:
