@@ -45,6 +45,8 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 
 from __future__ import annotations
 
+TYPE_CHECKING = False  # typing is not imported for it: see _EXPORTS
+
 
 def _map_source_checkout() -> None:
     """Import ``kernels/`` and ``pipelines/`` as ``hetero.kernels``/``hetero.pipelines`` from a checkout.
@@ -71,34 +73,100 @@ def _map_source_checkout() -> None:
         spec.loader.exec_module(module)
 
 
-from ._batcher import Batcher
-from ._gpu.device import Kernel
-from ._gpu.fence import Fence
-from ._gpu.context import GPUContext
-from ._graph import Graph, Input, Node
-from ._runtime import MapResults, Runtime, RuntimeOptions, run
-from ._gpu.pool import MemoryStats
-from ._placement import PerfModel, Placement
-from ._gpu.grid import DispatchInfo
-from ._stats import RunStats, StageStats
-from ._gpu.tensor import Tensor
-from .errors import (
-    DeviceLostError,
-    GPUError,
-    GraphError,
-    GraphvizError,
-    HeteroError,
-    InputError,
-    NoAdapterError,
-    OutOfMemoryError,
-    OverloadedError,
-    RuntimeClosedError,
-    StageError,
-)
+# The public names load on first use (PEP 562): ``import hetero`` and the ``hetero``
+# command line's entry module (``hetero._cli``) import almost nothing, so that Ctrl-C
+# during the heavy imports (numpy, wgpu) lands inside the command's handler. The first
+# public name asked for loads them all, in this order.
+_EXPORTS = {
+    "Batcher": "_batcher",
+    "Kernel": "_gpu.device",
+    "Fence": "_gpu.fence",
+    "GPUContext": "_gpu.context",
+    "Graph": "_graph",
+    "Input": "_graph",
+    "Node": "_graph",
+    "MapResults": "_runtime",
+    "Runtime": "_runtime",
+    "RuntimeOptions": "_runtime",
+    "run": "_runtime",
+    "MemoryStats": "_gpu.pool",
+    "PerfModel": "_placement",
+    "Placement": "_placement",
+    "DispatchInfo": "_gpu.grid",
+    "RunStats": "_stats",
+    "StageStats": "_stats",
+    "Tensor": "_gpu.tensor",
+    "DeviceLostError": "errors",
+    "GPUError": "errors",
+    "GraphError": "errors",
+    "GraphvizError": "errors",
+    "HeteroError": "errors",
+    "InputError": "errors",
+    "NoAdapterError": "errors",
+    "OutOfMemoryError": "errors",
+    "OverloadedError": "errors",
+    "RuntimeClosedError": "errors",
+    "StageError": "errors",
+}
+# Public namespaces, loaded with the names: lowlevel (the extension API for kernel and
+# pipeline authors) and ops (the op namespace: hetero.ops.sum, ...).
+_NAMESPACES = ("lowlevel", "ops")
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from . import lowlevel, ops
+    from ._batcher import Batcher
+    from ._gpu.context import GPUContext
+    from ._gpu.device import Kernel
+    from ._gpu.fence import Fence
+    from ._gpu.grid import DispatchInfo
+    from ._gpu.pool import MemoryStats
+    from ._gpu.tensor import Tensor
+    from ._graph import Graph, Input, Node
+    from ._placement import PerfModel, Placement
+    from ._runtime import MapResults, Runtime, RuntimeOptions, run
+    from ._stats import RunStats, StageStats
+    from .errors import (
+        DeviceLostError,
+        GPUError,
+        GraphError,
+        GraphvizError,
+        HeteroError,
+        InputError,
+        NoAdapterError,
+        OutOfMemoryError,
+        OverloadedError,
+        RuntimeClosedError,
+        StageError,
+    )
+
+
+def _load() -> None:
+    """Import every public name and namespace into this module (once; later calls find them)."""
+    import importlib
+
+    g = globals()
+    for name, module in _EXPORTS.items():
+        if name not in g:
+            g[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    for sub in _NAMESPACES:
+        g[sub] = importlib.import_module(f"{__name__}.{sub}")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS or name in _NAMESPACES:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_NAMESPACES})
+
 
 _map_source_checkout()
-from . import lowlevel  # noqa: E402  (the extension API for kernel and pipeline authors)
-from . import ops  # noqa: E402  (the op namespace: hetero.ops.sum, ...)
+del TYPE_CHECKING
 
 __version__ = "0.1.0"
 

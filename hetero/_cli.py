@@ -13,15 +13,18 @@ before any work starts, so a bad path costs nothing; Ctrl-C ends any command wit
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
 
-from ._argtypes import positive_int
+# This is the console script's entry module: it imports only what the interpreter has
+# loaded already, so that Ctrl-C during the heavy imports (argparse, numpy, wgpu) lands
+# inside main()'s handler. (mypy reads a name TYPE_CHECKING as true, like typing's.)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any, TextIO
 
 __all__ = ["main"]
 
@@ -72,7 +75,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse
+
     from . import __version__
+    from ._argtypes import positive_int
 
     p = argparse.ArgumentParser(
         prog="hetero",
@@ -296,6 +302,8 @@ class _Timings:
     """Seconds spent in each stage function per run (by seed), and which threads ran them; thread-safe."""
 
     def __init__(self) -> None:
+        import threading
+
         self.lock = threading.Lock()
         self.seconds: dict[tuple[str, int], float] = {}  # (stage, seed) -> seconds
         self.threads: dict[str, set[str]] = {}
@@ -304,7 +312,7 @@ class _Timings:
     def add(self, stage: str, seed: int, seconds: float) -> None:
         with self.lock:
             self.seconds[(stage, seed)] = self.seconds.get((stage, seed), 0.0) + seconds
-            self.threads.setdefault(stage, set()).add(threading.current_thread().name)
+            self.threads.setdefault(stage, set()).add(_thread_name())
 
     def ms(self, stage: str, seeds: Sequence[int]) -> float:
         """Mean milliseconds of ``stage`` over the runs with ``seeds``."""
@@ -434,6 +442,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"result: matches numpy in all {total_runs} runs (max abs error {worst:.3g}, "
           f"checksum {checksum:.6f})", file=out)
     return 0
+
+
+def _thread_name() -> str:
+    import threading
+
+    return threading.current_thread().name
 
 
 def _thread_group(name: str) -> str:

@@ -7,6 +7,7 @@ import hetero.errors
 
 
 def test_all_lists_every_public_name_and_only_those() -> None:
+    assert hetero.Graph  # the public names load on first use
     public = {n for n in vars(hetero) if not n.startswith("_") and not _is_module(getattr(hetero, n))}
     public.discard("annotations")
     assert sorted(hetero.__all__) == hetero.__all__
@@ -60,3 +61,14 @@ def test_dask_namespace_lists_its_names() -> None:
     public.discard("annotations")
     assert set(hetero.dask.__all__) == public
     assert issubclass(hetero.dask.ClusterError, hetero.HeteroError)
+
+
+def test_import_hetero_and_the_cli_entry_stay_light() -> None:
+    """The command line's entry module imports neither numpy nor wgpu: Ctrl-C during those
+    imports lands in its handler (``hetero: interrupted``), not in a traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys, hetero._cli; print(sorted({'numpy', 'wgpu'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")

@@ -256,3 +256,30 @@ def test_interrupts_held_until_the_teardown_ends() -> None:
     with embed_cli.interrupts_held():  # nothing arrived: nothing raised
         steps.append("again")
     assert steps == ["teardown finished", "again"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches the process through /proc")
+def test_ctrl_c_during_imports_and_runs_ends_with_interrupted() -> None:
+    """SIGINT while numpy is being imported, while wgpu is, and while the demo's runs go on: each
+    time the line ``hetero: interrupted``, exit status 130 and no traceback. The points are found
+    by watching the process's mapped libraries, so a loaded machine moves them, not the outcome."""
+    def mapped(name: str) -> Any:
+        return lambda pid: name in Path(f"/proc/{pid}/maps").read_text()
+
+    for what, ready, delay in (("numpy import", mapped("_multiarray_umath"), 0.0),
+                               ("wgpu import", mapped("wgpu_native"), 0.0),
+                               ("runs", mapped("libvulkan"), 0.5)):
+        proc = subprocess.Popen([sys.executable, "-m", "hetero", "demo", "--size", "1000", "--runs", "1000000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
+        try:
+            _wait_for(proc, lambda: ready(proc.pid))
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        err = stderr.decode()
+        assert (what, proc.returncode, err.splitlines()[-1:]) == (what, 130, ["hetero: interrupted"]), err
+        assert "Traceback" not in err, err
