@@ -21,7 +21,6 @@ def import_serve() -> Any:
     """prometheus_client, after checking that the optional extra ``serve`` is installed."""
     try:
         import prometheus_client
-        import starlette  # noqa: F401
     except ImportError as e:
         raise HeteroError(f"hetero serve needs the optional extra 'serve' ({e.name} is not installed): "
                           "pip install 'hetero[serve]'") from e

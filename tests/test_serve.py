@@ -25,11 +25,11 @@ from hetero.pipelines.minilm import Model, load_model
 from hetero.pipelines.testing import write_random_model
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette")
 pytest.importorskip("hypercorn")
 pytest.importorskip("prometheus_client")
 
 from hetero.pipelines.serve import EmbeddingServer, encode_embeddings, serve_async  # noqa: E402
+from hetero.pipelines.serve_http import resolve_http  # noqa: E402
 from hetero.pipelines.serve_engine import EmbeddingEngine, EngineClient, EngineError  # noqa: E402
 
 from bench.serve import RawClient, check_embedding, free_port, raw_request  # noqa: E402
@@ -383,43 +383,115 @@ async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> No
         assert (await c.get("/health")).status_code == 503  # stopped
 
 
+# Requests whose answers are compared across the HTTP servers: (method, path, JSON or raw body)
+SAME_ANSWERS: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/embeddings", {"input": TEXTS[:3], "model": "tiny"}),
+    ("POST", "/embeddings", {"input": TEXTS[4], "encoding_format": "base64"}),
+    ("POST", "/v1/embeddings", b"{not json"),
+    ("POST", "/v1/embeddings", b'{"input": [123456789012345678901234567890]}'),  # past orjson's integers
+    ("POST", "/v1/embeddings", b'{"input": NaN}'),
+    ("POST", "/v1/embeddings", {"input": ["a"] * 5}),
+    ("GET", "/v1/embeddings", None),
+    ("GET", "/v2/nothing", None),
+]
+SAME_STATUSES = [200, 200, 400, 400, 400, 413, 405, 404]
+
+
+async def answers(c: Any) -> list[tuple[int, dict[str, str], bytes]]:
+    """Status, the headers every server must agree on, and body of each of SAME_ANSWERS."""
+    out = []
+    for method, path, payload in SAME_ANSWERS:
+        if isinstance(payload, bytes):
+            r = await c.request(method, path, content=payload)
+        else:
+            r = await c.request(method, path, json=payload)
+        keep = ("content-type", "content-length", "retry-after", "allow")
+        out.append((r.status_code, {k: v for k, v in r.headers.items() if k in keep}, r.content))
+    return out
+
+
 @pytest.mark.anyio
-async def test_direct_route_answers_as_the_starlette_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
-    # server.app answers POST /v1/embeddings without Starlette; server.routes is the Starlette app
+async def test_the_application_answers_every_route(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    """The ASGI entry point in process: embeddings, errors in OpenAI's shape, 404 and 405 (with Allow)."""
     server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4, precapture=False)
-    starlette_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.routes), base_url="http://test")
-    requests: list[tuple[str, str, Any]] = [
-        ("POST", "/v1/embeddings", {"input": TEXTS[:3], "model": "tiny"}),
-        ("POST", "/embeddings", {"input": TEXTS[4], "encoding_format": "base64"}),
-        ("POST", "/v1/embeddings", b"{not json"),
-        ("POST", "/v1/embeddings", b'{"input": [123456789012345678901234567890]}'),  # past orjson's integers
-        ("POST", "/v1/embeddings", b'{"input": NaN}'),
-        ("POST", "/v1/embeddings", {"input": ["a"] * 5}),
-        ("GET", "/v1/embeddings", None),
-    ]
-
-    async def answers(c: Any) -> list[tuple[int, dict[str, str], bytes]]:
-        out = []
-        for method, path, payload in requests:
-            if isinstance(payload, bytes):
-                r = await c.request(method, path, content=payload)
-            else:
-                r = await c.request(method, path, json=payload)
-            keep = ("content-type", "content-length", "retry-after", "allow")
-            out.append((r.status_code, {k: v for k, v in r.headers.items() if k in keep}, r.content))
-        return out
-
-    async with client(server) as direct, starlette_client as routed:
+    async with client(server) as direct:
         cold = await direct.post("/v1/embeddings", json={"input": "a"})
         assert cold.status_code == 503 and cold.headers["retry-after"] == "1"
-        assert (await answers(direct))[-1][0] == 405  # other methods still go through Starlette
         async with server.running():
             await server.wait_ready()
-            got, ref = await answers(direct), await answers(routed)
-        assert [s for s, _, _ in got] == [200, 200, 400, 400, 400, 413, 405]
-        assert got == ref
-        assert "token ids" in json.loads(got[3][2])["error"]["message"]
-        assert got[0][1]["content-type"] == "application/json"
+            got = await answers(direct)
+    assert [s for s, _, _ in got] == SAME_STATUSES
+    assert "token ids" in json.loads(got[3][2])["error"]["message"]
+    assert got[0][1]["content-type"] == "application/json"
+    assert got[6][1]["allow"] == "POST"
+    for status, _, body in got[2:]:
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], (status, body)
+    assert json.loads(got[6][2])["error"]["message"] == "/v1/embeddings takes POST, not GET"
+    assert json.loads(got[7][2])["error"]["code"] == "not_found"
+
+
+HTTP = ["granian", "hypercorn"]
+
+
+def skip_unless_serves(http: str, anyio_backend: str) -> None:
+    """Skip where ``http`` cannot run: granian is not installed, or the loop is trio's."""
+    if http == "granian":
+        pytest.importorskip("granian")
+        if anyio_backend == "trio":
+            pytest.skip("granian runs on asyncio only")
+
+
+@asynccontextmanager
+async def served(server: EmbeddingServer, http: str, **kw: Any) -> AsyncIterator[str]:
+    """``server`` behind ``http`` on an ephemeral port, for the body of the block: yields its URL."""
+    urls: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: serve_async(server, "127.0.0.1", 0, http=http, ready=urls.append, signals=False,
+                                          graceful_timeout=10, **kw))
+        with anyio.fail_after(60):
+            while not urls:
+                await anyio.sleep(0.01)
+        yield urls[0]
+        server.shutdown()
+
+
+@pytest.mark.anyio
+async def test_both_http_servers_answer_the_same_bytes(tiny: Model, shared_rt: hetero.Runtime,
+                                                       anyio_backend: str) -> None:
+    """granian (RSGI) and hypercorn (ASGI) over real sockets answer SAME_ANSWERS byte for byte, as the
+    application does in process; /info names the server in use."""
+    if anyio_backend == "trio":
+        pytest.skip("granian runs on asyncio only; hypercorn on trio is covered by the other socket tests")
+    pytest.importorskip("granian")
+    got: dict[str, Any] = {}
+    for http in HTTP:
+        server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4,
+                                 precapture=False)
+        async with served(server, http) as url, httpx.AsyncClient(base_url=url) as c:
+            with anyio.fail_after(60):
+                while (await c.get("/health")).status_code != 200:
+                    await anyio.sleep(0.02)
+            got[http] = await answers(c)
+            info = (await c.get("/info")).json()
+            assert info["http_server"] == http
+    assert [s for s, _, _ in got["granian"]] == SAME_STATUSES
+    assert got["granian"] == got["hypercorn"]
+    direct = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4, precapture=False)
+    async with client(direct) as c, direct.running():
+        await direct.wait_ready()
+        assert await answers(c) == got["granian"]
+
+
+def test_http_servers_resolve() -> None:
+    """--http auto is granian but on trio; granian on trio, and unknown names, are refused."""
+    pytest.importorskip("granian")
+    assert resolve_http("auto", "uvloop") == resolve_http("auto", "asyncio") == "granian"
+    assert resolve_http("auto", "trio") == resolve_http("hypercorn", "trio") == "hypercorn"
+    with pytest.raises(hetero.HeteroError, match=r"^--http granian runs on asyncio only, not --backend trio"):
+        resolve_http("granian", "trio")
+    with pytest.raises(hetero.HeteroError, match=r"^--http must be one of auto, granian, hypercorn; got 'nginx'"):
+        resolve_http("nginx", "asyncio")
 
 
 def test_base64_body_is_the_same_with_and_without_orjson() -> None:
@@ -479,15 +551,69 @@ async def test_overload_429_and_graceful_shutdown(tiny: Model) -> None:
 
 
 @pytest.mark.anyio
-async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime) -> None:
+async def test_shutdown_drains_over_a_real_socket(tiny: Model, anyio_backend: str, http: str) -> None:
+    """SIGTERM's shutdown on each HTTP server: a request in flight finishes with 200, a request on a
+    new connection meanwhile gets 503 (the listener stays open while draining), /health says 503,
+    then the server stops by itself."""
+    skip_unless_serves(http, anyio_backend)
+    gate = threading.Event()
+
+    def hold(x: int) -> int:
+        gate.wait(30)
+        return x
+
+    blocker = hetero.Graph("blocker")
+    blocker.output(blocker.cpu(hold, blocker.input("x")))
+    rt = hetero.Runtime(cpu_threads=1)  # one CPU worker: the blocker holds it, so the batch waits
+    try:
+        server = EmbeddingServer(tiny, runtime=rt, max_in_flight=1, precapture=False)
+        status: dict[str, int] = {}
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as outer:
+                async with served(server, http) as url, httpx.AsyncClient(base_url=url) as c:
+                    while (await c.get("/health")).status_code != 200:
+                        await anyio.sleep(0.02)
+
+                    async def first() -> None:
+                        status["first"] = (await c.post("/v1/embeddings", json={"input": "first"})).status_code
+
+                    outer.start_soon(lambda: rt.run(blocker, x=1))
+                    await anyio.sleep(0.05)
+                    outer.start_soon(first)
+                    while server.active < 1:
+                        await anyio.sleep(0.005)
+                    server.shutdown()  # what SIGTERM and Ctrl-C do
+                    async with httpx.AsyncClient(base_url=url) as fresh:  # a new connection
+                        r = await fresh.post("/v1/embeddings", json={"input": "second"})
+                        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                        assert "shutting down" in r.json()["error"]["message"]
+                        assert (await fresh.get("/health")).status_code == 503
+                    gate.set()
+                    while "first" not in status:
+                        await anyio.sleep(0.005)
+        assert status == {"first": 200}
+    finally:
+        gate.set()
+        rt.close()
+
+
+@pytest.fixture(params=HTTP)
+def http(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime, anyio_backend: str,
+                                         http: str) -> None:
     import gc
 
+    skip_unless_serves(http, anyio_backend)
     server = EmbeddingServer(tiny, runtime=shared_rt, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
     urls: list[str] = []
     assert gc.get_freeze_count() == 0
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve_async(server, "127.0.0.1", 0, ready=urls.append, signals=False,
+            tg.start_soon(lambda: serve_async(server, "127.0.0.1", 0, http=http, ready=urls.append, signals=False,
                                               graceful_timeout=5, freeze_heap=True))
             while not urls:
                 await anyio.sleep(0.01)
@@ -567,7 +693,7 @@ def test_backends_resolve_and_uvloop_runs_the_loop(monkeypatch: pytest.MonkeyPat
     assert "needs uvloop" in capsys.readouterr().err
 
 
-def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime) -> None:
+def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime, http: str) -> None:
     """``hetero serve --workers 3 --engines 2`` in a subprocess: every front serves embed()'s vectors
     (two of them through one engine, the third through the other), /metrics sums the fronts'
     requests and the engines' batches, SIGTERM stops all."""
@@ -586,7 +712,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
                              "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture",
-                             "--max-in-flight", "3", "--backend", "uvloop", "--max-wait", "0.5"],
+                             "--max-in-flight", "3", "--backend", "uvloop", "--max-wait", "0.5", "--http", http],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
@@ -598,6 +724,7 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     info = httpx.get(url + "/info", timeout=5).json()
                     assert info["max_batches_in_flight"] == 3 and info["max_wait_ms"] == 0.5
+                    assert info["http_server"] == http
                     pids.add(info["worker_pid"])
             except httpx.HTTPError:
                 pass
@@ -622,10 +749,67 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime)
         log.seek(0)
         out = log.read()
         assert "hetero serve: stopped" in out and "Traceback" not in out, out
-        assert "(uvloop, 3 front processes and 2 engine processes)" in out, out
+        assert f"({http} on uvloop, 3 front processes and 2 engine processes)" in out, out
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the server and its workers, if anything is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+
+
+def test_the_engine_dying_stops_the_server_with_status_1(tmp_path: Path, http: str) -> None:
+    """The engine process of ``hetero serve --workers 2`` is killed: whatever the fronts still answer is
+    503, the supervisor names the process, stops the fronts and exits with status 1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    if http == "granian":
+        pytest.importorskip("granian")
+    d = write_random_model(tmp_path / "m", seed=5, **TINY)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
+                             "--workers", "2", "--max-batch-tokens", "256", "--no-precapture", "--http", http],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 120
+        fronts: set[int] = set()
+        while len(fronts) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    fronts.add(httpx.get(url + "/info", timeout=5).json()["worker_pid"])
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        children = [c for c in psutil.Process(proc.pid).children()
+                    if c.pid not in fronts and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(children) == 1, children
+        os.kill(children[0].pid, signal.SIGKILL)
+        codes = []
+        while True:
+            try:
+                codes.append(httpx.post(url + "/v1/embeddings", json={"input": "a"}, timeout=10).status_code)
+            except httpx.HTTPError:
+                break  # the fronts have stopped
+            time.sleep(0.01)
+        assert set(codes) <= {503}, codes
+        assert proc.wait(timeout=60) == 1
+        log.seek(0)
+        out = log.read()
+        assert "hetero serve: hetero-serve-engine exited with status -9; stopping the others" in out, out
+        assert "hetero serve: stopped" in out
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
@@ -1050,9 +1234,9 @@ def test_the_http_floor_serves_from_several_processes_on_one_port() -> None:
 _FRONT_TOKENIZE = """
 import os, sys
 from hetero.pipelines.embed import _encode, get_model
-from hetero.pipelines.serve import _front_environment
+from hetero.pipelines.serve_procs import front_environment
 
-_front_environment()
+front_environment()
 model = get_model(sys.argv[1])
 before = len(os.listdir("/proc/self/task"))
 for _ in range(20):
