@@ -1,0 +1,694 @@
+"""GPU kernels of a Llama / Qwen2 decoder: quantized linear layers, RMSNorm, RoPE, paged attention, sampling.
+
+Every op takes the stage's ``gpu`` context first, records its dispatch(es) into the stage
+and returns new float32 :class:`hetero.Tensor` objects (``kv_write`` and ``rope_kv``
+write into the caches given). Every check runs before anything is uploaded, allocated or
+recorded; errors name the op, the shapes and the rule. Weights are
+:class:`~hetero.kernels.quant.PackedWeight` records (see :mod:`hetero.kernels.quant` for
+the layouts), made device-resident once with :func:`upload_weight`.
+
+==================================  ============================================================
+op                                  what (and what it fuses)
+==================================  ============================================================
+``upload_weight(gpu, pw)``          a PackedWeight's arrays as resident Tensors (a GPUWeight)
+``linear(x, w, bias, residual,``    ``y = rmsnorm(x) @ W.T + bias + residual``: every weight kind
+``norm, eps)``                      dequantized in registers; ``norm`` (the RMSNorm weight) folds
+                                    the RMSNorm of x into the product, ``residual`` the residual
+                                    add; GEMV for M <= 8 rows, tiled GEMM above
+``linear_swiglu(x, w_gate, w_up,``  ``silu(x Wg^T) * (x Wu^T)`` in one dispatch (RMSNorm folded
+``norm, eps)``                      in too): the MLP's gate, up and SiLU-mul
+``rmsnorm(x, weight, eps)``         ``x / sqrt(mean(x^2) + eps) * weight`` over the last axis
+``add_rmsnorm(x, residual, w, eps)`` ``(h, rmsnorm(h))`` with ``h = x + residual``, one dispatch
+``silu_mul(gate, up)``              ``silu(gate) * up`` (when the two products are separate)
+``rope(x, positions, inv_freq)``    RoPE, Hugging Face's rotate_half pairs (i, i + D/2)
+``rope_kv(qkv, positions, inv_freq,`` RoPE of q and k out of the fused QKV projection, q out, and
+``k_cache, v_cache, slots, ...)``   k and v written to their cache slots: one dispatch
+``kv_write(k_cache, v_cache, k, v,`` rows of k and v into their cache slots
+``slots)``
+``paged_attention(q, k_cache,``     causal grouped-query attention over a paged KV cache, one
+``v_cache, block_tables,``          dispatch (online softmax), or split along the keys with a
+``query_seq, query_pos, scale)``    combine pass (flash-decoding) when there are few queries
+``embedding(table, ids)``           rows of a (quantized) table, dequantized
+``sample(logits, params)``          a token id a row: greedy, or temperature / top-k / top-p and
+                                    a seeded Gumbel-max
+==================================  ============================================================
+
+Linear layers (``linear``, ``linear_swiglu``). ``x`` is float32 ``[M, K]``, the weight
+``[N, K]`` (y = x @ W.T). Weights are read as u32 words, 8 weights (a "unit") at a time,
+and dequantized in registers. For M <= :data:`GEMV_MAX_M` (decode) a GEMV kernel: a
+workgroup of :data:`GEMV_THREADS` threads computes a few output rows for all M activation
+rows; thread t takes units t, t + 64, ... of each row (consecutive threads, consecutive
+words), and the partial sums meet through ``subgroupAdd`` where the device has the
+``subgroup`` feature (:data:`USE_SUBGROUPS`) or a workgroup-memory tree. For larger M
+(prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
+dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x.
+With ``norm`` the RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T /
+sqrt(mean(x^2) + eps)``, the sum of squares accumulated beside the dot products (the
+GEMV's threads cover the whole row between them; the tiled kernel's threads sum their
+rows), so a decoder layer needs no separate norm dispatch.
+
+RoPE. Hugging Face's convention (``q * cos + rotate_half(q) * sin``): pairs ``(i, i +
+D/2)``, angle ``pos * inv_freq[i]`` in float32 as transformers computes it.
+``inv_freq`` (float32 ``[D/2]``) comes from the host, so any scaling (llama3, linear,
+NTK) is the host's business. sin and cos are computed in the kernel with a careful
+argument reduction (the WGSL builtins are only specified on [-pi, pi]).
+
+KV cache. One cache tensor per layer for K and one for V, float32 ``[num_blocks,
+block_size, kv_heads, head_dim]`` (:func:`kv_cache` makes a pair); a token's row goes to
+flat slot ``block * block_size + offset`` (``slots``, int32). ``paged_attention`` finds
+key ``j`` of sequence ``s`` at slot ``block_tables[s, j // block_size] * block_size + j
+% block_size``. Slots and block-table entries are not checked on the GPU: the host
+that hands them out keeps them in range.
+
+Paged attention. Query row ``t`` (of ``q`` ``[T, heads, D]``) belongs to sequence
+``query_seq[t]`` and sits at position ``query_pos[t]``; it attends to keys ``0 ..
+query_pos[t]`` of its sequence (causal; a prefill chunk's keys must be in the cache
+before, i.e. ``rope_kv``/``kv_write`` first). A workgroup takes one query row and one KV
+head and serves the ``heads / kv_heads`` query heads sharing it (each key and value read
+once for the group). With few workgroups and a long cache (``T * kv_heads`` <
+:data:`ATTN_SPLIT_MIN_GROUPS`), the keys are split in chunks of :data:`ATTN_SPLIT_KEYS`
+(flash-decoding): partial (acc, max, sum) per split, then a combine pass.
+
+Sampling (``sample``). A workgroup of 256 threads a row of logits ``[S, V]``; per-row
+parameters (:func:`sampling_params` builds them) so rows of one batch can differ.
+Temperature 0 is greedy: the argmax, ties to the lowest id (as ``numpy.argmax``).
+Otherwise, as transformers' warpers in order (temperature, top-k, top-p): the top-k
+threshold is the k-th largest logit, found by bisection over the float's order-preserving
+32-bit key (each step a count over the row, so at most 32 passes, exact); the top-p
+threshold the smallest top set whose softmax mass (at temperature T, within the top-k
+set) reaches ``top_p``, found the same way with sums. Ties at a threshold keep all tied
+tokens. Then Gumbel-max over the survivors: ``argmax(z_i / T - log(-log(u_i)))`` with
+``u_i`` from a counter-based hash of ``(seed, step, token id)``: the same seed and step
+give the same token on any adapter, whatever the row's place in the batch. NaN logits
+count as -inf. Only the int32 ids need to come back to the host.
+
+Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
+:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
+:data:`ATTN_SPLIT_MIN_GROUPS`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from hetero.kernels import decoder_wgsl as W
+from hetero.kernels.quant import PackedWeight
+from hetero.lowlevel import GPUContext, Tensor
+
+__all__ = ["GPUWeight", "add_rmsnorm", "embedding", "kv_cache", "kv_write", "linear", "linear_swiglu",
+           "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul",
+           "upload_weight"]
+
+# -- tuning and test hooks ---------------------------------------------------------------------
+GEMV_MAX_M = 8
+"""Most activation rows ``linear`` multiplies with the GEMV kernel; more take the tiled kernel."""
+GEMV_THREADS = 64
+"""Threads of a GEMV workgroup (a power of two)."""
+GEMV_ROWS = 4
+"""Output rows a GEMV workgroup computes at M = 1 (fewer for larger M: registers)."""
+USE_SUBGROUPS = True
+"""Reduce with subgroup operations where the device has the ``subgroup`` feature (False: for tests)."""
+ATTN_SPLIT_KEYS = 256
+"""Keys per split of a split (flash-decoding) attention."""
+ATTN_SPLIT_MIN_GROUPS = 64
+"""Split the keys when fewer workgroups (query rows x KV heads) than this would run otherwise."""
+
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_FLOAT_KINDS = ("f32", "f16")
+
+
+@dataclass(frozen=True)
+class GPUWeight:
+    """A :class:`~hetero.kernels.quant.PackedWeight` on the device: its arrays as Tensors, in binding order."""
+
+    kind: str
+    shape: tuple[int, int]
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+
+def upload_weight(gpu: GPUContext, pw: PackedWeight) -> GPUWeight:
+    """``pw``'s arrays as resident Tensors (``gpu.resident``): upload once, keep, pass to the ops."""
+    if not isinstance(pw, PackedWeight):
+        raise TypeError(f"upload_weight: expected a PackedWeight, got {type(pw).__name__}")
+    for name, a in pw.arrays.items():
+        _fits(gpu, "upload_weight", f"the weight's {name}", a.shape, a.dtype.itemsize)
+    return GPUWeight(pw.kind, pw.shape, tuple(gpu.resident(a) for a in pw.arrays.values()))
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _kind(op: str, name: str, x: Any) -> None:
+    if not isinstance(x, (Tensor, np.ndarray)):
+        raise TypeError(f"{op}: {name} must be a hetero.Tensor (or a numpy array), got {type(x).__name__}")
+
+
+def _arr(op: str, name: str, x: Any, dtype: np.dtype[Any], ndim: int | None = None) -> tuple[int, ...]:
+    """Check that ``x`` is a Tensor or array of ``dtype`` (and rank ``ndim``); its shape."""
+    _kind(op, name, x)
+    shape = tuple(int(s) for s in x.shape)
+    if np.dtype(x.dtype) != dtype:
+        raise TypeError(f"{op}: {name} must be {dtype.name}, got {np.dtype(x.dtype).name} (shape {shape}); "
+                        f"cast with .astype(np.{dtype.name})")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} axes, got shape {shape}")
+    return shape
+
+
+def _dev(gpu: GPUContext, x: Any) -> Tensor:
+    if isinstance(x, np.ndarray):
+        return gpu.upload(np.ascontiguousarray(x))
+    return x
+
+
+def _fits(gpu: GPUContext, op: str, what: str, shape: Sequence[int], itemsize: int = 4) -> None:
+    limit = int(gpu.limits["max-storage-buffer-binding-size"])
+    nbytes = math.prod(int(s) for s in shape) * itemsize
+    if nbytes > limit:
+        raise ValueError(f"{op}: {what} of shape {tuple(shape)} is {nbytes} bytes, more than the adapter's "
+                         f"max-storage-buffer-binding-size of {limit} bytes; split the work into smaller tensors")
+
+
+def _groups(n: int, per: int) -> int:
+    return -(-n // per)
+
+
+def _eps(op: str, eps: Any) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _subgroups(gpu: GPUContext) -> bool:
+    return USE_SUBGROUPS and "subgroup" in gpu.features
+
+
+def _weight(op: str, name: str, w: Any) -> tuple[str, tuple[int, int]]:
+    if not isinstance(w, (PackedWeight, GPUWeight)):
+        raise TypeError(f"{op}: {name} must be a PackedWeight or a GPUWeight (upload_weight), got "
+                        f"{type(w).__name__}")
+    return w.kind, (int(w.shape[0]), int(w.shape[1]))
+
+
+def _weight_tensors(gpu: GPUContext, w: PackedWeight | GPUWeight) -> list[Tensor]:
+    if isinstance(w, GPUWeight):
+        return list(w.tensors)
+    return [gpu.upload(a) for a in w.arrays.values()]
+
+
+def _units(kind: str, cols: int) -> tuple[int, int]:
+    """(units of 8 weights, blocks of 32) in a row of ``cols`` weights of ``kind``."""
+    if kind in _FLOAT_KINDS:
+        return -(-cols // 8), 0
+    return cols // 8, cols // 32
+
+
+# -- linear layers ------------------------------------------------------------------------------
+def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, Any]], bias: Any, residual: Any,
+                   norm: Any, eps: Any) -> tuple[int, int, int, str]:
+    xs = _arr(op, "x", x, _F32, 2)
+    m, k = xs
+    kinds = []
+    n = 0
+    for name, w in weights:
+        kind, (wn, wk) = _weight(op, name, w)
+        if wk != k:
+            raise ValueError(f"{op}: x of shape {list(xs)} and {name} of shape [{wn}, {wk}] do not chain; "
+                             f"y = x @ W.T needs x's last axis ({k}) equal to W's cols ({wk})")
+        kinds.append((name, kind, wn))
+        n = wn
+    if len({kd for _, kd, _ in kinds}) != 1 or len({r for _, _, r in kinds}) != 1:
+        got = ", ".join(f"{nm} {kd} rows {r}" for nm, kd, r in kinds)
+        raise ValueError(f"{op}: the weights must share their kind and shape, got {got}")
+    if bias is not None:
+        bs = _arr(op, "bias", bias, _F32)
+        if bs != (n,):
+            raise ValueError(f"{op}: bias of shape {bs} does not match the {n} output features; it must be ({n},)")
+    if residual is not None:
+        rs = _arr(op, "residual", residual, _F32)
+        if rs != (m, n):
+            raise ValueError(f"{op}: residual of shape {rs} differs from the result's shape ({m}, {n})")
+    if norm is not None:
+        gs = _arr(op, "norm", norm, _F32)
+        if gs != (k,):
+            raise ValueError(f"{op}: norm (the RMSNorm weight) of shape {gs} does not match x's last axis of "
+                             f"{k}; it must be ({k},)")
+        _eps(op, eps)
+    _fits(gpu, op, "x", xs)
+    _fits(gpu, op, "the result", (m, n))
+    return m, k, n, kinds[0][1]
+
+
+def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
+                kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
+    swiglu = len(ws) == 2
+    out = gpu.empty((m, n), np.float32)
+    if m == 0:
+        return out
+    units, blocks = _units(kind, k)
+    vec = k % 8 == 0
+    if path not in ("auto", "gemv", "tiled"):
+        raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
+    gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
+    xt = _dev(gpu, x)
+    bindings: list[Any] = [xt]
+    for w in ws:
+        bindings += _weight_tensors(gpu, w)
+    if norm is not None:
+        bindings.append(_dev(gpu, norm))
+    if bias is not None:
+        bindings.append(_dev(gpu, bias))
+    if residual is not None:
+        bindings.append(_dev(gpu, residual))
+    bindings.append(out)
+    bindings.append(b"")  # the params, per dispatch
+    flags = (swiglu, norm is not None, bias is not None, residual is not None)
+    tag = "".join(t for t, f in zip((".swiglu", ".norm", ".bias", ".res"), flags) if f)
+    if gemv:
+        sg = _subgroups(gpu)
+        # GEMV_MAX_M rows of x at a time (registers); the params say which
+        for m0 in range(0, m, GEMV_MAX_M):
+            mr = min(GEMV_MAX_M, m - m0)
+            rows = max(1, min(GEMV_ROWS, 8 // mr))
+            src = W.linear_gemv(kind, mr, rows, GEMV_THREADS, vec, swiglu, norm is not None, bias is not None,
+                                residual is not None, sg)
+            kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
+                              f"{'.sg' if sg else ''}")
+            bindings[-1] = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
+            gpu.dispatch(kern, _groups(n, rows), *bindings)
+        return out
+    bindings[-1] = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
+    src = W.linear_tiled(kind, vec, swiglu, norm is not None, bias is not None, residual is not None)
+    kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}")
+    gpu.dispatch(kern, (_groups(n, 32), _groups(m, 32), 1), *bindings)
+    return out
+
+
+def linear(gpu: GPUContext, x: Tensor | np.ndarray, w: PackedWeight | GPUWeight, *,
+           bias: Tensor | np.ndarray | None = None, residual: Tensor | np.ndarray | None = None,
+           norm: Tensor | np.ndarray | None = None, eps: float = 1e-6, path: str = "auto") -> Tensor:
+    """``y = x' @ W.T + bias + residual`` for x float32 [M, K] and a weight [N, K] of any kind -> [M, N].
+
+    ``x'`` is ``x``, or with ``norm`` (the RMSNorm weight, float32 [K]) ``rmsnorm(x, norm,
+    eps)``, folded into the product. ``residual`` ([M, N]) is added in the epilogue (the
+    attention output projection and the MLP's down projection add the residual stream).
+    ``path``: "gemv" (the decode kernel; M <= :data:`GEMV_MAX_M` rows at a time), "tiled"
+    (the GEMM kernel) or "auto" (GEMV for M <= :data:`GEMV_MAX_M`). The output head is
+    ``linear(h, embedding_weight, norm=final_norm)`` for a tied embedding.
+    """
+    m, k, n, kind = _linear_checks("linear", gpu, x, [("w", w)], bias, residual, norm, eps)
+    return _linear_run("linear", gpu, x, [w], m, k, n, kind, bias, residual, norm, float(eps), path)
+
+
+def linear_swiglu(gpu: GPUContext, x: Tensor | np.ndarray, w_gate: PackedWeight | GPUWeight,
+                  w_up: PackedWeight | GPUWeight, *, norm: Tensor | np.ndarray | None = None, eps: float = 1e-6,
+                  path: str = "auto") -> Tensor:
+    """``silu(x' Wg^T) * (x' Wu^T)`` -> [M, F]: the MLP's gate and up projections and SwiGLU, one dispatch.
+
+    ``x'`` as in :func:`linear` (``norm`` folds the post-attention RMSNorm in). Both
+    weights [F, K] of one kind.
+    """
+    m, k, n, kind = _linear_checks("linear_swiglu", gpu, x, [("w_gate", w_gate), ("w_up", w_up)], None, None,
+                                   norm, eps)
+    return _linear_run("linear_swiglu", gpu, x, [w_gate, w_up], m, k, n, kind, None, None, norm, float(eps), path)
+
+
+def silu_mul(gpu: GPUContext, gate: Tensor | np.ndarray, up: Tensor | np.ndarray) -> Tensor:
+    """``silu(gate) * up`` elementwise for two float32 tensors of one shape (SwiGLU's activation)."""
+    gs = _arr("silu_mul", "gate", gate, _F32)
+    us = _arr("silu_mul", "up", up, _F32)
+    if gs != us:
+        raise ValueError(f"silu_mul: gate of shape {gs} and up of shape {us} differ; they must be equal")
+    _fits(gpu, "silu_mul", "gate", gs)
+    out = gpu.empty(gs, np.float32)
+    total = math.prod(gs)
+    if total == 0:
+        return out
+    kern = gpu.kernel(_SILU_MUL, "main", label="decoder.silu_mul")
+    gpu.dispatch(kern, _groups(total, 256), _dev(gpu, gate), _dev(gpu, up), out, struct.pack("<4I", total, 0, 0, 0))
+    return out
+
+
+_SILU_MUL = """
+struct Params { n: u32, pad0: u32, pad1: u32, pad2: u32 }
+@group(0) @binding(0) var<storage, read> g: array<f32>;
+@group(0) @binding(1) var<storage, read> u: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<uniform> p: Params;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = hetero_workgroup_id(wid).x * 256u + li;
+    if (i >= p.n) { return; }
+    let v = g[i];
+    y[i] = v / (1.0 + exp(-v)) * u[i];
+}
+"""
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+def _norm_checks(op: str, gpu: GPUContext, x: Any, weight: Any, eps: Any, residual: Any) -> tuple[int, int]:
+    xs = _arr(op, "x", x, _F32)
+    if len(xs) == 0:
+        raise ValueError(f"{op}: x is 0-d (shape ()); it needs at least one axis")
+    n = xs[-1]
+    ws = _arr(op, "weight", weight, _F32)
+    if ws != (n,):
+        raise ValueError(f"{op}: weight of shape {ws} does not match the last axis of x of shape {xs}; it must "
+                         f"be ({n},)")
+    if residual is not None:
+        rs = _arr(op, "residual", residual, _F32)
+        if rs != xs:
+            raise ValueError(f"{op}: residual of shape {rs} differs from x of shape {xs}; they must be equal")
+    _eps(op, eps)
+    _fits(gpu, op, "x", xs)
+    return math.prod(xs[:-1]), n
+
+
+def rmsnorm(gpu: GPUContext, x: Tensor | np.ndarray, weight: Tensor | np.ndarray, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight`` (Llama's, in float32)."""
+    rows, n = _norm_checks("rmsnorm", gpu, x, weight, eps, None)
+    out = gpu.empty(tuple(int(s) for s in x.shape), np.float32)
+    if rows * n == 0:
+        return out
+    kern = gpu.kernel(W.rmsnorm(False), "main", label="decoder.rmsnorm")
+    gpu.dispatch(kern, rows, _dev(gpu, x), _dev(gpu, weight), out, struct.pack("<2If1I", rows, n, float(eps), 0))
+    return out
+
+
+def add_rmsnorm(gpu: GPUContext, x: Tensor | np.ndarray, residual: Tensor | np.ndarray,
+                weight: Tensor | np.ndarray, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``(h, rmsnorm(h, weight, eps))`` with ``h = x + residual``: the residual stream and its norm, one dispatch."""
+    rows, n = _norm_checks("add_rmsnorm", gpu, x, weight, eps, residual)
+    shape = tuple(int(s) for s in x.shape)
+    h = gpu.empty(shape, np.float32)
+    out = gpu.empty(shape, np.float32)
+    if rows * n == 0:
+        return h, out
+    kern = gpu.kernel(W.rmsnorm(True), "main", label="decoder.add_rmsnorm")
+    gpu.dispatch(kern, rows, _dev(gpu, x), _dev(gpu, residual), _dev(gpu, weight), h, out,
+                 struct.pack("<2If1I", rows, n, float(eps), 0))
+    return h, out
+
+
+# -- RoPE and the KV cache ------------------------------------------------------------------------
+def kv_cache(gpu: GPUContext, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """A (K, V) pair of resident float32 caches [num_blocks, block_size, kv_heads, head_dim], zeroed."""
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"kv_cache: {name} must be an int >= 1, got {v!r}")
+    shape = (int(num_blocks), int(block_size), int(kv_heads), int(head_dim))
+    _fits(gpu, "kv_cache", "a cache", shape)
+    z = np.zeros(shape, np.float32)
+    return gpu.resident(z), gpu.resident(z)
+
+
+def _cache_shape(op: str, name: str, c: Any) -> tuple[int, int, int, int]:
+    s = _arr(op, name, c, _F32, 4)
+    if not isinstance(c, Tensor):
+        raise TypeError(f"{op}: {name} must be a hetero.Tensor (the cache is written in place), got a numpy array")
+    return s[0], s[1], s[2], s[3]
+
+
+def _ints(op: str, name: str, a: Any, shape: tuple[int, ...]) -> None:
+    s = _arr(op, name, a, _I32)
+    if s != shape:
+        raise ValueError(f"{op}: {name} of shape {s} must have shape {shape}")
+
+
+def _rope_record(gpu: GPUContext, label: str, t: int, hq: int, hkv: int, d: int, pos: Any, inv_freq: Any,
+                 slots: Any, src: tuple[Any, int, int], ksrc: tuple[Any, int, int], vsrc: tuple[Any, int, int],
+                 qo: Tensor, kc: Tensor, vc: Tensor, with_q: bool, with_kv: bool, rope_k: bool) -> None:
+    total = t * (hq + 2 * hkv) * (d // 2)
+    if total == 0:
+        return
+    kern = gpu.kernel(W.rope_kv(with_q, with_kv, rope_k), "main", label=label)
+    params = struct.pack("<12I", t, hq, hkv, d, src[1], src[2], ksrc[1], ksrc[2], vsrc[1], vsrc[2], total, 0)
+    gpu.dispatch(kern, _groups(total, 64), pos, inv_freq, slots, src[0], ksrc[0], vsrc[0], qo, kc, vc, params)
+
+
+def _rope_common(op: str, positions: Any, inv_freq: Any, t: int, d: int) -> None:
+    if d % 2:
+        raise ValueError(f"{op}: head_dim must be even for rotate_half pairs, got {d}")
+    _ints(op, "positions", positions, (t,))
+    fs = _arr(op, "inv_freq", inv_freq, _F32)
+    if fs != (d // 2,):
+        raise ValueError(f"{op}: inv_freq of shape {fs} must have shape ({d // 2},) (head_dim / 2)")
+    if isinstance(positions, np.ndarray) and positions.size and int(positions.min()) < 0:
+        raise ValueError(f"{op}: positions must be >= 0, got {int(positions.min())}")
+
+
+def rope(gpu: GPUContext, x: Tensor | np.ndarray, positions: Tensor | np.ndarray,
+         inv_freq: Tensor | np.ndarray) -> Tensor:
+    """RoPE of x [T, heads, D] at ``positions`` (int32 [T]): rotate_half pairs (i, i + D/2) -> [T, heads, D]."""
+    t, h, d = _arr("rope", "x", x, _F32, 3)
+    _rope_common("rope", positions, inv_freq, t, d)
+    _fits(gpu, "rope", "x", (t, h, d))
+    out = gpu.empty((t, h, d), np.float32)
+    if t * h * d == 0:
+        return out
+    xt = _dev(gpu, x)
+    dummy = gpu.empty((1,), np.float32)
+    dummy_i = gpu.empty((1,), np.int32)
+    dummy2 = gpu.empty((1,), np.float32)
+    _rope_record(gpu, "decoder.rope", t, h, 0, d, _dev(gpu, positions), _dev(gpu, inv_freq), dummy_i,
+                 (xt, h * d, 0), (xt, h * d, 0), (xt, h * d, 0), out, dummy, dummy2, True, False, True)
+    return out
+
+
+def _slots_check(op: str, slots: Any, t: int, kc_shape: tuple[int, int, int, int]) -> None:
+    _ints(op, "slots", slots, (t,))
+    cap = kc_shape[0] * kc_shape[1]
+    if isinstance(slots, np.ndarray) and slots.size and (int(slots.min()) < 0 or int(slots.max()) >= cap):
+        raise ValueError(f"{op}: slots must be in [0, {cap}) (num_blocks * block_size of the cache), got "
+                         f"[{int(slots.min())}, {int(slots.max())}]")
+
+
+def _caches(op: str, k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
+    ks = _cache_shape(op, "k_cache", k_cache)
+    vs = _cache_shape(op, "v_cache", v_cache)
+    if ks != vs:
+        raise ValueError(f"{op}: k_cache of shape {ks} and v_cache of shape {vs} differ; they must be equal")
+    return ks
+
+
+def kv_write(gpu: GPUContext, k_cache: Tensor, v_cache: Tensor, k: Tensor | np.ndarray, v: Tensor | np.ndarray,
+             slots: Tensor | np.ndarray) -> None:
+    """Write rows k, v [T, kv_heads, D] into the caches at flat slots (int32 [T]), in place."""
+    ks = _caches("kv_write", k_cache, v_cache)
+    kshape = _arr("kv_write", "k", k, _F32, 3)
+    vshape = _arr("kv_write", "v", v, _F32, 3)
+    t = kshape[0]
+    if kshape != vshape or kshape[1:] != ks[2:]:
+        raise ValueError(f"kv_write: k of shape {kshape} and v of shape {vshape} must both be [T, {ks[2]}, {ks[3]}] "
+                         f"(T, the caches' kv_heads and head_dim)")
+    _slots_check("kv_write", slots, t, ks)
+    if ks[3] % 2:
+        raise ValueError(f"kv_write: head_dim must be even, got {ks[3]}")
+    if t == 0:
+        return
+    kt, vt = _dev(gpu, k), _dev(gpu, v)
+    hkv, d = ks[2], ks[3]
+    dummy_f = gpu.empty((d // 2,), np.float32)
+    dummy_p = gpu.empty((t,), np.int32)
+    dummy_q = gpu.empty((1,), np.float32)
+    _rope_record(gpu, "decoder.kv_write", t, 0, hkv, d, dummy_p, dummy_f, _dev(gpu, slots),
+                 (kt, hkv * d, 0), (kt, hkv * d, 0), (vt, hkv * d, 0), dummy_q, k_cache, v_cache,
+                 False, True, False)
+
+
+def rope_kv(gpu: GPUContext, qkv: Tensor | np.ndarray, positions: Tensor | np.ndarray,
+            inv_freq: Tensor | np.ndarray, k_cache: Tensor, v_cache: Tensor, slots: Tensor | np.ndarray, *,
+            heads: int) -> Tensor:
+    """RoPE of q and k out of a fused QKV projection, k and v written to the cache: one dispatch.
+
+    ``qkv`` float32 [T, (heads + 2 kv_heads) * D] (q's heads, then k's, then v's: the
+    output of ``linear`` with ``concat_rows([wq, wk, wv])``); returns q [T, heads, D],
+    rotated; k (rotated) and v go to ``slots`` (int32 [T]) of the caches.
+    """
+    ks = _caches("rope_kv", k_cache, v_cache)
+    hkv, d = ks[2], ks[3]
+    t, c = _arr("rope_kv", "qkv", qkv, _F32, 2)
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise ValueError(f"rope_kv: heads must be an int >= 1, got {heads!r}")
+    if c != (heads + 2 * hkv) * d:
+        raise ValueError(f"rope_kv: qkv of shape {(t, c)} must be [T, (heads + 2 kv_heads) * head_dim] = "
+                         f"[T, ({heads} + 2*{hkv}) * {d}] = [T, {(heads + 2 * hkv) * d}]")
+    _rope_common("rope_kv", positions, inv_freq, t, d)
+    _slots_check("rope_kv", slots, t, ks)
+    _fits(gpu, "rope_kv", "qkv", (t, c))
+    out = gpu.empty((t, heads, d), np.float32)
+    if t == 0:
+        return out
+    src = _dev(gpu, qkv)
+    _rope_record(gpu, "decoder.rope_kv", t, heads, hkv, d, _dev(gpu, positions), _dev(gpu, inv_freq),
+                 _dev(gpu, slots), (src, c, 0), (src, c, heads * d), (src, c, (heads + hkv) * d), out,
+                 k_cache, v_cache, True, True, True)
+    return out
+
+
+# -- paged attention -------------------------------------------------------------------------------
+def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_cache: Tensor,
+                    block_tables: Tensor | np.ndarray, query_seq: Tensor | np.ndarray,
+                    query_pos: Tensor | np.ndarray, *, scale: float | None = None,
+                    splits: int | None = None) -> Tensor:
+    """Causal GQA attention of q [T, heads, D] over the paged caches -> [T, heads, D].
+
+    Query row t attends to keys 0 .. ``query_pos[t]`` of sequence ``query_seq[t]``, found
+    through ``block_tables`` (int32 [S, max_blocks]). ``scale`` defaults to 1/sqrt(D).
+    ``splits``: key chunks (flash-decoding) of ``ceil(max_blocks * block_size / splits)``
+    keys; None chooses (see the module docstring), 1 never splits.
+    """
+    op = "paged_attention"
+    nb, bs, hkv, d = _caches(op, k_cache, v_cache)
+    t, hq, qd = _arr(op, "q", q, _F32, 3)
+    if qd != d:
+        raise ValueError(f"{op}: q of shape {(t, hq, qd)} has head_dim {qd}, the caches {d}; they must be equal")
+    if hq % hkv:
+        raise ValueError(f"{op}: heads ({hq}) must be a multiple of the caches' kv_heads ({hkv}) for "
+                         "grouped-query attention")
+    if d % 4:
+        raise ValueError(f"{op}: head_dim must be a multiple of 4, got {d}")
+    group = hq // hkv
+    if group > 16:
+        raise ValueError(f"{op}: at most 16 query heads per KV head, got {group} ({hq} / {hkv})")
+    bts = _arr(op, "block_tables", block_tables, _I32, 2)
+    _ints(op, "query_seq", query_seq, (t,))
+    _ints(op, "query_pos", query_pos, (t,))
+    s, maxb = bts
+    if isinstance(query_seq, np.ndarray) and t and (int(query_seq.min()) < 0 or int(query_seq.max()) >= s):
+        raise ValueError(f"{op}: query_seq must be in [0, {s}) (rows of block_tables), got "
+                         f"[{int(query_seq.min())}, {int(query_seq.max())}]")
+    if isinstance(query_pos, np.ndarray) and t and (int(query_pos.min()) < 0 or
+                                                    int(query_pos.max()) >= maxb * bs):
+        raise ValueError(f"{op}: query_pos must be in [0, {maxb * bs}) (max_blocks * block_size), got "
+                         f"[{int(query_pos.min())}, {int(query_pos.max())}]")
+    if isinstance(block_tables, np.ndarray) and block_tables.size and \
+            (int(block_tables.min()) < 0 or int(block_tables.max()) >= nb):
+        raise ValueError(f"{op}: block_tables entries must be in [0, {nb}) (the caches' num_blocks), got "
+                         f"[{int(block_tables.min())}, {int(block_tables.max())}]")
+    sc = 1.0 / math.sqrt(d) if scale is None else scale
+    if isinstance(sc, bool) or not isinstance(sc, (int, float, np.floating)) or not math.isfinite(float(sc)):
+        raise ValueError(f"{op}: scale must be a finite number, got {scale!r}")
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1):
+        raise ValueError(f"{op}: splits must be an int >= 1 or None, got {splits!r}")
+    _fits(gpu, op, "q", (t, hq, d))
+    out = gpu.empty((t, hq, d), np.float32)
+    if t == 0 or s == 0:
+        return out
+    cap = maxb * bs
+    if splits is None:
+        splits = 1
+        if t * hkv < ATTN_SPLIT_MIN_GROUPS and cap > ATTN_SPLIT_KEYS:
+            splits = _groups(cap, ATTN_SPLIT_KEYS)
+    splits = min(int(splits), cap)
+    split_keys = _groups(cap, splits)
+    splits = _groups(cap, split_keys)
+    sg = _subgroups(gpu)
+    partial = splits > 1
+    kern = gpu.kernel(W.attention(group, d, partial, sg), "main",
+                      label=f"decoder.paged_attention.g{group}.d{d}{'.split' if partial else ''}{'.sg' if sg else ''}")
+    params = struct.pack("<8If3I", t, hq, hkv, d, bs, maxb, splits, split_keys,
+                         float(sc) * 1.4426950408889634, 0, 0, 0)
+    qt, btt, qst, qpt = _dev(gpu, q), _dev(gpu, block_tables), _dev(gpu, query_seq), _dev(gpu, query_pos)
+    workgroups = t * hkv * splits
+    if not partial:
+        gpu.dispatch(kern, workgroups, qt, k_cache, v_cache, btt, qst, qpt, out, params)
+        return out
+    _fits(gpu, op, "the partial results", (t, hq, splits, d + 2))
+    part = gpu.empty((t, hq, splits, d + 2), np.float32)
+    gpu.dispatch(kern, workgroups, qt, k_cache, v_cache, btt, qst, qpt, part, params)
+    comb = gpu.kernel(W.attention_combine(), "main", label="decoder.paged_attention.combine")
+    gpu.dispatch(comb, t * hq, part, out, struct.pack("<4I", t * hq, d, splits, 0))
+    return out
+
+
+# -- embedding ------------------------------------------------------------------------------------
+def embedding(gpu: GPUContext, table: PackedWeight | GPUWeight, ids: Tensor | np.ndarray) -> Tensor:
+    """Rows ``ids`` (int32 [T]) of a [V, H] table of any kind, dequantized -> float32 [T, H].
+
+    Ids outside [0, V) give rows of zeros on the GPU; ids given as a numpy array are
+    checked on the host, and out-of-range ones raise.
+    """
+    kind, (v, h) = _weight("embedding", "table", table)
+    s = _arr("embedding", "ids", ids, _I32, 1)
+    t = s[0]
+    if isinstance(ids, np.ndarray) and t and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        raise ValueError(f"embedding: ids must be in [0, {v}) (the table's rows), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    _fits(gpu, "embedding", "the result", (t, h))
+    out = gpu.empty((t, h), np.float32)
+    if t == 0:
+        return out
+    units, blocks = _units(kind, h)
+    kern = gpu.kernel(W.embedding(kind), "main", label=f"decoder.embedding.{kind}")
+    gpu.dispatch(kern, _groups(t * units, 64), _dev(gpu, ids), *_weight_tensors(gpu, table), out,
+                 struct.pack("<8I", t, h, units, blocks, v, 0, 0, 0))
+    return out
+
+
+# -- sampling -------------------------------------------------------------------------------------
+def sampling_params(temperature: Sequence[float] | float, top_k: Sequence[int] | int = 0,
+                    top_p: Sequence[float] | float = 1.0, seed: Sequence[int] | int = 0,
+                    step: Sequence[int] | int = 0, *, rows: int | None = None) -> np.ndarray:
+    """The per-row parameter array ``sample`` reads: uint32 [S, 8] of (temperature bits, top_k,
+    top_p bits, seed, step, 0, 0, 0).
+
+    Scalars are broadcast to ``rows`` (or to the length of the sequences given).
+    ``temperature`` 0 is greedy; ``top_k`` 0 (or >= vocab) and ``top_p`` 1 disable those
+    filters; ``seed`` and ``step`` are taken modulo 2**32.
+    """
+    cols = [np.atleast_1d(np.asarray(a)) for a in (temperature, top_k, top_p, seed, step)]
+    n = rows if rows is not None else max(c.shape[0] for c in cols)
+    out = np.zeros((n, 8), np.uint32)
+    names = ("temperature", "top_k", "top_p", "seed", "step")
+    for i, (name, c) in enumerate(zip(names, cols)):
+        if c.ndim != 1 or c.shape[0] not in (1, n):
+            raise ValueError(f"sampling_params: {name} must be a scalar or a sequence of {n}, got shape {c.shape}")
+        c = np.broadcast_to(c, (n,))
+        if name in ("temperature", "top_p"):
+            f = c.astype(np.float32)
+            if not np.all(np.isfinite(f)) or np.any(f < 0):
+                raise ValueError(f"sampling_params: {name} must be finite and >= 0, got {c.tolist()}")
+            if name == "top_p" and np.any(f <= 0):
+                raise ValueError(f"sampling_params: top_p must be in (0, 1], got {c.tolist()}")
+            out[:, i] = f.view(np.uint32)
+        else:
+            ci = c.astype(np.int64)
+            if name == "top_k" and np.any(ci < 0):
+                raise ValueError(f"sampling_params: top_k must be >= 0, got {c.tolist()}")
+            out[:, i] = (ci % (1 << 32)).astype(np.uint32)
+    return out
+
+
+def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.ndarray) -> Tensor:
+    """One token id a row of ``logits`` (float32 [S, V]) -> int32 [S], with per-row ``params``
+    (uint32 [S, 8], from :func:`sampling_params`): greedy, or temperature / top-k / top-p sampling."""
+    s, v = _arr("sample", "logits", logits, _F32, 2)
+    ps = _arr("sample", "params", params, np.dtype(np.uint32), 2)
+    if ps != (s, 8):
+        raise ValueError(f"sample: params of shape {ps} must be ({s}, 8) (one row of sampling_params per logits "
+                         "row)")
+    if v == 0 and s:
+        raise ValueError("sample: logits have no columns (vocab 0); nothing to sample")
+    _fits(gpu, "sample", "logits", (s, v))
+    out = gpu.empty((s,), np.int32)
+    if s == 0:
+        return out
+    kern = gpu.kernel(W.sample(), "main", label="decoder.sample")
+    gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0))
+    return out
+

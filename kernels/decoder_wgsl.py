@@ -1,0 +1,877 @@
+"""WGSL of the decoder kernels (:mod:`hetero.kernels.decoder`): generators of each kernel variant.
+
+Each generator returns the source of one variant (memoised); the ops in
+:mod:`hetero.kernels.decoder` choose the variant, compile it and dispatch it. Every
+kernel finds its workgroup with ``hetero_workgroup_id``, so hetero may split its grid.
+Loops over registers are unrolled here, in Python (named variables, never private
+arrays indexed in loops): drivers keep them in registers.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+__all__ = ["attention", "attention_combine", "embedding", "linear_gemv", "linear_tiled", "rmsnorm", "rope_kv",
+           "sample"]
+
+# -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
+# A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
+# element offsets (along K) of the activations they multiply: (8u, 8u + 4) for f32, f16 and
+# q8_0; for q4 the low nibbles of word i of a block are elements 4i..4i+3 and the high
+# nibbles 16+4i..16+4i+3.
+
+
+def weight_decls(kind: str, first: int, tag: str) -> tuple[str, int]:
+    """Declarations of a weight's arrays from binding ``first``; (WGSL, bindings used)."""
+    if kind == "f32":
+        return f"@group(0) @binding({first}) var<storage, read> w{tag}: array<vec4<f32>>;\n", 1
+    if kind == "f16":
+        return f"@group(0) @binding({first}) var<storage, read> w{tag}: array<vec4<u32>>;\n", 1
+    qs = "vec2<u32>" if kind == "q8_0" else "u32"
+    src = (f"@group(0) @binding({first}) var<storage, read> qs{tag}: array<{qs}>;\n"
+           f"@group(0) @binding({first + 1}) var<storage, read> d{tag}: array<f32>;\n")
+    if kind == "q4_1":
+        return src + f"@group(0) @binding({first + 2}) var<storage, read> m{tag}: array<f32>;\n", 3
+    return src, 2
+
+
+def weight_fns(kind: str, tag: str) -> str:
+    """``wunit{tag}(r, u) -> Unit`` (8 weights of unit u of row r) for a weight of ``kind``.
+
+    Rows are ``p.units`` units long (``p.blocks`` blocks of 32 for quantized kinds).
+    """
+    if kind == "f32":
+        body = f"""let i = (r * p.units + u) * 2u;
+    return Unit(w{tag}[i], w{tag}[i + 1u]);"""
+    elif kind == "f16":
+        body = f"""let v = w{tag}[r * p.units + u];
+    return Unit(vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y)),
+                vec4<f32>(unpack2x16float(v.z), unpack2x16float(v.w)));"""
+    elif kind == "q8_0":
+        body = f"""let v = qs{tag}[r * p.units + u];
+    let s = d{tag}[r * p.blocks + u / 4u];
+    return Unit(i8x4(v.x) * s, i8x4(v.y) * s);"""
+    else:
+        off = "- 8.0) * s" if kind == "q4_0" else f") * s + m{tag}[r * p.blocks + u / 4u]"
+        body = f"""let v = qs{tag}[r * p.units + u];
+    let s = d{tag}[r * p.blocks + u / 4u];
+    let lo = vec4<f32>((vec4<u32>(v) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u));
+    let hi = vec4<f32>((vec4<u32>(v) >> vec4<u32>(4u, 12u, 20u, 28u)) & vec4<u32>(15u));
+    return Unit((lo {off}, (hi {off});"""
+    return f"fn wunit{tag}(r: u32, u: u32) -> Unit {{\n    {body}\n}}\n"
+
+
+def _xoff(kind: str) -> str:
+    if kind in ("q4_0", "q4_1"):
+        return "fn xoff(u: u32) -> vec2<u32> { let b = (u / 4u) * 32u + (u % 4u) * 4u; return vec2<u32>(b, b + 16u); }\n"
+    return "fn xoff(u: u32) -> vec2<u32> { return vec2<u32>(u * 8u, u * 8u + 4u); }\n"
+
+
+_COMMON = """
+struct Unit { lo: vec4<f32>, hi: vec4<f32> }
+// 4 signed bytes of a word (little-endian) as floats
+fn i8x4(v: u32) -> vec4<f32> {
+    return vec4<f32>(vec4<i32>(vec4<u32>(v) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+}
+fn silu(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
+"""
+
+_LINEAR_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, pad1: u32 }
+"""
+
+
+def _x_reader(vec: bool) -> str:
+    """``xv(m, k)``: x[m, k..k+3] (zeros past K); vec: K % 8 == 0, one vec4 load."""
+    if vec:
+        return "fn xv(m: u32, k: u32) -> vec4<f32> { return x[(m * p.k + k) / 4u]; }\n"
+    return """fn xs1(m: u32, k: u32) -> f32 { if (k < p.k) { return x[m * p.k + k]; } return 0.0; }
+fn xv(m: u32, k: u32) -> vec4<f32> { return vec4<f32>(xs1(m, k), xs1(m, k + 1u), xs1(m, k + 2u), xs1(m, k + 3u)); }
+"""
+
+
+def _g_reader(vec: bool) -> str:
+    if vec:
+        return "fn gv(k: u32) -> vec4<f32> { return g[k / 4u]; }\n"
+    return """fn gs1(k: u32) -> f32 { if (k < p.k) { return g[k]; } return 0.0; }
+fn gv(k: u32) -> vec4<f32> { return vec4<f32>(gs1(k), gs1(k + 1u), gs1(k + 2u), gs1(k + 3u)); }
+"""
+
+
+def _io_decls(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
+    """Bindings of a linear kernel: x, the weight(s), [g], [bias], [residual], y, params."""
+    xt = "vec4<f32>" if vec else "f32"
+    src = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
+    b = 1
+    decl, used = weight_decls(kind, b, "0")
+    src += decl
+    b += used
+    if swiglu:
+        decl, used = weight_decls(kind, b, "1")
+        src += decl
+        b += used
+    if norm:
+        src += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
+        b += 1
+    if bias:
+        src += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
+        b += 1
+    if residual:
+        src += f"@group(0) @binding({b}) var<storage, read> res: array<f32>;\n"
+        b += 1
+    src += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
+    src += f"@group(0) @binding({b + 1}) var<uniform> p: Params;\n"
+    return src
+
+
+def _epilogue(swiglu: bool, bias: bool, residual: bool) -> str:
+    """WGSL of ``fn store(m, n, a0, a1, scale)``: y[m, n] from the dot product(s) a0 (a1)."""
+    if swiglu:
+        val = "silu(a0 * scale) * (a1 * scale)"
+    else:
+        val = "a0 * scale" + (" + bias[n]" if bias else "") + (" + res[m * p.n + n]" if residual else "")
+    return f"fn store(m: u32, n: u32, a0: f32, a1: f32, scale: f32) {{ y[m * p.n + n] = {val}; }}\n"
+
+
+@lru_cache(maxsize=None)
+def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swiglu: bool, norm: bool,
+                bias: bool, residual: bool, subgroups: bool) -> str:
+    """y[M, N] = x[M, K] @ W.T for small M: a workgroup of ``threads`` per ``rows`` output rows.
+
+    Thread t takes units t, t + threads, ... of every row of its workgroup (consecutive
+    threads read consecutive weight words), dequantizes each in registers and dots it
+    with the ``mrows`` activation rows; the partial sums meet through subgroupAdd and
+    workgroup memory (``subgroups``) or a workgroup-memory tree. ``norm``: x is
+    RMS-normalised on the fly (x * g, and the dot products scaled by
+    1 / sqrt(mean(x^2) + eps), the sum of squares reduced with them).
+    ``swiglu``: two weights (gate, up), y = silu(x Wg^T) * (x Wu^T).
+    """
+    nw = 2 if swiglu else 1
+    vals = [f"a{w}_{r}_{m}" for w in range(nw) for r in range(rows) for m in range(mrows)]
+    if norm:
+        vals += [f"ss_{m}" for m in range(mrows)]
+    nv = len(vals)
+    lines = []
+    lines.append("    let n0 = hetero_workgroup_id(wid).x * ROWS;")
+    for v in vals:
+        lines.append(f"    var {v} = 0.0;")
+    lines.append("    for (var u = li; u < p.units; u += WG) {")
+    lines.append("        let o = xoff(u);")
+    for m in range(mrows):
+        lines.append(f"        var xa{m} = xv(p.m0 + {m}u, o.x);")
+        lines.append(f"        var xb{m} = xv(p.m0 + {m}u, o.y);")
+        if norm:
+            lines.append(f"        ss_{m} += dot(xa{m}, xa{m}) + dot(xb{m}, xb{m});")
+    if norm:
+        lines.append("        let ga = gv(o.x);")
+        lines.append("        let gb = gv(o.y);")
+        for m in range(mrows):
+            lines.append(f"        xa{m} *= ga; xb{m} *= gb;")
+    for r in range(rows):
+        lines.append(f"        if (n0 + {r}u < p.n) {{")
+        for w in range(nw):
+            lines.append(f"            let w{w}_{r} = wunit{w}(n0 + {r}u, u);")
+            for m in range(mrows):
+                lines.append(f"            a{w}_{r}_{m} += dot(w{w}_{r}.lo, xa{m}) + dot(w{w}_{r}.hi, xb{m});")
+        lines.append("        }")
+    lines.append("    }")
+    # reduction of the nv values over the workgroup into tot[]
+    if subgroups:
+        for j, v in enumerate(vals):
+            lines.append(f"    let s{j} = subgroupAdd({v});")
+        lines.append("    if (lane == 0u) {")
+        for j in range(nv):
+            lines.append(f"        red[sid * NV + {j}u] = s{j};")
+        lines.append("    }")
+        lines.append("    workgroupBarrier();")
+        lines.append("    for (var j = li; j < NV; j += WG) {")
+        lines.append("        var t = 0.0;")
+        lines.append("        for (var i = 0u; i < nsg; i++) { t += red[i * NV + j]; }")
+        lines.append("        tot[j] = t;")
+        lines.append("    }")
+        red_size = f"(WG / 4u) * NV"  # subgroups are at least 4 wide on every adapter we know
+        args = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
+                "@builtin(num_subgroups) nsg: u32")
+    else:
+        chunk = 8
+        red_size = f"WG * {chunk}u"
+        for c0 in range(0, nv, chunk):
+            part = vals[c0:c0 + chunk]
+            for j, v in enumerate(part):
+                lines.append(f"    red[{j}u * WG + li] = {v};")
+            lines.append("    workgroupBarrier();")
+            lines.append("    for (var s = WG / 2u; s > 0u; s >>= 1u) {")
+            lines.append("        if (li < s) {")
+            for j in range(len(part)):
+                lines.append(f"            red[{j}u * WG + li] += red[{j}u * WG + li + s];")
+            lines.append("        }")
+            lines.append("        workgroupBarrier();")
+            lines.append("    }")
+            lines.append("    if (li == 0u) {")
+            for j in range(len(part)):
+                lines.append(f"        tot[{c0 + j}u] = red[{j}u * WG];")
+            lines.append("    }")
+            lines.append("    workgroupBarrier();")
+        args = ""
+    lines.append("    workgroupBarrier();")
+    # outputs: thread j < rows * mrows writes (r, m)
+    lines.append("    if (li < ROWS * MR) {")
+    lines.append("        let r = li / MR;")
+    lines.append("        let m = li % MR;")
+    lines.append("        let n = n0 + r;")
+    lines.append("        if (n < p.n) {")
+    if norm:
+        lines.append(f"            let scale = inverseSqrt(tot[{nw * rows * mrows}u + m] / f32(p.k) + p.eps);")
+    else:
+        lines.append("            let scale = 1.0;")
+    a1 = f"tot[{rows * mrows}u + li]" if swiglu else "0.0"
+    lines.append(f"            store(p.m0 + m, n, tot[li], {a1}, scale);")
+    lines.append("        }")
+    lines.append("    }")
+    body = "\n".join(lines)
+    src = (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
+           + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
+           + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+           + f"""
+const WG: u32 = {threads}u;
+const ROWS: u32 = {rows}u;
+const MR: u32 = {mrows}u;
+const NV: u32 = {nv}u;
+var<workgroup> red: array<f32, {red_size}>;
+var<workgroup> tot: array<f32, NV>;
+
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32{args}) {{
+{body}
+}}
+""")
+    return src
+
+
+@lru_cache(maxsize=None)
+def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
+    """y[M, N] = x[M, K] @ W.T for larger M: 32 x 32 output tiles, 64 threads of 4 x 4 outputs each.
+
+    K is walked in chunks of 32 (one quantization block, 4 units): the workgroup loads the
+    x tile [32, 32] and dequantizes the weight tile [32, 32] (each of ``swiglu``'s two
+    weights) into workgroup memory once, and every thread reuses them for its 16
+    outputs. ``norm``: the weight tile is scaled by g (x g w = x (g w)) and each thread
+    sums the squares of its 4 rows of x on the way.
+    """
+    nw = 2 if swiglu else 1
+    L = []
+    L.append("    let tile = hetero_workgroup_id(wid);")
+    L.append("    let m0 = tile.y * 32u;")
+    L.append("    let n0 = tile.x * 32u;")
+    L.append("    let tx = li % 8u;")
+    L.append("    let ty = li / 8u;")
+    for w in range(nw):
+        for i in range(4):
+            for j in range(4):
+                L.append(f"    var c{w}_{i}_{j} = 0.0;")
+    if norm:
+        for i in range(4):
+            L.append(f"    var ss{i} = 0.0;")
+    L.append("    for (var kb = 0u; kb < p.units; kb += 4u) {")
+    # x tile: 32 rows x 32 k = 256 vec4; thread li loads 4 of them
+    L.append("        for (var e = li; e < 256u; e += 64u) {")
+    L.append("            let rr = e / 8u;")
+    L.append("            let c4 = (e % 8u) * 4u;")
+    L.append("            let mm = m0 + rr;")
+    L.append("            var v = vec4<f32>(0.0);")
+    L.append("            if (mm < p.m) { v = xv(mm, kb * 8u + c4); }")
+    L.append("            xs[rr * 33u + c4] = v.x; xs[rr * 33u + c4 + 1u] = v.y;")
+    L.append("            xs[rr * 33u + c4 + 2u] = v.z; xs[rr * 33u + c4 + 3u] = v.w;")
+    L.append("        }")
+    # weight tiles: 32 rows x 4 units = 128 units; thread li dequantizes 2
+    L.append("        for (var e = li; e < 128u; e += 64u) {")
+    L.append("            let rr = e / 4u;")
+    L.append("            let uu = kb + e % 4u;")
+    L.append("            let nn = n0 + rr;")
+    L.append("            let o = xoff(uu);")
+    L.append("            let lo = o.x - kb * 8u;")
+    L.append("            let hi = o.y - kb * 8u;")
+    if norm:
+        L.append("            let ga = gv(o.x);")
+        L.append("            let gb = gv(o.y);")
+    else:
+        L.append("            let ga = vec4<f32>(1.0);")
+        L.append("            let gb = vec4<f32>(1.0);")
+    for w in range(nw):
+        L.append(f"            var q{w} = Unit(vec4<f32>(0.0), vec4<f32>(0.0));")
+        L.append(f"            if (nn < p.n && uu < p.units) {{ q{w} = wunit{w}(nn, uu); }}")
+        L.append(f"            q{w}.lo *= ga; q{w}.hi *= gb;")
+        for c in range(4):
+            comp = "xyzw"[c]
+            L.append(f"            ws{w}[rr * 33u + lo + {c}u] = q{w}.lo.{comp};")
+            L.append(f"            ws{w}[rr * 33u + hi + {c}u] = q{w}.hi.{comp};")
+    L.append("        }")
+    L.append("        workgroupBarrier();")
+    L.append("        for (var kk = 0u; kk < 32u; kk++) {")
+    for i in range(4):
+        L.append(f"            let a{i} = xs[(ty + {8 * i}u) * 33u + kk];")
+        if norm:
+            L.append(f"            ss{i} += a{i} * a{i};")
+    for w in range(nw):
+        for j in range(4):
+            L.append(f"            let b{w}_{j} = ws{w}[(tx + {8 * j}u) * 33u + kk];")
+        for i in range(4):
+            for j in range(4):
+                L.append(f"            c{w}_{i}_{j} += a{i} * b{w}_{j};")
+    L.append("        }")
+    L.append("        workgroupBarrier();")
+    L.append("    }")
+    for i in range(4):
+        L.append(f"    let mr{i} = m0 + ty + {8 * i}u;")
+        L.append(f"    if (mr{i} < p.m) {{")
+        scale = f"inverseSqrt(ss{i} / f32(p.k) + p.eps)" if norm else "1.0"
+        L.append(f"        let sc{i} = {scale};")
+        for j in range(4):
+            a1 = f"c1_{i}_{j}" if swiglu else "0.0"
+            L.append(f"        if (n0 + tx + {8 * j}u < p.n) {{ store(mr{i}, n0 + tx + {8 * j}u, c0_{i}_{j}, {a1}, sc{i}); }}")
+        L.append("    }")
+    body = "\n".join(L)
+    ws = "".join(f"var<workgroup> ws{w}: array<f32, {32 * 33}>;\n" for w in range(nw))
+    return (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
+            + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
+            + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+            + f"""
+var<workgroup> xs: array<f32, {32 * 33}>;
+{ws}
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+{body}
+}}
+""")
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def rmsnorm(residual: bool) -> str:
+    """y = v / sqrt(mean(v^2) + eps) * g, v = x (+ residual, also written to h): a workgroup per row."""
+    res_decl = ("@group(0) @binding(1) var<storage, read> res: array<f32>;\n" if residual else "")
+    b = 2 if residual else 1
+    h_decl = f"@group(0) @binding({b + 1}) var<storage, read_write> h: array<f32>;\n" if residual else ""
+    y_b = b + 2 if residual else b + 1
+    val = "x[row * p.n + i] + res[row * p.n + i]" if residual else "x[row * p.n + i]"
+    store_h = "h[row * p.n + i] = v;" if residual else ""
+    return f"""
+struct Params {{ rows: u32, n: u32, eps: f32, pad: u32 }}
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+{res_decl}@group(0) @binding({b}) var<storage, read> g: array<f32>;
+{h_decl}@group(0) @binding({y_b}) var<storage, read_write> y: array<f32>;
+@group(0) @binding({y_b + 1}) var<uniform> p: Params;
+var<workgroup> red: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let row = hetero_workgroup_id(wid).x;
+    var ss = 0.0;
+    for (var i = li; i < p.n; i += 64u) {{
+        let v = {val};
+        {store_h}
+        ss += v * v;
+    }}
+    red[li] = ss;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {{
+        if (li < s) {{ red[li] += red[li + s]; }}
+        workgroupBarrier();
+    }}
+    let scale = inverseSqrt(red[0] / f32(p.n) + p.eps);
+    for (var i = li; i < p.n; i += 64u) {{
+        let v = {val};
+        y[row * p.n + i] = v * scale * g[i];
+    }}
+}}
+"""
+
+
+# -- RoPE and the KV-cache write ------------------------------------------------------------------
+def _split_bits(x: float, bits: int) -> float:
+    """``x`` truncated to ``bits`` significant bits (an exact float32 with room for products)."""
+    import math
+    e = math.floor(math.log2(abs(x)))
+    scale = 2.0 ** (bits - 1 - e)
+    return math.floor(x * scale) / scale
+
+
+def _pio2_parts() -> tuple[float, float, float]:
+    from fractions import Fraction
+    import math
+    # pi/2 to 40 digits (a constant, not derived from float math.pi)
+    pio2 = Fraction("1.5707963267948966192313216916397514420985846996875529104874722961")
+    c1 = _split_bits(float(pio2), 12)
+    c2 = _split_bits(float(pio2 - Fraction(c1)), 12)
+    c3 = float(pio2 - Fraction(c1) - Fraction(c2))
+    assert math.isfinite(c3)
+    return c1, c2, c3
+
+
+_C1, _C2, _C3 = _pio2_parts()
+
+SINCOS = f"""
+// sin and cos of a float32 angle, accurate (~1e-7) for |a| up to ~1e6: the argument is reduced by
+// multiples of pi/2 split in three parts (q * part exact in float32), then minimax polynomials on
+// [-pi/4, pi/4]; the builtins' accuracy is only specified on [-pi, pi] (2^-11 absolute).
+fn sincos(a: f32) -> vec2<f32> {{
+    let q = round(a * 0.636619772367581343);
+    let r = ((a - q * {_C1!r}) - q * {_C2!r}) - q * {_C3!r};
+    let z = r * r;
+    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    let quad = u32(i32(q) & 3);
+    if (quad == 0u) {{ return vec2<f32>(s, c); }}
+    if (quad == 1u) {{ return vec2<f32>(c, -s); }}
+    if (quad == 2u) {{ return vec2<f32>(-s, -c); }}
+    return vec2<f32>(-c, s);
+}}
+"""
+
+
+@lru_cache(maxsize=None)
+def rope_kv(with_q: bool, with_kv: bool, rope_k: bool) -> str:
+    """RoPE (rotate_half pairs (i, i + D/2)) of q heads into ``qo`` and of k heads, and k, v rows written
+    to their cache slots: a thread per (row, head, pair). Heads 0..HQ-1 are q, then HKV k, then HKV v.
+    """
+    return f"""
+struct Params {{ t: u32, hq: u32, hkv: u32, d: u32,
+                 qs: u32, qoff: u32, ks: u32, koff: u32,
+                 vs: u32, voff: u32, total: u32, pad: u32 }}
+@group(0) @binding(0) var<storage, read> pos: array<i32>;
+@group(0) @binding(1) var<storage, read> inv_freq: array<f32>;
+@group(0) @binding(2) var<storage, read> slots: array<i32>;
+@group(0) @binding(3) var<storage, read> qsrc: array<f32>;
+@group(0) @binding(4) var<storage, read> ksrc: array<f32>;
+@group(0) @binding(5) var<storage, read> vsrc: array<f32>;
+@group(0) @binding(6) var<storage, read_write> qo: array<f32>;
+@group(0) @binding(7) var<storage, read_write> kc: array<f32>;
+@group(0) @binding(8) var<storage, read_write> vc: array<f32>;
+@group(0) @binding(9) var<uniform> p: Params;
+{SINCOS}
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let idx = hetero_workgroup_id(wid).x * 64u + li;
+    if (idx >= p.total) {{ return; }}
+    let half = p.d / 2u;
+    let nh = p.hq + 2u * p.hkv;
+    let i = idx % half;
+    let j = (idx / half) % nh;
+    let t = idx / (half * nh);
+    let cs = sincos(f32(pos[t]) * inv_freq[i]);
+    if (j < p.hq) {{
+        {"" if with_q else "return;"}
+        let a = p.qoff + t * p.qs + j * p.d + i;
+        let x1 = qsrc[a];
+        let x2 = qsrc[a + half];
+        let o = (t * p.hq + j) * p.d + i;
+        qo[o] = x1 * cs.y - x2 * cs.x;
+        qo[o + half] = x2 * cs.y + x1 * cs.x;
+        return;
+    }}
+    {"return;" if not with_kv else ""}
+    let slot = u32(slots[t]);
+    if (j < p.hq + p.hkv) {{
+        let hk = j - p.hq;
+        let a = p.koff + t * p.ks + hk * p.d + i;
+        let x1 = ksrc[a];
+        let x2 = ksrc[a + half];
+        let o = (slot * p.hkv + hk) * p.d + i;
+        {"kc[o] = x1 * cs.y - x2 * cs.x; kc[o + half] = x2 * cs.y + x1 * cs.x;" if rope_k else "kc[o] = x1; kc[o + half] = x2;"}
+        return;
+    }}
+    let hv = j - p.hq - p.hkv;
+    let a = p.voff + t * p.vs + hv * p.d + i;
+    let o = (slot * p.hkv + hv) * p.d + i;
+    vc[o] = vsrc[a];
+    vc[o + half] = vsrc[a + half];
+}}
+"""
+
+
+# -- paged attention ------------------------------------------------------------------------------
+_NEG = "-3.0e38"  # "minus infinity" that stays finite: exp2(_NEG - m) is 0, and _NEG - _NEG is not NaN
+
+
+def _reduce_lines(vals: list[str], op: str, out: str, subgroups: bool, wg: int) -> list[str]:
+    """WGSL lines reducing each of ``vals`` (one f32 a thread) over the workgroup with ``op``
+    ("max" or "add"); every thread gets the results as ``{out}{i}``."""
+    L: list[str] = []
+    comb = (lambda a, b: f"max({a}, {b})") if op == "max" else (lambda a, b: f"{a} + {b}")
+    n = len(vals)
+    if subgroups:
+        fn = "subgroupMax" if op == "max" else "subgroupAdd"
+        for i, v in enumerate(vals):
+            L.append(f"    let sg_{out}{i} = {fn}({v});")
+        L.append("    if (lane == 0u) {")
+        for i in range(n):
+            L.append(f"        red[sid * {n}u + {i}u] = sg_{out}{i};")
+        L.append("    }")
+        L.append("    workgroupBarrier();")
+        for i in range(n):
+            L.append(f"    var {out}{i} = red[{i}u];")
+        L.append(f"    for (var si = 1u; si < nsg; si++) {{")
+        for i in range(n):
+            L.append(f"        {out}{i} = {comb(out + str(i), f'red[si * {n}u + {i}u]')};")
+        L.append("    }")
+        L.append("    workgroupBarrier();")
+        return L
+    for i, v in enumerate(vals):
+        L.append(f"    red[{i}u * {wg}u + li] = {v};")
+    L.append("    workgroupBarrier();")
+    L.append(f"    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{")
+    L.append("        if (li < s) {")
+    for i in range(n):
+        L.append(f"            red[{i}u * {wg}u + li] = {comb(f'red[{i}u * {wg}u + li]', f'red[{i}u * {wg}u + li + s]')};")
+    L.append("        }")
+    L.append("        workgroupBarrier();")
+    L.append("    }")
+    for i in range(n):
+        L.append(f"    let {out}{i} = red[{i}u * {wg}u];")
+    L.append("    workgroupBarrier();")
+    return L
+
+
+ATTN_WG = 64
+"""Threads of an attention workgroup, and keys per tile (one key a thread for the scores)."""
+
+
+@lru_cache(maxsize=None)
+def attention(group: int, d: int, partial: bool, subgroups: bool) -> str:
+    """Causal GQA attention of one query row over its sequence's paged keys (or one split of them).
+
+    A workgroup per (query row, KV head, split) serves the ``group`` query heads that share
+    the KV head, so each key and value is read once for all of them. Keys come in tiles of
+    64, one thread a key for the scores (q in workgroup memory, scaled by scale * log2 e),
+    then every thread accumulates its dims (d = li, li + 64, ...) over the tile's values with
+    an online softmax (running maximum and sum per head, the accumulator rescaled when the
+    maximum rises; exp2). ``partial``: writes (acc, m, l) unnormalised for the combine pass.
+    """
+    wg = ATTN_WG
+    d4 = d // 4
+    dt = -(-d // wg)
+    G = group
+    L: list[str] = []
+    L.append("    let w = hetero_workgroup_id(wid).x;")
+    L.append("    let split = w % p.nsplit;")
+    L.append("    let g = (w / p.nsplit) % p.hkv;")
+    L.append("    let t = w / (p.nsplit * p.hkv);")
+    L.append("    let seq = u32(qseq[t]);")
+    L.append("    let ctx = u32(qpos[t]) + 1u;")
+    L.append("    let start = split * p.split_keys;")
+    L.append("    let end = min(ctx, start + p.split_keys);")
+    L.append(f"    for (var e = li; e < {G * d4}u; e += {wg}u) {{")
+    L.append(f"        let h = e / {d4}u;")
+    L.append(f"        qsh[e] = q[(t * p.hq + g * {G}u + h) * {d4}u + e % {d4}u] * p.scale;")
+    L.append("    }")
+    L.append("    workgroupBarrier();")
+    for h in range(G):
+        L.append(f"    var m{h} = {_NEG};")
+        L.append(f"    var l{h} = 0.0;")
+        for k in range(dt):
+            L.append(f"    var acc{h}_{k} = 0.0;")
+    L.append(f"    for (var kt = start; kt < end; kt += {wg}u) {{")
+    L.append("        let j = kt + li;")
+    for h in range(G):
+        L.append(f"        var s{h} = {_NEG};")
+    L.append("        if (j < end) {")
+    L.append("            let slot = u32(bt[seq * p.maxb + j / p.bs]) * p.bs + j % p.bs;")
+    L.append("            slots[li] = slot;")
+    L.append(f"            let base = (slot * p.hkv + g) * {d4}u;")
+    for h in range(G):
+        L.append(f"            var d{h} = 0.0;")
+    L.append(f"            for (var c = 0u; c < {d4}u; c++) {{")
+    L.append("                let kv = kc[base + c];")
+    for h in range(G):
+        L.append(f"                d{h} += dot(qsh[{h * d4}u + c], kv);")
+    L.append("            }")
+    for h in range(G):
+        L.append(f"            s{h} = d{h};")
+    L.append("        }")
+    inner = _reduce_lines([f"s{h}" for h in range(G)], "max", "tm", subgroups, wg)
+    L += ["    " + x for x in inner]
+    for h in range(G):
+        L.append(f"        let mn{h} = max(m{h}, tm{h});")
+        L.append(f"        let al{h} = exp2(m{h} - mn{h});")
+        L.append(f"        m{h} = mn{h};")
+        L.append(f"        let pr{h} = select(0.0, exp2(s{h} - mn{h}), j < end);")
+        L.append(f"        psh[{h}u * {wg}u + li] = pr{h};")
+        for k in range(dt):
+            L.append(f"        acc{h}_{k} *= al{h};")
+    inner = _reduce_lines([f"pr{h}" for h in range(G)], "add", "ts", subgroups, wg)
+    L += ["    " + x for x in inner]
+    for h in range(G):
+        L.append(f"        l{h} = l{h} * al{h} + ts{h};")
+    L.append(f"        let nk = min({wg}u, end - kt);")
+    L.append("        for (var jj = 0u; jj < nk; jj++) {")
+    L.append("            let vb = (slots[jj] * p.hkv + g) * p.d;")
+    for k in range(dt):
+        cond = f"li + {k * wg}u < p.d"
+        L.append(f"            if ({cond}) {{")
+        L.append(f"                let vv = vc[vb + li + {k * wg}u];")
+        for h in range(G):
+            L.append(f"                acc{h}_{k} += psh[{h}u * {wg}u + jj] * vv;")
+        L.append("            }")
+    L.append("        }")
+    L.append("        workgroupBarrier();")
+    L.append("    }")
+    for h in range(G):
+        L.append(f"    let hq{h} = g * {G}u + {h}u;")
+        for k in range(dt):
+            L.append(f"    if (li + {k * wg}u < p.d) {{")
+            if partial:
+                L.append(f"        out[((t * p.hq + hq{h}) * p.nsplit + split) * (p.d + 2u) + li + {k * wg}u] = acc{h}_{k};")
+            else:
+                L.append(f"        out[(t * p.hq + hq{h}) * p.d + li + {k * wg}u] = acc{h}_{k} / l{h};")
+            L.append("    }")
+        if partial:
+            L.append("    if (li == 0u) {")
+            L.append(f"        let pb = ((t * p.hq + hq{h}) * p.nsplit + split) * (p.d + 2u) + p.d;")
+            L.append(f"        out[pb] = m{h};")
+            L.append(f"        out[pb + 1u] = l{h};")
+            L.append("    }")
+    body = "\n".join(L)
+    red_size = (wg // 4) * G if subgroups else wg * G
+    args = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
+            "@builtin(num_subgroups) nsg: u32") if subgroups else ""
+    return f"""
+struct Params {{ t: u32, hq: u32, hkv: u32, d: u32, bs: u32, maxb: u32, nsplit: u32, split_keys: u32,
+                 scale: f32, pad0: u32, pad1: u32, pad2: u32 }}
+@group(0) @binding(0) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> kc: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> vc: array<f32>;
+@group(0) @binding(3) var<storage, read> bt: array<i32>;
+@group(0) @binding(4) var<storage, read> qseq: array<i32>;
+@group(0) @binding(5) var<storage, read> qpos: array<i32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+@group(0) @binding(7) var<uniform> p: Params;
+var<workgroup> qsh: array<vec4<f32>, {G * d4}>;
+var<workgroup> psh: array<f32, {G * wg}>;
+var<workgroup> slots: array<u32, {wg}>;
+var<workgroup> red: array<f32, {red_size}>;
+
+@compute @workgroup_size({wg})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32{args}) {{
+{body}
+}}
+"""
+
+
+@lru_cache(maxsize=None)
+def attention_combine() -> str:
+    """Merge the splits' (acc, m, l) of each (query row, head): o = sum acc_i 2^(m_i - M) / sum l_i 2^(m_i - M)."""
+    return """
+struct Params { rows: u32, d: u32, nsplit: u32, pad: u32 }
+@group(0) @binding(0) var<storage, read> part: array<f32>;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+@group(0) @binding(2) var<uniform> p: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let row = hetero_workgroup_id(wid).x;
+    let st = p.d + 2u;
+    let base = row * p.nsplit * st;
+    var mx = -3.0e38;
+    for (var i = 0u; i < p.nsplit; i++) { mx = max(mx, part[base + i * st + p.d]); }
+    var l = 0.0;
+    for (var i = 0u; i < p.nsplit; i++) { l += part[base + i * st + p.d + 1u] * exp2(part[base + i * st + p.d] - mx); }
+    for (var c = li; c < p.d; c += 64u) {
+        var a = 0.0;
+        for (var i = 0u; i < p.nsplit; i++) { a += part[base + i * st + c] * exp2(part[base + i * st + p.d] - mx); }
+        out[row * p.d + c] = a / l;
+    }
+}
+"""
+
+
+# -- embedding ------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def embedding(kind: str) -> str:
+    """out[t, :] = the dequantized row ids[t] of the table: a thread per (row, unit of 8 weights).
+    Ids outside [0, V) give rows of zeros."""
+    decl, used = weight_decls(kind, 1, "0")
+    return (_COMMON + """
+struct Params { t: u32, h: u32, units: u32, blocks: u32, v: u32, pad0: u32, pad1: u32, pad2: u32 }
+@group(0) @binding(0) var<storage, read> ids: array<i32>;
+""" + decl + f"""@group(0) @binding({1 + used}) var<storage, read_write> out: array<f32>;
+@group(0) @binding({2 + used}) var<uniform> p: Params;
+""" + weight_fns(kind, "0") + _xoff(kind) + """
+fn put(t: u32, k: u32, v: vec4<f32>) {
+    for (var c = 0u; c < 4u; c++) { if (k + c < p.h) { out[t * p.h + k + c] = v[c]; } }
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let idx = hetero_workgroup_id(wid).x * 64u + li;
+    if (idx >= p.t * p.units) { return; }
+    let t = idx / p.units;
+    let u = idx % p.units;
+    let id = ids[t];
+    let o = xoff(u);
+    if (id < 0 || u32(id) >= p.v) {
+        put(t, o.x, vec4<f32>(0.0));
+        put(t, o.y, vec4<f32>(0.0));
+        return;
+    }
+    let w = wunit0(u32(id), u);
+    put(t, o.x, w.lo);
+    put(t, o.y, w.hi);
+}
+""")
+
+
+# -- sampling -------------------------------------------------------------------------------------
+SAMPLE_WG = 256
+"""Threads of a sampling workgroup (one workgroup a row)."""
+
+HASH = """
+// A counter-based random number: lowbias32 (Wellons) chained over (seed, step, token); the same
+// triple gives the same number on every adapter (u32 arithmetic wraps).
+fn mix32(x0: u32) -> u32 {
+    var x = x0;
+    x ^= x >> 16u; x *= 0x21f0aaadu; x ^= x >> 15u; x *= 0x735a2d97u; x ^= x >> 15u;
+    return x;
+}
+fn rand_u32(seed: u32, step: u32, tok: u32) -> u32 {
+    return mix32(mix32(mix32(seed ^ 0x9e3779b9u) ^ step) ^ tok);
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def sample() -> str:
+    """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max."""
+    wg = SAMPLE_WG
+    return HASH + f"""
+struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read> rp: array<u32>;
+@group(0) @binding(2) var<storage, read_write> out: array<i32>;
+@group(0) @binding(3) var<uniform> p: Params;
+var<workgroup> rf: array<f32, {wg}>;
+var<workgroup> ru: array<u32, {wg}>;
+
+// Order-preserving map of a float32 onto u32 (larger float, larger key); NaN is taken as -inf.
+fn fkey(f: f32) -> u32 {{
+    var b = bitcast<u32>(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {{ b = 0xff800000u; }}
+    return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}}
+fn logit(row: u32, i: u32) -> f32 {{
+    let v = logits[row * p.v + i];
+    return select(v, bitcast<f32>(0xff800000u), v != v);
+}}
+fn sum_f(li: u32, v: f32) -> f32 {{
+    rf[li] = v;
+    workgroupBarrier();
+    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{
+        if (li < s) {{ rf[li] += rf[li + s]; }}
+        workgroupBarrier();
+    }}
+    let r = rf[0];
+    workgroupBarrier();
+    return r;
+}}
+fn sum_u(li: u32, v: u32) -> u32 {{
+    ru[li] = v;
+    workgroupBarrier();
+    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{
+        if (li < s) {{ ru[li] += ru[li + s]; }}
+        workgroupBarrier();
+    }}
+    let r = ru[0];
+    workgroupBarrier();
+    return r;
+}}
+// (value, index) of the largest value; ties go to the lowest index, as numpy.argmax
+fn argmax(li: u32, v: f32, i: u32) -> u32 {{
+    rf[li] = v;
+    ru[li] = i;
+    workgroupBarrier();
+    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{
+        if (li < s) {{
+            let bv = rf[li + s];
+            let bi = ru[li + s];
+            if (bv > rf[li] || (bv == rf[li] && bi < ru[li])) {{ rf[li] = bv; ru[li] = bi; }}
+        }}
+        workgroupBarrier();
+    }}
+    let r = ru[0];
+    workgroupBarrier();
+    return r;
+}}
+
+@compute @workgroup_size({wg})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let row = hetero_workgroup_id(wid).x;
+    let n = p.v;
+    let temp = bitcast<f32>(rp[row * 8u]);
+    let top_k = rp[row * 8u + 1u];
+    let top_p = bitcast<f32>(rp[row * 8u + 2u]);
+    let seed = rp[row * 8u + 3u];
+    let step = rp[row * 8u + 4u];
+    // the largest logit (greedy's answer)
+    var bv = bitcast<f32>(0xff800000u);
+    var bi = 0xffffffffu;
+    for (var i = li; i < n; i += {wg}u) {{
+        let v = logit(row, i);
+        if (v > bv || bi == 0xffffffffu) {{ bv = v; bi = i; }}
+    }}
+    let best = argmax(li, bv, bi);
+    if (!(temp > 0.0)) {{
+        if (li == 0u) {{ out[row] = i32(best); }}
+        return;
+    }}
+    let mx = logit(row, best);
+    let inv_t = 1.0 / temp;
+    // top-k: the largest key tk with count(key >= tk) >= k, by bisection over the keys
+    var lo = 0u;
+    var hi = fkey(mx);  // count(key >= hi) >= 1; search (lo, hi] ... kept as lo = answer
+    if (top_k > 0u && top_k < n) {{
+        var a = 0u;           // count(key >= a) = n >= k
+        var b = hi + 1u;      // count(key >= b) = 0 < k (hi < 0xffffffff: the key of a non-NaN float)
+        loop {{
+            if (b - a <= 1u) {{ break; }}
+            let mid = a + (b - a) / 2u;
+            var c = 0u;
+            for (var i = li; i < n; i += {wg}u) {{ c += select(0u, 1u, fkey(logit(row, i)) >= mid); }}
+            if (sum_u(li, c) >= top_k) {{ a = mid; }} else {{ b = mid; }}
+        }}
+        lo = a;
+    }}
+    // top-p: the largest key tp >= tk whose tokens hold at least top_p of the top-k mass
+    if (top_p < 1.0) {{
+        var z = 0.0;
+        for (var i = li; i < n; i += {wg}u) {{
+            let v = logit(row, i);
+            if (fkey(v) >= lo) {{ z += exp((v - mx) * inv_t); }}
+        }}
+        let goal = top_p * sum_f(li, z);
+        var a = lo;
+        var b = hi + 1u;
+        loop {{
+            if (b - a <= 1u) {{ break; }}
+            let mid = a + (b - a) / 2u;
+            var s = 0.0;
+            for (var i = li; i < n; i += {wg}u) {{
+                let v = logit(row, i);
+                if (fkey(v) >= mid) {{ s += exp((v - mx) * inv_t); }}
+            }}
+            if (sum_f(li, s) >= goal) {{ a = mid; }} else {{ b = mid; }}
+        }}
+        lo = a;
+    }}
+    // Gumbel-max over the candidates (key >= lo): argmax of z_i / T - log(-log(u_i))
+    var gv = bitcast<f32>(0xff800000u);
+    var gi = 0xffffffffu;
+    for (var i = li; i < n; i += {wg}u) {{
+        let v = logit(row, i);
+        if (fkey(v) >= lo) {{
+            let u = (f32(rand_u32(seed, step, i) >> 8u) + 0.5) * (1.0 / 16777216.0);
+            let sc = (v - mx) * inv_t - log(-log(u));
+            if (sc > gv || gi == 0xffffffffu) {{ gv = sc; gi = i; }}
+        }}
+    }}
+    let pick = argmax(li, gv, gi);
+    if (li == 0u) {{ out[row] = i32(pick); }}
+}}
+"""

@@ -1,0 +1,521 @@
+"""Decoder kernels (``hetero.kernels.decoder``) and weight formats (``hetero.kernels.quant``) against numpy.
+
+Tiny shapes on a real device (lavapipe in CI). Quantized kernels are compared against
+numpy on the same dequantized weights (float64); float32 kernels against float64 numpy.
+Where the adapter has subgroups, the subgroup path and the workgroup-memory fallback
+both run (``USE_SUBGROUPS``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import pytest
+
+import hetero
+import hetero.kernels.decoder as D
+from hetero.kernels.quant import PackedWeight, concat_rows, pack, quantize_q8_0_blocks, unpack
+
+pytestmark = pytest.mark.anyio
+ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])  # GPU-heavy: one loop is enough
+KINDS = ["f32", "f16", "q8_0", "q4_0", "q4_1"]
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def rand(shape: Any, seed: int, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def make_weight(kind: str, w: np.ndarray) -> PackedWeight:
+    """``w`` in ``kind`` as the loader hands it over (GGUF bytes for quantized kinds)."""
+    if kind == "f32":
+        return pack("f32", w, w.shape)
+    if kind == "f16":
+        return pack("f16", w.astype(np.float16), w.shape)
+    if kind == "bf16":
+        return pack("bf16", (w.view(np.uint32) >> 16).astype(np.uint16), w.shape)
+    return pack(kind, gguf.quants.quantize(w, GGML[kind]), w.shape)
+
+
+async def call(rt: hetero.Runtime, fn: Callable[..., Any], **inputs: Any) -> Any:
+    """Run ``fn(gpu, **inputs)`` as the one GPU stage of a graph; its result(s) as numpy.
+
+    ::
+
+        inputs... --> fn (gpu) --> (output)
+    """
+    g = hetero.Graph("decoder-op")
+    names = list(inputs)
+    g.output(g.gpu(lambda gpu, *a: fn(gpu, **dict(zip(names, a))), *[g.input(n) for n in names], name="op"))
+    return await rt.run(g, **inputs)
+
+
+def subgroup_modes(rt: hetero.Runtime) -> list[bool]:
+    return [True, False] if "subgroup" in hetero.lowlevel.device_of(rt).features else [False]
+
+
+def close(op: str, got: np.ndarray, want: np.ndarray, scale: np.ndarray | float, rtol: float = 1e-5) -> None:
+    """|got - want| <= rtol * scale (+ 1e-6), elementwise; the message names the op and the worst element."""
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{op}: shape {got.shape}, expected {want.shape}"
+    err = np.abs(got.astype(np.float64) - want)
+    tol = rtol * np.broadcast_to(scale, want.shape) + 1e-6
+    if err.size and float((err / tol).max()) > 1.0:
+        i = np.unravel_index(int(np.argmax(err / tol)), err.shape)
+        raise AssertionError(f"{op}: at {i} got {got[i]!r}, want {want[i]!r} (error {err[i]:.3g} > {tol[i]:.3g}; "
+                             f"{int((err > tol).sum())} of {err.size})")
+
+
+# -- weight formats -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_pack_matches_gguf_dequantize(kind: str) -> None:
+    w = rand((7, 96), 1)
+    w[2, 32:64] = 0.0  # a block of zeros
+    raw = gguf.quants.quantize(w, GGML[kind])
+    pw = pack(kind, raw, w.shape)
+    assert pw.qs is not None and pw.qs.dtype == np.uint32 and pw.d is not None and pw.d.shape == (7, 3)
+    assert pw.qs.shape == ((7, 24) if kind == "q8_0" else (7, 12))
+    assert (pw.m is not None) == (kind == "q4_1")
+    np.testing.assert_array_equal(unpack(pw), gguf.quants.dequantize(raw, GGML[kind]))
+    np.testing.assert_array_equal(unpack(pack(kind, raw.reshape(-1), w.shape)), unpack(pw))  # flat bytes too
+
+
+def test_float_kinds_and_padding() -> None:
+    w = rand((5, 37), 2)  # cols not a multiple of 8: padded with zeros on the GPU side
+    f32 = make_weight("f32", w)
+    assert f32.w is not None and f32.w.shape == (5, 40) and np.all(f32.w[:, 37:] == 0)
+    np.testing.assert_array_equal(unpack(f32), w)
+    f16 = make_weight("f16", w)
+    assert f16.kind == "f16" and f16.w is not None and f16.w.dtype == np.uint32 and f16.w.shape == (5, 20)
+    np.testing.assert_array_equal(unpack(f16), w.astype(np.float16).astype(np.float32))
+    bf = make_weight("bf16", w)  # widened exactly to f32
+    assert bf.kind == "f32"
+    np.testing.assert_array_equal(unpack(bf), (w.view(np.uint32) & 0xFFFF0000).view(np.float32))
+
+
+def test_quantize_q8_0_blocks_is_llama_cpp() -> None:
+    w = rand((6, 128), 3, scale=3.0)
+    w[1, :32] = 0.0
+    w[2, 5] = 40.0  # an outlier: one block's scale grows
+    q = quantize_q8_0_blocks(w)
+    assert q.dtype == np.uint8 and q.shape == (6, 4 * 34)
+    np.testing.assert_array_equal(q, gguf.quants.quantize(w, GGML["q8_0"]))
+    np.testing.assert_array_equal(unpack(pack("q8_0", q, w.shape)), gguf.quants.dequantize(q, GGML["q8_0"]))
+
+
+def test_pack_errors() -> None:
+    with pytest.raises(ValueError, match=r"pack: a q4_1 weight needs cols to be a multiple of 32 .*\[4, 40\]"):
+        pack("q4_1", np.zeros(4 * 2 * 20, np.uint8), (4, 40))
+    with pytest.raises(ValueError, match=r"pack: q8_0 data of shape \(10,\) \(10 bytes\) does not hold"):
+        pack("q8_0", np.zeros(10, np.uint8), (2, 32))
+    with pytest.raises(TypeError, match="raw GGUF block bytes as uint8, got float32"):
+        pack("q4_0", np.zeros(36, np.float32), (2, 32))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        pack("q5_k", np.zeros(4, np.uint8), (1, 32))
+    with pytest.raises(TypeError, match="bf16 data must be the uint16 bit patterns"):
+        pack("bf16", np.zeros(4, np.float32), (2, 2))
+    with pytest.raises(ValueError, match="quantize_q8_0_blocks: cols must be a multiple of 32"):
+        quantize_q8_0_blocks(np.zeros((2, 33), np.float32))
+    with pytest.raises(ValueError, match="PackedWeight: q8_0 weight of shape"):
+        PackedWeight("q8_0", (2, 32), qs=np.zeros((2, 4), np.uint32), d=np.zeros((2, 1), np.float32))
+
+
+def test_concat_rows() -> None:
+    ws = [make_weight("q4_1", rand((r, 64), 10 + r)) for r in (3, 2, 2)]
+    qkv = concat_rows(ws)
+    assert qkv.shape == (7, 64)
+    np.testing.assert_array_equal(unpack(qkv), np.concatenate([unpack(w) for w in ws]))
+    with pytest.raises(ValueError, match="share their kind and cols"):
+        concat_rows([ws[0], make_weight("q8_0", rand((2, 64), 1))])
+
+
+# -- linear layers --------------------------------------------------------------------------------
+def linear_ref(x: np.ndarray, w: np.ndarray, bias: Any = None, residual: Any = None, norm: Any = None,
+               eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """float64 reference and the scale of its rounding error (sum |x| |w| + |bias| + |residual|)."""
+    x64 = x.astype(np.float64)
+    if norm is not None:
+        x64 = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * norm
+    w64 = w.astype(np.float64)
+    y = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    for extra in (bias, residual):
+        if extra is not None:
+            y = y + extra
+            scale = scale + np.abs(extra)
+    return y, scale
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", KINDS)
+async def test_linear_every_kind_both_paths(shared_rt: hetero.Runtime, kind: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """M = 1 .. 33 (GEMV, two GEMV dispatches at M = 9, the tiled kernel), N = 70 (not a multiple of the
+    workgroup's rows or of the tile), bias and residual; subgroup and workgroup-memory reductions."""
+    k, n = 96, 70
+    w = rand((n, k), 20)
+    pw = make_weight(kind, w)
+    dq = unpack(pw)
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for i, (m, path) in enumerate([(1, "gemv"), (3, "gemv"), (8, "gemv"), (9, "gemv"), (1, "tiled"),
+                                       (9, "tiled"), (33, "auto")]):
+            x = rand((m, k), 100 + i)
+            bias = rand((n,), 200 + i) if i % 2 else None
+            res = rand((m, n), 300 + i) if i % 3 == 0 else None
+
+            def stage(gpu: Any, x: Any, bias: Any = None, res: Any = None) -> Any:
+                return D.linear(gpu, x, D.upload_weight(gpu, pw), bias=bias, residual=res, path=path)
+            inputs: dict[str, Any] = {"x": x}
+            if bias is not None:
+                inputs["bias"] = bias
+            if res is not None:
+                inputs["res"] = res
+            got = await call(shared_rt, stage, **inputs)
+            want, scale = linear_ref(x, dq, bias, res)
+            close(f"linear {kind} M={m} path={path} subgroups={sg}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+async def test_linear_float_cols_not_a_multiple_of_8(shared_rt: hetero.Runtime, kind: str) -> None:
+    k, n = 37, 9
+    w = rand((n, k), 21)
+    pw = make_weight(kind, w)
+    for m, path in [(1, "gemv"), (2, "gemv"), (5, "tiled")]:
+        x = rand((m, k), 22 + m)
+        got = await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw, path=path), x=x)
+        want, scale = linear_ref(x, unpack(pw))
+        close(f"linear {kind} K=37 M={m} {path}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
+async def test_linear_folds_rmsnorm(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    k, n = 64, 40
+    pw = make_weight(kind, rand((n, k), 30))
+    g = rand((k,), 31) + 1.0
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for m, path in [(1, "gemv"), (4, "gemv"), (11, "tiled")]:
+            x = rand((m, k), 32 + m, scale=3.0)
+            got = await call(shared_rt, lambda gpu, x, g: D.linear(gpu, x, pw, norm=g, eps=1e-5, path=path), x=x, g=g)
+            want, scale = linear_ref(x, unpack(pw), norm=g, eps=1e-5)
+            close(f"linear norm {kind} M={m} {path} subgroups={sg}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_1"])
+async def test_linear_swiglu(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    k, f = 64, 48
+    wg, wu = make_weight(kind, rand((f, k), 40)), make_weight(kind, rand((f, k), 41))
+    g = rand((k,), 42) + 1.0
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for m, path, norm in [(1, "gemv", True), (3, "gemv", False), (10, "tiled", True)]:
+            x = rand((m, k), 43 + m)
+
+            def stage(gpu: Any, x: Any, g: Any) -> Any:
+                return D.linear_swiglu(gpu, x, D.upload_weight(gpu, wg), wu, norm=g if norm else None, path=path)
+            got = await call(shared_rt, stage, x=x, g=g)
+            a, sa = linear_ref(x, unpack(wg), norm=g if norm else None)
+            b, sb = linear_ref(x, unpack(wu), norm=g if norm else None)
+            sig = 1.0 / (1.0 + np.exp(-a))
+            want = a * sig * b
+            close(f"linear_swiglu {kind} M={m} {path} norm={norm} subgroups={sg}", got, want,
+                  sa * np.abs(b) + sb * np.abs(a * sig))
+            plain = await call(shared_rt, lambda gpu, u, v: D.silu_mul(gpu, u, v), u=a.astype(np.float32),
+                               v=b.astype(np.float32))
+            close("silu_mul", plain, a.astype(np.float32) * sig * b.astype(np.float32), np.abs(want))
+
+
+async def test_linear_errors(shared_rt: hetero.Runtime) -> None:
+    pw = make_weight("q8_0", rand((8, 64), 50))
+    with pytest.raises(hetero.StageError, match=r"linear: x of shape \[2, 32\] and w of shape \[8, 64\] do not "
+                                                r"chain; y = x @ W.T needs"):
+        await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=rand((2, 32), 1))
+    with pytest.raises(hetero.StageError, match=r"linear: residual of shape \(2, 7\) differs from the result's "
+                                                r"shape \(2, 8\)"):
+        await call(shared_rt, lambda gpu, x, r: D.linear(gpu, x, pw, residual=r), x=rand((2, 64), 1),
+                   r=rand((2, 7), 2))
+    with pytest.raises(hetero.StageError, match="linear_swiglu: the weights must share their kind and shape"):
+        await call(shared_rt, lambda gpu, x: D.linear_swiglu(gpu, x, pw, make_weight("q4_0", rand((8, 64), 3))),
+                   x=rand((2, 64), 1))
+
+
+# -- RMSNorm ------------------------------------------------------------------------------------
+async def test_rmsnorm_and_add_rmsnorm(shared_rt: hetero.Runtime) -> None:
+    x, r, g = rand((5, 100), 60, scale=4.0), rand((5, 100), 61), rand((100,), 62)
+
+    def ref(v: np.ndarray) -> np.ndarray:
+        return v / np.sqrt((v ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    got = await call(shared_rt, lambda gpu, x, g: D.rmsnorm(gpu, x, g, 1e-5), x=x, g=g)
+    close("rmsnorm", got, ref(x.astype(np.float64)), np.abs(ref(x.astype(np.float64))) + 1e-3)
+    h, y = await call(shared_rt, lambda gpu, x, r, g: D.add_rmsnorm(gpu, x, r, g, 1e-5), x=x, r=r, g=g)
+    v = x.astype(np.float64) + r
+    close("add_rmsnorm h", h, v, np.abs(v))
+    close("add_rmsnorm y", y, ref(v), np.abs(ref(v)) + 1e-3)
+    with pytest.raises(hetero.StageError, match=r"rmsnorm: weight of shape \(99,\) does not match the last axis"):
+        await call(shared_rt, lambda gpu, x, g: D.rmsnorm(gpu, x, g), x=x, g=g[:99])
+
+
+# -- RoPE, the KV cache and attention ------------------------------------------------------------------
+def inv_freq(d: int, theta: float) -> np.ndarray:
+    return (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
+
+
+def rope_ref(x: np.ndarray, pos: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """transformers' q * cos + rotate_half(q) * sin, the angle rounded to float32 as it computes it."""
+    ang = (pos[:, None].astype(np.float32) * f[None, :]).astype(np.float64)
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h].astype(np.float64), x[..., h:].astype(np.float64)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+async def test_rope_positions_and_theta(shared_rt: hetero.Runtime) -> None:
+    pos = np.array([0, 1, 2, 17, 511, 4095, 8191, 100000], np.int32)
+    for d, theta in [(16, 10000.0), (64, 100000.0)]:
+        x = rand((len(pos), 3, d), d)
+        f = inv_freq(d, theta)
+        got = await call(shared_rt, lambda gpu, x, p, f: D.rope(gpu, x, p, f), x=x, p=pos, f=f)
+        close(f"rope D={d} theta={theta}", got, rope_ref(x, pos, f), np.abs(x).max(), rtol=2e-6)
+
+
+class Batch:
+    """Sequences of given lengths in a paged cache: random distinct blocks, every token a row."""
+
+    def __init__(self, lens: list[int], bs: int, hq: int, hkv: int, d: int, seed: int, spare: int = 2) -> None:
+        rng = np.random.default_rng(seed)
+        self.lens, self.bs, self.hq, self.hkv, self.d = lens, bs, hq, hkv, d
+        self.maxb = max(-(-n // bs) for n in lens) + 1  # one unused entry per table
+        self.nb = sum(-(-n // bs) for n in lens) + spare
+        perm = rng.permutation(self.nb)
+        self.bt = np.zeros((len(lens), self.maxb), np.int32)
+        used = 0
+        for s, n in enumerate(lens):
+            nblk = -(-n // bs)
+            self.bt[s, :nblk] = perm[used:used + nblk]
+            used += nblk
+        self.rows = [(s, p) for s, n in enumerate(lens) for p in range(n)]
+        self.seq = np.array([s for s, _ in self.rows], np.int32)
+        self.pos = np.array([p for _, p in self.rows], np.int32)
+        self.slots = np.array([self.bt[s, p // bs] * bs + p % bs for s, p in self.rows], np.int32)
+        self.qkv = rand((len(self.rows), (hq + 2 * hkv) * d), seed + 1)
+        self.f = inv_freq(d, 10000.0)
+        t = len(self.rows)
+        self.q = rope_ref(self.qkv[:, :hq * d].reshape(t, hq, d), self.pos, self.f)
+        self.k = rope_ref(self.qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), self.pos, self.f)
+        self.v = self.qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).astype(np.float64)
+
+    def attention_ref(self, rows: list[int]) -> np.ndarray:
+        out = np.zeros((len(rows), self.hq, self.d))
+        grp = self.hq // self.hkv
+        for i, t in enumerate(rows):
+            s, p = self.rows[t]
+            keys = [j for j, (s2, p2) in enumerate(self.rows) if s2 == s and p2 <= p]
+            for h in range(self.hq):
+                sc = self.k[keys, h // grp] @ self.q[t, h] / math.sqrt(self.d)
+                e = np.exp(sc - sc.max())
+                out[i, h] = (e / e.sum()) @ self.v[keys, h // grp]
+        return out
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("heads", [(9, 3, 16, 4), (8, 2, 32, 16), (4, 4, 64, 4)],
+                         ids=["gqa3-bs4", "gqa4-bs16", "mha-d64"])
+async def test_rope_kv_then_paged_attention_prefill(shared_rt: hetero.Runtime, heads: tuple[int, int, int, int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """All tokens of three sequences (one spanning several blocks with a partial last one, one of a
+    single token) in one batch: rope_kv writes the cache, then each row attends causally."""
+    hq, hkv, d, bs = heads
+    b = Batch([9, 1, 21], bs, hq, hkv, d, seed=hq * 10 + d)
+    want = b.attention_ref(list(range(len(b.rows))))
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for splits in (None, 1, 3):
+            def stage(gpu: Any, qkv: Any, pos: Any, f: Any, slots: Any, bt: Any, seq: Any) -> Any:
+                kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+                q = D.rope_kv(gpu, qkv, pos, f, kc, vc, slots, heads=b.hq)
+                return q, kc, vc, D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
+            q, kc, vc, o = await call(shared_rt, stage, qkv=b.qkv, pos=b.pos, f=b.f, slots=b.slots, bt=b.bt,
+                                      seq=b.seq)
+            close("rope_kv q", q, b.q, 1.0, rtol=2e-6)
+            flat_k, flat_v = kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d)
+            close("rope_kv k in the cache", flat_k[b.slots], b.k, 1.0, rtol=2e-6)
+            np.testing.assert_array_equal(flat_v[b.slots], b.v.astype(np.float32))
+            close(f"paged_attention {hq}/{hkv} D={d} bs={bs} splits={splits} subgroups={sg}", o, want, 1.0)
+
+
+@ASYNCIO_ONLY
+async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode: one query a sequence at its last position over a cache written by kv_write; the
+    flash-decoding split (chosen, and forced) agrees with the one-pass kernel."""
+    monkeypatch.setattr(D, "ATTN_SPLIT_KEYS", 32)
+    b = Batch([70, 5, 130], 16, 9, 3, 16, seed=7)
+    last = [max(i for i, (s2, _) in enumerate(b.rows) if s2 == s) for s in range(len(b.lens))]
+    want = b.attention_ref(last)
+    k = b.k.astype(np.float32)
+    v = b.v.astype(np.float32)
+    qd = b.q[last].astype(np.float32)
+    for splits in (None, 1, 2, 7):
+        def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any) -> Any:
+            kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+            D.kv_write(gpu, kc, vc, k, v, slots)
+            return D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
+        o = await call(shared_rt, stage, k=k, v=v, slots=b.slots, q=qd, bt=b.bt,
+                       seq=np.arange(len(b.lens), dtype=np.int32), pos=b.pos[last])
+        close(f"paged_attention decode splits={splits}", o, want, 1.0)
+
+
+async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
+    def stage(gpu: Any, q: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, 2, 4, 3, 16)
+        return D.paged_attention(gpu, q, kc, vc, np.zeros((1, 2), np.int32), np.zeros(2, np.int32),
+                                 np.zeros(2, np.int32))
+    with pytest.raises(hetero.StageError, match=r"paged_attention: heads \(8\) must be a multiple of the caches' "
+                                                r"kv_heads \(3\)"):
+        await call(shared_rt, stage, q=rand((2, 8, 16), 1))
+
+    def stage2(gpu: Any, qkv: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, 2, 4, 2, 8)
+        return D.rope_kv(gpu, qkv, np.zeros(1, np.int32), inv_freq(8, 1e4), kc, vc, np.array([8], np.int32),
+                         heads=4)
+    with pytest.raises(hetero.StageError, match=r"rope_kv: slots must be in \[0, 8\)"):
+        await call(shared_rt, stage2, qkv=rand((1, 64), 2))
+
+
+# -- embedding and the output head -------------------------------------------------------------------
+@ASYNCIO_ONLY
+async def test_embedding_every_kind_and_tied_head(shared_rt: hetero.Runtime) -> None:
+    v, h = 300, 64
+    table = rand((v, h), 70)
+    ids = np.array([0, 299, 5, 5, 123], np.int32)
+    x = rand((2, h), 71)
+    g = rand((h,), 72) + 1.0
+    for kind in KINDS:
+        pw = make_weight(kind, table)
+
+        def stage(gpu: Any, ids: Any, x: Any, g: Any) -> Any:
+            t = D.upload_weight(gpu, pw)
+            return D.embedding(gpu, t, ids), D.linear(gpu, x, t, norm=g)
+        e, logits = await call(shared_rt, stage, ids=ids, x=x, g=g)
+        np.testing.assert_array_equal(e, unpack(pw)[ids], err_msg=kind)
+        want, scale = linear_ref(x, unpack(pw), norm=g)
+        close(f"tied output head {kind}", logits, want, scale)
+    pw = make_weight("f32", rand((10, 13), 73))  # a row not a multiple of 8 long
+    e = await call(shared_rt, lambda gpu, ids: D.embedding(gpu, pw, ids), ids=np.array([9, 0], np.int32))
+    np.testing.assert_array_equal(e, unpack(pw)[[9, 0]])
+    with pytest.raises(hetero.StageError, match=r"embedding: ids must be in \[0, 10\)"):
+        await call(shared_rt, lambda gpu, x: D.embedding(gpu, pw, np.array([10], np.int32)), x=x)
+
+
+# -- sampling -----------------------------------------------------------------------------------------
+def _mix32(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    x ^= x >> 15
+    return x
+
+
+def sample_ref(logits: np.ndarray, prm: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The sampler in numpy: chosen ids and each row's candidate set (top-k, then top-p, as transformers)."""
+    out, sets = [], []
+    for row, p in zip(logits.astype(np.float64), prm):
+        temp = float(p[0:1].view(np.float32)[0])
+        top_k, top_p = int(p[1]), float(p[2:3].view(np.float32)[0])
+        if temp == 0:
+            out.append(int(np.argmax(row)))
+            sets.append(np.array([np.argmax(row)]))
+            continue
+        order = np.argsort(-row, kind="stable")
+        keep = np.ones(len(row), bool)
+        if 0 < top_k < len(row):
+            keep = row >= row[order[top_k - 1]]
+        z = np.where(keep, np.exp((row - row.max()) / temp), 0.0)
+        if top_p < 1.0:
+            srt = np.sort(z)[::-1]
+            above = np.cumsum(srt) - srt  # mass of strictly larger tokens
+            n_keep = int(np.sum(above < top_p * z.sum()))
+            keep &= z >= srt[n_keep - 1]
+        cand = np.flatnonzero(keep)
+        seed, step = np.uint64(p[3]), np.uint64(p[4])
+        h = _mix32(_mix32(_mix32(np.array([seed ^ 0x9E3779B9])) ^ step) ^ cand.astype(np.uint64))
+        u = ((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+        sc = (row[cand] - row.max()) / temp - np.log(-np.log(u.astype(np.float64)))
+        out.append(int(cand[np.argmax(sc)]))
+        sets.append(cand)
+    return np.array(out, np.int32), sets
+
+
+@ASYNCIO_ONLY
+async def test_sample_greedy_is_argmax_with_ties_to_the_lowest_id(shared_rt: hetero.Runtime) -> None:
+    logits = rand((6, 1000), 80, scale=2.0)
+    logits[1, [17, 400, 999]] = 50.0  # a tie: lowest id
+    logits[2, :] = 0.0                # all equal
+    logits[3, 999] = 60.0             # the last id
+    logits[4, 0] = 60.0               # the first
+    logits[5, 7] = np.nan             # NaN never wins
+    ids = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=D.sampling_params(0.0, rows=6))
+    want = np.nan_to_num(logits, nan=-np.inf).argmax(-1)
+    np.testing.assert_array_equal(ids, want)
+    assert ids.dtype == np.int32 and ids[1] == 17 and ids[2] == 0
+    top1 = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits,
+                      p=D.sampling_params(0.7, top_k=1, seed=np.arange(6), rows=6))
+    np.testing.assert_array_equal(top1[[0, 3, 4]], want[[0, 3, 4]])
+    assert top1[1] in (17, 400, 999) and np.isfinite(logits[5, top1[5]])
+
+
+@ASYNCIO_ONLY
+async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runtime) -> None:
+    """Mixed rows in one batch (greedy, top-k, top-p, both, plain temperature): every token is inside
+    numpy's candidate set, equals the numpy sampler (same hash), and the same seed and step repeat."""
+    s, v = 40, 517
+    logits = rand((s, v), 81, scale=3.0)
+    temp = np.tile([0.0, 1.0, 0.7, 1.3, 0.5], s // 5)
+    top_k = np.tile([0, 10, 0, 40, 0], s // 5)
+    top_p = np.tile([1.0, 1.0, 0.8, 0.9, 1.0], s // 5)
+    prm = D.sampling_params(temp, top_k, top_p, seed=np.arange(s) * 7 + 1, step=3)
+    ids = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=prm)
+    want, sets = sample_ref(logits, prm)
+    for r in range(s):
+        assert ids[r] in sets[r], f"row {r}: token {ids[r]} outside the candidate set of {len(sets[r])}"
+    np.testing.assert_array_equal(ids, want)
+    again = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=prm)
+    np.testing.assert_array_equal(again, ids)
+    prm2 = D.sampling_params(temp, top_k, top_p, seed=np.arange(s) * 7 + 1, step=4)
+    other = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=prm2)
+    np.testing.assert_array_equal(other, sample_ref(logits, prm2)[0])
+
+
+@ASYNCIO_ONLY
+async def test_sample_different_seeds_spread(shared_rt: hetero.Runtime) -> None:
+    """One flat-ish row repeated: 256 seeds give many tokens, the likeliest the most often."""
+    v = 300
+    row = np.linspace(0.0, 1.0, v, dtype=np.float32)
+    logits = np.tile(row, (256, 1))
+    prm = D.sampling_params(1.0, top_k=20, seed=np.arange(256), rows=256)
+    ids = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=prm)
+    assert ids.min() >= v - 20  # inside the top 20
+    counts = np.bincount(ids - (v - 20), minlength=20)
+    assert (counts > 0).sum() >= 15  # 256 draws over 20 near-equal tokens
+    assert counts.max() < 40
+    np.testing.assert_array_equal(ids, sample_ref(logits, prm)[0])
+
+
+def test_sampling_params_errors() -> None:
+    p = D.sampling_params([0.0, 0.5], top_k=3, top_p=0.9, seed=[1, 2**32 + 5], step=7)
+    assert p.shape == (2, 8) and p.dtype == np.uint32 and p[1, 3] == 5 and p[0, 1] == 3
+    with pytest.raises(ValueError, match=r"sampling_params: top_p must be in \(0, 1\]"):
+        D.sampling_params(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="sampling_params: temperature must be a scalar or a sequence of 3"):
+        D.sampling_params([1.0, 1.0], top_k=[1, 2, 3])
