@@ -17,6 +17,8 @@ This module is the ``serve`` command; it re-exports the names users reach for.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 from typing import Any, TextIO
 
@@ -73,6 +75,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="engine processes behind the --workers fronts (front i uses engine i mod K), each with "
                    "a device of its own on the GPU: one engine's host work is bound by one interpreter lock "
                    "(default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=2 * 1024 * 1024, metavar="N",
+                   help="largest request body; a larger one gets 413 before it is read (default: %(default)s, "
+                   "2 MiB)")
+    p.add_argument("--auto-truncate", action="store_true",
+                   help="embed the first max-input-tokens of a longer input instead of answering 413 (a request "
+                   "may ask for it with \"truncate\": true)")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="the model id that requests name and GET /v1/models lists; repeat for several ids "
+                   "(default: the model directory's name, or the name given to --model)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                   "HETERO_API_KEY environment variable, else none)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
     p.add_argument("--no-precapture", dest="precapture", action="store_false",
@@ -102,14 +116,36 @@ def _port(text: str) -> int:
     return value
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero serve`` with parsed ``args`` until SIGTERM or Ctrl-C; return the exit status."""
     out = out if out is not None else sys.stdout
-    settings = ServeSettings(model=args.model, int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
+    api_key = getattr(args, "api_key", None) or os.environ.get("HETERO_API_KEY") or None
+    from .encoder import resolve_model
+
+    model = os.fspath(resolve_model(args.model))  # what hetero embed accepts: a directory, minilm, a cached id
+    settings = ServeSettings(model=model, model_name=None if model == args.model else args.model,
+                             int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
                              max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
                              max_in_flight=int(getattr(args, "max_in_flight", 2)),
                              max_wait=float(getattr(args, "max_wait_ms", 0.0)) / 1e3,
-                             precapture=bool(getattr(args, "precapture", True)))
+                             precapture=bool(getattr(args, "precapture", True)),
+                             max_request_bytes=int(getattr(args, "max_request_bytes", 2 * 1024 * 1024)),
+                             auto_truncate=bool(getattr(args, "auto_truncate", False)),
+                             served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
+                             api_key=api_key)
+    if api_key is None and not _loopback(args.host):
+        print(f"hetero serve: warning: --host {args.host} is reachable from other machines and no --api-key "
+              "(or HETERO_API_KEY) is set: anyone who reaches it can use it", file=sys.stderr, flush=True)
     workers = int(getattr(args, "workers", 1))
     engines = int(getattr(args, "engines", 1))
     check_engines(engines, workers)  # before the model loads

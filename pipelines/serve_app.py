@@ -37,9 +37,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hmac
 import json
+import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,7 +71,13 @@ RETRY_AFTER_S = 1
 _JSON = ("content-type", "application/json")
 _EMBEDDINGS = frozenset(("/v1/embeddings", "/embeddings"))
 # path -> the one method it answers
-_ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/health": "GET", "/info": "GET", "/metrics": "GET"}
+_ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/v1/models": "GET", "/models": "GET", "/health": "GET",
+           "/info": "GET", "/metrics": "GET"}
+# Texts longer than this many characters are first measured on a prefix (cut at a space), so that
+# a megabyte string is not tokenized whole to learn that it is too long.
+PREFIX_CHARS = 16384
+
+log = logging.getLogger("hetero.serve")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -95,11 +104,15 @@ class ServeSettings:
     max_in_flight: int = 2
     max_wait: float = 0.0
     precapture: bool = True
+    max_request_bytes: int = 2 * 1024 * 1024
+    auto_truncate: bool = False
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise HeteroError(f"the model must be a directory or 'minilm', got {self.model!r}")
-        for name in ("max_batch_tokens", "max_client_batch_size", "max_queued", "max_in_flight"):
+        for name in ("max_batch_tokens", "max_client_batch_size", "max_queued", "max_in_flight", "max_request_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HeteroError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -109,14 +122,34 @@ class ServeSettings:
                               f"got {wait!r}")
         object.__setattr__(self, "max_wait", float(wait))
         object.__setattr__(self, "int8", bool(self.int8))
+        object.__setattr__(self, "auto_truncate", bool(self.auto_truncate))
         object.__setattr__(self, "precapture", bool(self.precapture))
+        names = tuple(self.served_model_names)
+        if any(not isinstance(n, str) or not n for n in names):
+            raise HeteroError(f"--served-model-name must be non-empty names, got {list(names)!r}")
+        object.__setattr__(self, "served_model_names", names)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise HeteroError("--api-key must be a non-empty string")
 
     @property
     def served_name(self) -> str:
-        """The model's name in answers: ``model_name``, else the directory's name (or ``"minilm"``)."""
+        """The model's name in answers: the first served name, else ``model_name``, else the
+        directory's name (or the name given, such as ``"minilm"``)."""
+        if self.served_model_names:
+            return self.served_model_names[0]
         if self.model_name:
             return self.model_name
-        return self.model if self.model == "minilm" else os.path.basename(os.path.normpath(self.model))
+        return self.model if not os.path.isdir(self.model) else os.path.basename(os.path.normpath(self.model))
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """The ids a request's ``model`` may name (``GET /v1/models`` lists them)."""
+        return self.served_model_names or (self.served_name,)
+
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        fields = ", ".join(f"{f.name}={'<set>' if f.name == 'api_key' and self.api_key else getattr(self, f.name)!r}"
+                           for f in dataclasses.fields(self))
+        return f"ServeSettings({fields})"
 
 
 class RequestError(Exception):
@@ -186,6 +219,8 @@ class EmbeddingServer:
             raise HeteroError(f"--max-batch-tokens {s.max_batch_tokens} is below the model's max_seq_length "
                               f"({longest}): a longest sentence could never run; raise it to at least {longest}")
         self.http_server = http_server
+        self._started = int(time.time())
+        self._whole: Any = None  # the tokenizer without truncation, made on first use
         self.draining = False
         self.active = 0  # requests being served
         self._idle: anyio.Event | None = None
@@ -245,29 +280,99 @@ class EmbeddingServer:
                     return
         if scope["type"] != "http":
             return  # websockets: not served (the connection closes)
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its body: nothing to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        r = await self.handle(scope["method"], scope["path"], b"".join(chunks))
-        headers = [(b"content-length", str(len(r.body)).encode()),
-                   *((k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers)]
-        await send({"type": "http.response.start", "status": r.status, "headers": headers})
+        method, path = scope["method"], scope["path"]
+        headers = dict(scope["headers"])
+        auth, length = headers.get(b"authorization"), headers.get(b"content-length")
+        r = self.refuse_early(method, path, auth.decode("latin-1") if auth is not None else None,
+                              length.decode("latin-1") if length is not None else None)
+        if r is None:
+            chunks, size, limit = [], 0, self.settings.max_request_bytes
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client left before sending its body: nothing to answer
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:  # a chunked body past the limit: cut off here
+                    r = self._too_large(f"more than {limit}")
+                    break
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            if r is None:
+                r = await self.handle(method, path, b"".join(chunks), checked=True)
+        out = [(b"content-length", str(len(r.body)).encode()),
+               *((k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers)]
+        await send({"type": "http.response.start", "status": r.status, "headers": out})
         await send({"type": "http.response.body", "body": r.body})
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
         """The RSGI application (granian): the same answers as ``app``."""
         if scope.proto != "http":
             return  # websockets: not served
-        r = await self.handle(scope.method, scope.path, await proto())
+        method, path, headers = scope.method, scope.path, scope.headers
+        r = self.refuse_early(method, path, headers.get("authorization"), headers.get("content-length"))
+        if r is None:
+            chunks, size, limit = [], 0, self.settings.max_request_bytes
+            async for chunk in proto:
+                size += len(chunk)
+                if size > limit:
+                    r = self._too_large(f"more than {limit}")
+                    break
+                chunks.append(chunk)
+            if r is None:
+                r = await self.handle(method, path, b"".join(chunks), checked=True)
         proto.response_bytes(r.status, r.headers, r.body)
 
-    async def handle(self, method: str, path: str, body: bytes) -> Response:
-        """The answer to one request."""
+    def refuse_early(self, method: str, path: str, authorization: str | None,
+                     content_length: str | None) -> Response | None:
+        """The answer to a request that is refused before its body is read (wrong key, body too
+        large by its ``Content-Length``), else None."""
+        if self.settings.api_key is not None and path != "/health" and not self._authorized(authorization):
+            return RequestError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                                type_="invalid_request_error", code="invalid_api_key").response()
+        if content_length is not None:
+            try:
+                n = int(content_length)
+            except ValueError:
+                return RequestError(400, f"the Content-Length header is not a number: {content_length!r}"
+                                    ).response()
+            if n > self.settings.max_request_bytes:
+                return self._too_large(str(n))
+        return None
+
+    def _authorized(self, authorization: str | None) -> bool:
+        key = self.settings.api_key
+        assert key is not None
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+    def _too_large(self, size: str) -> Response:
+        limit = self.settings.max_request_bytes
+        self.metrics.requests.labels(code="413").inc()
+        return RequestError(413, f"the request body has {size} bytes, more than this server's max_request_bytes "
+                            f"of {limit}; split the request", code="request_too_large").response()
+
+    async def handle(self, method: str, path: str, body: bytes, *, authorization: str | None = None,
+                     checked: bool = False) -> Response:
+        """The answer to one request. ``checked``: :meth:`refuse_early` already passed it (the HTTP
+        entry points call it before reading the body); else the key and the size are checked here."""
+        if not checked:
+            early = self.refuse_early(method, path, authorization, None)
+            if early is not None:
+                return early
+            if len(body) > self.settings.max_request_bytes:
+                return self._too_large(str(len(body)))
+        try:
+            return await self._route(method, path, body)
+        except Exception:  # noqa: BLE001 - any failure is a 500 with a body and a logged request id
+            rid = uuid.uuid4().hex
+            log.exception("hetero serve: request %s (%s %s) failed", rid, method, path)
+            return Response(500, [_JSON, ("x-request-id", rid)], _dumps({"error": {
+                "message": f"the server failed to answer this request (request id {rid}, in the server's log)",
+                "type": "server_error", "param": None, "code": "internal_error"}}))
+
+    async def _route(self, method: str, path: str, body: bytes) -> Response:
         if path in _EMBEDDINGS and method == "POST":
             return await self._respond(body)
         want = _ROUTES.get(path)
@@ -284,6 +389,10 @@ class EmbeddingServer:
             return Response(200, [_JSON], _dumps({"status": "ok"}))
         if path == "/info":
             return Response(200, [_JSON], _dumps(self.info()))
+        if path in ("/v1/models", "/models"):
+            return Response(200, [_JSON], _dumps({"object": "list", "data": [
+                {"id": name, "object": "model", "created": self._started, "owned_by": "hetero"}
+                for name in self.settings.model_ids]}))
         return Response(200, [("content-type", self.metrics.prom.CONTENT_TYPE_LATEST)], self.metrics.render())
 
     # -- state ----------------------------------------------------------------------------------
@@ -393,8 +502,7 @@ class EmbeddingServer:
                 why = self._unavailable()
                 if why is not None:
                     raise RequestError(503, why, type_="server_error", code="unavailable")
-                texts, fmt = self._parse(raw)
-                return Response(200, [_JSON], await self._embed(texts, fmt))
+                return Response(200, [_JSON], await self._embed(self._parse(raw)))
             except RequestError as e:
                 status = e.status
                 return e.response()
@@ -408,8 +516,8 @@ class EmbeddingServer:
             if self.active == 0 and self.draining and self._idle is not None:
                 self._idle.set()
 
-    def _parse(self, raw: bytes) -> tuple[list[str], str]:
-        """Texts and encoding format of a request body; RequestError for a bad one.
+    def _parse(self, raw: bytes) -> _Ask:
+        """What a request body asks for; RequestError for a bad one.
 
         orjson reads well-formed requests (strings read the same); a body it refuses or that
         fails a check is read again by the standard library, whose reading of numbers (NaN,
@@ -426,7 +534,7 @@ class EmbeddingServer:
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
         return self._check(body)
 
-    def _check(self, body: Any) -> tuple[list[str], str]:
+    def _check(self, body: Any) -> _Ask:
         if not isinstance(body, dict):
             raise RequestError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         if "input" not in body:
@@ -442,6 +550,12 @@ class EmbeddingServer:
             if isinstance(t, str):
                 if not t:
                     raise RequestError(400, f"'input[{i}]' is an empty string; send non-empty text", "input")
+                if not t.isascii():
+                    try:
+                        t.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise RequestError(400, f"'input[{i}]' is not valid Unicode text: a lone surrogate "
+                                           f"{t[e.start]!r} at character {e.start}", "input") from None
                 continue
             if _token_id(t) or (isinstance(t, list) and all(_token_id(x) for x in t)):
                 raise RequestError(400, "'input' holds token ids: token arrays are not supported, send strings",
@@ -452,25 +566,101 @@ class EmbeddingServer:
             raise RequestError(413, f"'input' has {len(texts)} strings, more than this server's "
                                f"max_client_batch_size of {limit}; split the request", "input")
         model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RequestError(400, f"'model' must be a string, got {type(model).__name__}", "model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise RequestError(400, f"'model' must be a string, got {type(model).__name__}", "model")
+            if model not in self.settings.model_ids:
+                raise RequestError(404, f"the model {model!r} does not exist on this server; it serves "
+                                   f"{', '.join(map(repr, self.settings.model_ids))} (GET /v1/models)", "model",
+                                   code="model_not_found")
         fmt = body.get("encoding_format", "float")
         if fmt is None:
             fmt = "float"
         if fmt not in ("float", "base64"):
             raise RequestError(400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
                                "encoding_format")
-        return texts, fmt
+        dims = body.get("dimensions")
+        width = self.model.dim
+        if dims is not None and (not _token_id(dims) or not 1 <= dims <= width):
+            raise RequestError(400, f"'dimensions' must be an integer from 1 to the model's {width}, got "
+                               f"{dims!r}", "dimensions")
+        truncate = body.get("truncate", False)
+        if not isinstance(truncate, bool):
+            raise RequestError(400, f"'truncate' must be true or false, got {truncate!r}", "truncate")
+        return _Ask(texts, fmt, dims, truncate or self.settings.auto_truncate)
 
-    async def _embed(self, texts: list[str], fmt: str) -> bytes:
+    async def _embed(self, ask: _Ask) -> bytes:
+        texts = self._check_long(ask.texts, ask.truncate)
         ids = await self._tokenize(texts)
+        if not ask.truncate:
+            self._check_truncated(texts, ids)
         try:
             emb = await self.backend.embed_ids(ids)
         except EngineError as e:
             raise RequestError(e.status, e.message, type_="rate_limit_error" if e.status == 429 else "server_error",
                                code=e.code) from None
+        if ask.dimensions is not None and ask.dimensions < emb.shape[1]:
+            # sentence-transformers' truncate_dim, then unit length again
+            emb = emb[:, :ask.dimensions]
+            emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         self.metrics.inputs.inc(len(texts))
-        return encode_embeddings(emb, fmt, self.model_name, sum(len(x) for x in ids))
+        return encode_embeddings(emb, ask.fmt, self.model_name, sum(len(x) for x in ids))
+
+    # -- inputs past the model's longest ------------------------------------------------------------
+    def _untruncated(self) -> Any:
+        """The model's tokenizer without its truncation (made once)."""
+        if self._whole is None:
+            from tokenizers import Tokenizer
+
+            whole = Tokenizer.from_str(self.model.tokenizer.to_str())
+            whole.no_truncation()
+            self._whole = whole
+        return self._whole
+
+    def _too_long(self, i: int, tokens: str) -> RequestError:
+        limit = self.model.config.max_seq_length
+        return RequestError(413, f"'input[{i}]' has {tokens} tokens, more than the model's maximum of {limit}; "
+                            f"shorten it, or send \"truncate\": true to embed its first {limit} tokens", "input",
+                            code="input_too_long")
+
+    def _check_long(self, texts: list[str], truncate: bool) -> list[str]:
+        """Texts past :data:`PREFIX_CHARS` measured on their prefix (cut at a space): too long, 413
+        (unless ``truncate``: then the prefix, whose first tokens are the text's, stands in)."""
+        if all(len(t) <= PREFIX_CHARS for t in texts):
+            return texts
+        limit = self.model.config.max_seq_length
+        out = list(texts)
+        for i, t in enumerate(texts):
+            if len(t) <= PREFIX_CHARS:
+                continue
+            cut = t.rfind(" ", 0, PREFIX_CHARS)
+            if cut <= 0:
+                continue  # no word boundary to cut at: measured whole, after tokenizing
+            n = len(self._untruncated().encode(t[:cut]).ids)
+            if n > limit:
+                if not truncate:
+                    raise self._too_long(i, f"more than {n}")
+                out[i] = t[:cut]
+        return out
+
+    def _check_truncated(self, texts: list[str], ids: list[np.ndarray]) -> None:
+        """413 for a text whose ids the tokenizer cut at the model's maximum."""
+        limit = self.model.config.max_seq_length
+        for i, row in enumerate(ids):
+            if len(row) >= limit:
+                n = len(self._untruncated().encode(texts[i]).ids)
+                if n > limit:
+                    raise self._too_long(i, str(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ask:
+    """What one embeddings request asks for, checked."""
+
+    texts: list[str]
+    fmt: str
+    dimensions: int | None
+    truncate: bool
 
 
 def _token_id(v: object) -> bool:

@@ -303,7 +303,7 @@ def client(server: EmbeddingServer) -> Any:
 async def test_max_wait_reaches_the_batcher_and_info(tiny: Model, shared_rt: hetero.Runtime,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``max_wait`` (``--max-wait`` ms) is the engine batcher's, /info reports it; bad values are refused."""
-    server = EmbeddingServer(tiny, runtime=shared_rt, max_wait=0.002, precapture=False)
+    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, max_wait=0.002, precapture=False)
     async with client(server) as c, server.running():
         await server.wait_ready()
         assert server.service is not None and server.service.batcher.max_wait == 0.002
@@ -312,7 +312,7 @@ async def test_max_wait_reaches_the_batcher_and_info(tiny: Model, shared_rt: het
         assert r.status_code == 200, r.text
     for bad in (-0.001, float("nan"), 60.0, True, "1"):
         with pytest.raises(hetero.HeteroError, match="max_wait must be seconds from 0 to below 60"):
-            EmbeddingServer(tiny, runtime=shared_rt, max_wait=bad)  # type: ignore[arg-type]
+            EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, max_wait=bad)  # type: ignore[arg-type]
     for bad_ms in ("-1", "nan", "x", "60000"):
         assert cli_main(["serve", "--model", "minilm", "--max-wait", bad_ms]) == 2
         assert "--max-wait: expected milliseconds" in capsys.readouterr().err
@@ -320,7 +320,7 @@ async def test_max_wait_reaches_the_batcher_and_info(tiny: Model, shared_rt: het
 
 @pytest.mark.anyio
 async def test_embeddings_endpoint(tiny: Model, shared_rt: hetero.Runtime) -> None:
-    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=8, precapture=False)
+    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, model_name="tiny", max_client_batch_size=8, precapture=False)
     async with client(server) as c:
         r = await c.get("/health")
         assert r.status_code == 503  # not started, not warmed up
@@ -413,7 +413,7 @@ async def answers(c: Any) -> list[tuple[int, dict[str, str], bytes]]:
 @pytest.mark.anyio
 async def test_the_application_answers_every_route(tiny: Model, shared_rt: hetero.Runtime) -> None:
     """The ASGI entry point in process: embeddings, errors in OpenAI's shape, 404 and 405 (with Allow)."""
-    server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4, precapture=False)
+    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, model_name="tiny", max_client_batch_size=4, precapture=False)
     async with client(server) as direct:
         cold = await direct.post("/v1/embeddings", json={"input": "a"})
         assert cold.status_code == 503 and cold.headers["retry-after"] == "1"
@@ -466,7 +466,7 @@ async def test_both_http_servers_answer_the_same_bytes(tiny: Model, shared_rt: h
     pytest.importorskip("granian")
     got: dict[str, Any] = {}
     for http in HTTP:
-        server = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4,
+        server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, model_name="tiny", max_client_batch_size=4,
                                  precapture=False)
         async with served(server, http) as url, httpx.AsyncClient(base_url=url) as c:
             with anyio.fail_after(60):
@@ -477,7 +477,7 @@ async def test_both_http_servers_answer_the_same_bytes(tiny: Model, shared_rt: h
             assert info["http_server"] == http
     assert [s for s, _, _ in got["granian"]] == SAME_STATUSES
     assert got["granian"] == got["hypercorn"]
-    direct = EmbeddingServer(tiny, runtime=shared_rt, model_name="tiny", max_client_batch_size=4, precapture=False)
+    direct = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, model_name="tiny", max_client_batch_size=4, precapture=False)
     async with client(direct) as c, direct.running():
         await direct.wait_ready()
         assert await answers(c) == got["granian"]
@@ -608,7 +608,7 @@ async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime,
     import gc
 
     skip_unless_serves(http, anyio_backend)
-    server = EmbeddingServer(tiny, runtime=shared_rt, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
+    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
     urls: list[str] = []
     assert gc.get_freeze_count() == 0
     with anyio.fail_after(60):
@@ -712,7 +712,8 @@ def test_worker_processes_and_sigterm(tmp_path: Path, shared_rt: hetero.Runtime,
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(d), "--port", str(port),
                              "--workers", "3", "--engines", "2", "--max-batch-tokens", "256", "--no-precapture",
-                             "--max-in-flight", "3", "--backend", "uvloop", "--max-wait", "0.5", "--http", http],
+                             "--max-in-flight", "3", "--backend", "uvloop", "--max-wait", "0.5", "--http", http,
+                             "--auto-truncate"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     try:
@@ -1268,3 +1269,125 @@ def test_fronts_tokenize_without_a_thread_pool(tmp_path: Path, user_value: str |
         assert (value, int(after)) == ("false", int(before))
     else:
         assert value == "true" and int(after) > int(before)
+
+
+# -- hostile and careless requests ---------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_limits_names_keys_and_dimensions(tiny: Model, shared_rt: hetero.Runtime) -> None:
+    """413 past the body limit and past the model's longest input (unless truncating), 400 for a
+    lone surrogate and bad dimensions, 404 for a model the server does not serve, /v1/models."""
+    server = EmbeddingServer(tiny, runtime=shared_rt, precapture=False, max_request_bytes=4096,
+                             served_model_names=("tiny", "alias"))
+    long_text = " ".join(["word"] * 60)  # the tiny model takes 24 tokens
+    async with client(server) as c, server.running():
+        await server.wait_ready()
+        r = await c.post("/v1/embeddings", content=b'{"input": "' + b"a" * 5000 + b'"}')
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.json()["error"]["message"] == ("the request body has 5013 bytes, more than this server's "
+                                                "max_request_bytes of 4096; split the request")
+        r = await c.post("/v1/embeddings", json={"input": ["ok", long_text]})
+        err = r.json()["error"]
+        assert r.status_code == 413 and err["code"] == "input_too_long" and err["param"] == "input"
+        assert err["message"].startswith("'input[1]' has 242 tokens, more than the model's maximum of 24; shorten it, or send \"truncate\": true")
+        r = await c.post("/v1/embeddings", json={"input": ["ok", long_text], "truncate": True})
+        assert r.status_code == 200
+        cut = np.array(r.json()["data"][1]["embedding"], np.float32)
+        np.testing.assert_allclose(cut, (await aembed([long_text], model=tiny, runtime=shared_rt))[0], atol=1e-5)
+        r = await c.post("/v1/embeddings", content=b'{"input": ["ok", "\\ud800 x"]}')
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "'input[1]' is not valid Unicode text: a lone surrogate '\\ud800' " \
+                                               "at character 0"
+        models = (await c.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "alias"] and models["object"] == "list"
+        assert (await c.post("/v1/embeddings", json={"input": "a", "model": "alias"})).status_code == 200
+        r = await c.post("/v1/embeddings", json={"input": "a", "model": "gpt-4"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        full = np.array((await c.post("/v1/embeddings", json={"input": "hi there"})).json()["data"][0]["embedding"])
+        r = await c.post("/v1/embeddings", json={"input": "hi there", "dimensions": 5})
+        short = np.array(r.json()["data"][0]["embedding"])
+        np.testing.assert_allclose(short, full[:5] / np.linalg.norm(full[:5]), atol=1e-6)
+        for bad in (0, tiny.dim + 1, "5", 2.5, True):
+            r = await c.post("/v1/embeddings", json={"input": "a", "dimensions": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions", bad
+    auto = EmbeddingServer(tiny, runtime=shared_rt, precapture=False, auto_truncate=True)
+    async with client(auto) as c, auto.running():
+        await auto.wait_ready()
+        assert (await c.post("/v1/embeddings", json={"input": long_text})).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_api_key_and_500s_with_a_request_id(tiny: Model, shared_rt: hetero.Runtime,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    server = EmbeddingServer(tiny, runtime=shared_rt, precapture=False, api_key="sesame")
+    assert "sesame" not in repr(server.settings)
+    async with client(server) as c, server.running():
+        await server.wait_ready()
+        assert (await c.get("/health")).status_code == 200  # open to load balancers
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "sesame"}):
+            r = await c.get("/info", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        ok = {"authorization": "Bearer sesame"}
+        assert (await c.post("/v1/embeddings", json={"input": "a"}, headers=ok)).status_code == 200
+
+        async def broken(ids: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        server.backend.embed_ids = broken  # type: ignore[method-assign]
+        r = await c.post("/v1/embeddings", json={"input": "a"}, headers=ok)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        rid = r.headers["x-request-id"]
+        assert rid in r.json()["error"]["message"]
+        assert any(rid in rec.getMessage() and rec.exc_info for rec in caplog.records)
+
+
+def raw_answer(port: int, head: bytes, body_parts: Any) -> tuple[int, bytes]:
+    """Send ``head`` then the parts of a body over one connection, as long as the server reads;
+    the status and body of its answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        try:
+            for part in body_parts:
+                sock.sendall(part)
+        except OSError:
+            pass  # the server answered and closed before the body ended
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        header, _, rest = data.partition(b"\r\n\r\n")
+        status = int(header.split(b" ", 2)[1])
+        length = int(next(line.split(b":", 1)[1] for line in header.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        return status, rest
+
+
+@pytest.mark.anyio
+async def test_oversized_bodies_are_refused_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime,
+                                                               anyio_backend: str, http: str) -> None:
+    """A Content-Length past --max-request-bytes gets 413 before the body is read; a chunked body is
+    cut off at the limit; the server answers the next request as usual."""
+    skip_unless_serves(http, anyio_backend)
+    server = EmbeddingServer(tiny, runtime=shared_rt, precapture=False, max_request_bytes=65536)
+    async with served(server, http) as url, httpx.AsyncClient(base_url=url) as c:
+        with anyio.fail_after(60):
+            while (await c.get("/health")).status_code != 200:
+                await anyio.sleep(0.02)
+        port = int(url.rsplit(":", 1)[1])
+        head = b"POST /v1/embeddings HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        status, body = await anyio.to_thread.run_sync(
+            raw_answer, port, head + b"content-length: 50000000\r\n\r\n", [b'{"input": "' + b"a" * 65536])
+        assert status == 413 and b"50000000 bytes" in body
+        chunk = b"%x\r\n%s\r\n" % (16384, b"a" * 16384)
+        status, body = await anyio.to_thread.run_sync(
+            raw_answer, port, head + b"transfer-encoding: chunked\r\n\r\n", [b"b\r\n{\"input\": \"\r\n"] + [chunk] * 64)
+        assert status == 413 and b"more than 65536 bytes" in body
+        assert (await c.post("/v1/embeddings", json={"input": "a"})).status_code == 200
