@@ -89,9 +89,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "HETERO_API_KEY environment variable, else none)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (see hetero embed --int8)")
-    p.add_argument("--no-precapture", dest="precapture", action="store_false",
-                   help="warm up with one sentence instead of capturing every packed batch shape (faster start, "
-                   "slower first batches of each shape)")
+    p.add_argument("--precapture", dest="precapture", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every packed batch shape at warm-up, so that every batch replays captured stages "
+                   "(--no-precapture: one sentence, a faster start and slower first batches of each shape); "
+                   "default: on, except on a CPU adapter (lavapipe, llvmpipe, SwiftShader), where it takes minutes")
     p.set_defaults(func=run)
     return p
 
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                              max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
                              max_in_flight=int(getattr(args, "max_in_flight", 2)),
                              max_wait=float(getattr(args, "max_wait_ms", 0.0)) / 1e3,
-                             precapture=bool(getattr(args, "precapture", True)),
+                             precapture=getattr(args, "precapture", None),
                              max_request_bytes=int(getattr(args, "max_request_bytes", 2 * 1024 * 1024)),
                              auto_truncate=bool(getattr(args, "auto_truncate", False)),
                              served_model_names=tuple(getattr(args, "served_model_name", None) or ()),

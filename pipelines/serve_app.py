@@ -103,7 +103,7 @@ class ServeSettings:
     max_queued: int = 4096
     max_in_flight: int = 2
     max_wait: float = 0.0
-    precapture: bool = True
+    precapture: bool | None = None
     max_request_bytes: int = 2 * 1024 * 1024
     auto_truncate: bool = False
     served_model_names: tuple[str, ...] = ()
@@ -123,7 +123,8 @@ class ServeSettings:
         object.__setattr__(self, "max_wait", float(wait))
         object.__setattr__(self, "int8", bool(self.int8))
         object.__setattr__(self, "auto_truncate", bool(self.auto_truncate))
-        object.__setattr__(self, "precapture", bool(self.precapture))
+        if self.precapture is not None:
+            object.__setattr__(self, "precapture", bool(self.precapture))
         names = tuple(self.served_model_names)
         if any(not isinstance(n, str) or not n for n in names):
             raise HeteroError(f"--served-model-name must be non-empty names, got {list(names)!r}")
@@ -265,8 +266,10 @@ class EmbeddingServer:
         return self.settings.max_wait
 
     @property
-    def precapture(self) -> bool:
-        return self.settings.precapture
+    def precapture(self) -> bool | None:
+        """Whether the warm-up captures every batch shape (None until decided: off on a CPU adapter)."""
+        backend = self.backend
+        return backend.precapture if isinstance(backend, EmbeddingEngine) else self.settings.precapture
 
     # -- the HTTP servers' entry points ---------------------------------------------------------
     async def app(self, scope: Any, receive: Any, send: Any) -> None:
@@ -432,6 +435,8 @@ class EmbeddingServer:
             "ready": self.ready, "max_batch_tokens": s.max_batch_tokens,
             "max_client_batch_size": s.max_client_batch_size, "max_queued_inputs": s.max_queued,
             "max_batches_in_flight": s.max_in_flight, "max_wait_ms": s.max_wait * 1e3,
+            "precapture": self.precapture, "max_request_bytes": s.max_request_bytes,
+            "auto_truncate": s.auto_truncate, "models": list(s.model_ids),
             "http_server": self.http_server, "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
         }
 

@@ -315,7 +315,7 @@ class EmbeddingEngine:
 
     def __init__(self, model: Model, *, runtime: hetero.Runtime | None = None, int8: bool = False,
                  max_batch_tokens: int = 16384, max_queued: int = 4096, max_in_flight: int = 2,
-                 max_wait: float = 0.0, precapture: bool = True, on_batch: Callable[[int, int], None] | None = None,
+                 max_wait: float = 0.0, precapture: bool | None = True, on_batch: Callable[[int, int], None] | None = None,
                  on_batch_done: Callable[[int, float, float], None] | None = None,
                  gauges: Callable[[int, int], None] | None = None) -> None:
         self.model = model
@@ -324,7 +324,7 @@ class EmbeddingEngine:
         self.max_queued = max_queued
         self.max_in_flight = max_in_flight
         self.max_wait = max_wait
-        self.precapture = bool(precapture)
+        self.precapture = precapture  # None: on, except on a CPU adapter (see _warmup)
         self._own_runtime = runtime is None
         self.runtime = runtime
         self.service: EmbeddingService | None = None
@@ -387,9 +387,24 @@ class EmbeddingEngine:
     async def _warmup(self) -> None:
         assert self.service is not None and self.runtime is not None
         try:
-            await self.service.warmup(self.precapture)
             rt = self.runtime
-            self.adapter = await anyio.to_thread.run_sync(lambda: str(rt.device().summary["summary"]))
+            summary = await anyio.to_thread.run_sync(lambda: rt.device().summary)
+            self.adapter = str(summary["summary"])  # /info names it while warming up
+            self._tell_links()
+            precapture = self.precapture
+            if precapture is None:
+                # A software adapter captures every packed shape in minutes, not seconds (858 s on
+                # the 2-core CPU machine against 5 s for one sentence): there it warms up with one.
+                precapture = str(summary.get("type", "")).lower() != "cpu"
+                self.precapture = precapture
+                if not precapture:
+                    print(f"hetero serve: {self.adapter} is a CPU adapter: warming up without capturing every batch "
+                          "shape (--precapture captures them all)", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            shapes = await self.service.warmup(precapture)
+            if precapture:
+                print(f"hetero serve: warm-up captured {shapes} batch shapes in {time.perf_counter() - started:.1f} s",
+                      file=sys.stderr, flush=True)
             self.ready = True
         except HeteroError as e:
             if self.stopping:

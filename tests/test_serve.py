@@ -608,7 +608,8 @@ async def test_served_over_a_real_socket(tiny: Model, shared_rt: hetero.Runtime,
     import gc
 
     skip_unless_serves(http, anyio_backend)
-    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, max_batch_tokens=48)  # 5 padded shapes captured at warm-up
+    server = EmbeddingServer(tiny, runtime=shared_rt, auto_truncate=True, max_batch_tokens=48,
+                             precapture=True)  # 5 padded shapes captured at warm-up
     urls: list[str] = []
     assert gc.get_freeze_count() == 0
     with anyio.fail_after(60):
