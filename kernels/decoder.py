@@ -192,8 +192,21 @@ def _eps(op: str, eps: Any) -> float:
     return float(eps)
 
 
-def _subgroups(gpu: GPUContext) -> bool:
-    return USE_SUBGROUPS and "subgroup" in gpu.features
+def _subgroups(gpu: GPUContext) -> int:
+    """The device's smallest subgroup size where the subgroup path is taken, else 0.
+
+    It sizes the workgroup memory that the subgroups' partial results meet in; an
+    adapter that does not say (wgpu-py 0.32 spells the key ``stackgroup_min_size``) is
+    taken to have subgroups of 1.
+    """
+    if not (USE_SUBGROUPS and "subgroup" in gpu.features):
+        return 0
+    info = getattr(gpu.device, "adapter_info", None) or {}
+    size = info.get("subgroup_min_size", info.get("stackgroup_min_size", 1)) if hasattr(info, "get") else 1
+    try:
+        return max(1, int(size))
+    except (TypeError, ValueError):
+        return 1
 
 
 def _weight(op: str, name: str, w: Any) -> tuple[str, tuple[int, int]]:
@@ -219,8 +232,10 @@ def _units(kind: str, cols: int) -> tuple[int, int]:
 # -- linear layers ------------------------------------------------------------------------------
 def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, Any]], bias: Any, residual: Any,
                    norm: Any, eps: Any) -> tuple[int, int, int, str]:
-    xs = _arr(op, "x", x, _F32, 2)
-    m, k = xs
+    xs = _arr(op, "x", x, _F32)
+    if len(xs) < 2:
+        raise ValueError(f"{op}: x must be [M, K] (or [M, ...] with the trailing axes making K), got shape {xs}")
+    m, k = xs[0], math.prod(xs[1:])  # [T, heads, D] (attention's output) is [T, heads * D]
     kinds = []
     n = 0
     for name, w in weights:
@@ -286,7 +301,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
             src = W.linear_gemv(kind, mr, rows, GEMV_THREADS, vec, swiglu, norm is not None, bias is not None,
                                 residual is not None, sg)
             kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
-                              f"{'.sg' if sg else ''}")
+                              f"{f'.sg{sg}' if sg else ''}")
             bindings[-1] = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *bindings)
         return out
@@ -303,7 +318,8 @@ def linear(gpu: GPUContext, x: Tensor | np.ndarray, w: PackedWeight | GPUWeight,
     """``y = x' @ W.T + bias + residual`` for x float32 [M, K] and a weight [N, K] of any kind -> [M, N].
 
     ``x'`` is ``x``, or with ``norm`` (the RMSNorm weight, float32 [K]) ``rmsnorm(x, norm,
-    eps)``, folded into the product. ``residual`` ([M, N]) is added in the epilogue (the
+    eps)``, folded into the product. ``x`` may have more axes, [M, ...], the trailing ones
+    making K: attention's [T, heads, D] output feeds the output projection as it is. ``residual`` ([M, N]) is added in the epilogue (the
     attention output projection and the MLP's down projection add the residual stream).
     ``path``: "gemv" (the decode kernel; M <= :data:`GEMV_MAX_M` rows at a time), "tiled"
     (the GEMM kernel) or "auto" (GEMV for M <= :data:`GEMV_MAX_M`). The output head is
@@ -600,7 +616,7 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
     sg = _subgroups(gpu)
     partial = splits > 1
     kern = gpu.kernel(W.attention(group, d, partial, sg), "main",
-                      label=f"decoder.paged_attention.g{group}.d{d}{'.split' if partial else ''}{'.sg' if sg else ''}")
+                      label=f"decoder.paged_attention.g{group}.d{d}{'.split' if partial else ''}{f'.sg{sg}' if sg else ''}")
     params = struct.pack("<8If3I", t, hq, hkv, d, bs, maxb, splits, split_keys,
                          float(sc) * 1.4426950408889634, 0, 0, 0)
     qt, btt, qst, qpt = _dev(gpu, q), _dev(gpu, block_tables), _dev(gpu, query_seq), _dev(gpu, query_pos)

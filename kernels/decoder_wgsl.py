@@ -134,13 +134,14 @@ def _epilogue(swiglu: bool, bias: bool, residual: bool) -> str:
 
 @lru_cache(maxsize=None)
 def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swiglu: bool, norm: bool,
-                bias: bool, residual: bool, subgroups: bool) -> str:
+                bias: bool, residual: bool, subgroups: int) -> str:
     """y[M, N] = x[M, K] @ W.T for small M: a workgroup of ``threads`` per ``rows`` output rows.
 
     Thread t takes units t, t + threads, ... of every row of its workgroup (consecutive
     threads read consecutive weight words), dequantizes each in registers and dots it
     with the ``mrows`` activation rows; the partial sums meet through subgroupAdd and
-    workgroup memory (``subgroups``) or a workgroup-memory tree. ``norm``: x is
+    workgroup memory (``subgroups``: the device's smallest subgroup size, which sizes the
+    workgroup memory that the subgroups' sums meet in; 0: none) or a workgroup-memory tree. ``norm``: x is
     RMS-normalised on the fly (x * g, and the dot products scaled by
     1 / sqrt(mean(x^2) + eps), the sum of squares reduced with them).
     ``swiglu``: two weights (gate, up), y = silu(x Wg^T) * (x Wu^T).
@@ -188,7 +189,7 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
         lines.append("        for (var i = 0u; i < nsg; i++) { t += red[i * NV + j]; }")
         lines.append("        tot[j] = t;")
         lines.append("    }")
-        red_size = f"(WG / 4u) * NV"  # subgroups are at least 4 wide on every adapter we know
+        red_size = f"{max(1, threads // subgroups)}u * NV"  # one slot a subgroup and value
         args = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
                 "@builtin(num_subgroups) nsg: u32")
     else:
@@ -492,7 +493,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 _NEG = "-3.0e38"  # "minus infinity" that stays finite: exp2(_NEG - m) is 0, and _NEG - _NEG is not NaN
 
 
-def _reduce_lines(vals: list[str], op: str, out: str, subgroups: bool, wg: int) -> list[str]:
+def _reduce_lines(vals: list[str], op: str, out: str, subgroups: int, wg: int) -> list[str]:
     """WGSL lines reducing each of ``vals`` (one f32 a thread) over the workgroup with ``op``
     ("max" or "add"); every thread gets the results as ``{out}{i}``."""
     L: list[str] = []
@@ -536,7 +537,7 @@ ATTN_WG = 64
 
 
 @lru_cache(maxsize=None)
-def attention(group: int, d: int, partial: bool, subgroups: bool) -> str:
+def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     """Causal GQA attention of one query row over its sequence's paged keys (or one split of them).
 
     A workgroup per (query row, KV head, split) serves the ``group`` query heads that share
@@ -630,7 +631,7 @@ def attention(group: int, d: int, partial: bool, subgroups: bool) -> str:
             L.append(f"        out[pb + 1u] = l{h};")
             L.append("    }")
     body = "\n".join(L)
-    red_size = (wg // 4) * G if subgroups else wg * G
+    red_size = max(1, wg // subgroups) * G if subgroups else wg * G
     args = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
             "@builtin(num_subgroups) nsg: u32") if subgroups else ""
     return f"""

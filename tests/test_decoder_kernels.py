@@ -519,3 +519,110 @@ def test_sampling_params_errors() -> None:
         D.sampling_params(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="sampling_params: temperature must be a scalar or a sequence of 3"):
         D.sampling_params([1.0, 1.0], top_k=[1, 2, 3])
+
+
+# -- a decoder layer composed of the ops ------------------------------------------------------------
+class Spy:
+    """A GPUContext stand-in that counts the dispatches recorded through it."""
+
+    def __init__(self, gpu: hetero.GPUContext) -> None:
+        self._gpu = gpu
+        self.labels: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gpu, name)
+
+    def dispatch(self, kernel: Any, workgroups: Any, *bindings: Any) -> Any:
+        self.labels.append(kernel.label)
+        return self._gpu.dispatch(kernel, workgroups, *bindings)
+
+
+def layer_ref(x: np.ndarray, p: dict[str, np.ndarray], cache: list[tuple[int, int, np.ndarray, np.ndarray]],
+              rows: list[tuple[int, int]], hq: int, hkv: int, f: np.ndarray) -> np.ndarray:
+    """One Llama / Qwen2 block in float64; appends each row's (seq, pos, k, v) to ``cache``."""
+    d = x.shape[1] // hq
+
+    def norm(v: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return v / np.sqrt((v ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    x = x.astype(np.float64)
+    hn = norm(x, p["g1"])
+    q = (hn @ p["wq"].T + p["bq"]).reshape(len(rows), hq, d)
+    k = (hn @ p["wk"].T + p["bk"]).reshape(len(rows), hkv, d)
+    v = (hn @ p["wv"].T + p["bv"]).reshape(len(rows), hkv, d)
+    pos = np.array([r[1] for r in rows], np.int32)
+    q, k = rope_ref(q, pos, f), rope_ref(k, pos, f)
+    cache += [(s, ps, k[i], v[i]) for i, (s, ps) in enumerate(rows)]
+    att = np.zeros_like(q)
+    for i, (s, ps) in enumerate(rows):
+        keys = [(kk, vv) for s2, p2, kk, vv in cache if s2 == s and p2 <= ps]
+        kk, vv = np.stack([a for a, _ in keys]), np.stack([b for _, b in keys])
+        for h in range(hq):
+            sc = kk[:, h // (hq // hkv)] @ q[i, h] / math.sqrt(d)
+            e = np.exp(sc - sc.max())
+            att[i, h] = (e / e.sum()) @ vv[:, h // (hq // hkv)]
+    h1 = x + att.reshape(len(rows), -1) @ p["wo"].T
+    h2 = norm(h1, p["g2"])
+    a, b = h2 @ p["wg"].T, h2 @ p["wu"].T
+    return h1 + (a / (1.0 + np.exp(-a)) * b) @ p["wd"].T
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "f16"])
+async def test_decoder_layer_prefill_then_decode_in_six_dispatches(shared_rt: hetero.Runtime, kind: str) -> None:
+    """A Qwen2-style block (Q/K/V biases), GQA 2:1, out of the fused ops: prefill of two sequences
+    (13 rows: the tiled kernels), then one decode step for both (the GEMV kernels), against numpy on
+    the same dequantized weights. Six dispatches a layer: QKV (RMSNorm folded, biases), RoPE + KV
+    write, attention, output projection + residual, gate/up + SwiGLU (RMSNorm folded), down + residual."""
+    hdim, hq, hkv, ffn, bs = 64, 4, 2, 96, 4
+    d = hdim // hq
+    shapes = {"wq": (hq * d, hdim), "wk": (hkv * d, hdim), "wv": (hkv * d, hdim), "wo": (hdim, hq * d),
+              "wg": (ffn, hdim), "wu": (ffn, hdim), "wd": (hdim, ffn)}
+    packed = {n: make_weight(kind, rand(s, i, scale=0.3)) for i, (n, s) in enumerate(shapes.items())}
+    ref_p = {n: unpack(w).astype(np.float64) for n, w in packed.items()}
+    for n, s in (("bq", hq * d), ("bk", hkv * d), ("bv", hkv * d)):
+        ref_p[n] = rand((s,), hash(n) % 1000, scale=0.1).astype(np.float64)
+    ref_p["g1"], ref_p["g2"] = rand((hdim,), 50) * 0.2 + 1.0, rand((hdim,), 51) * 0.2 + 1.0
+    qkv_w = concat_rows([packed["wq"], packed["wk"], packed["wv"]])
+    qkv_b = np.concatenate([ref_p["bq"], ref_p["bk"], ref_p["bv"]]).astype(np.float32)
+    f = inv_freq(d, 10000.0)
+    bt = np.array([[0, 3, 5, 0], [1, 2, 4, 0]], np.int32)  # 7 + 1 and 6 + 1 tokens in blocks of 4
+    pre = [(0, p) for p in range(7)] + [(1, p) for p in range(6)]
+    dec = [(0, 7), (1, 6)]
+
+    def feed(rows: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+        seq = np.array([s for s, _ in rows], np.int32)
+        pos = np.array([p for _, p in rows], np.int32)
+        slots = np.array([bt[s, p // bs] * bs + p % bs for s, p in rows], np.int32)
+        return seq, pos, slots
+
+    x_pre, x_dec = rand((len(pre), hdim), 60), rand((len(dec), hdim), 61)
+    counts: list[int] = []
+
+    def stage(gpu: Any, x_pre: Any, x_dec: Any, g1: Any, g2: Any, qkv_b: Any, f: Any, bt: Any) -> Any:
+        spy = Spy(gpu)
+        w = {n: D.upload_weight(gpu, pw) for n, pw in packed.items()}
+        wqkv = D.upload_weight(gpu, qkv_w)
+        kc, vc = D.kv_cache(gpu, 6, bs, hkv, d)
+        outs = []
+        for x, rows in ((x_pre, pre), (x_dec, dec)):
+            seq, pos, slots = (gpu.upload(a) for a in feed(rows))
+            before = len(spy.labels)
+            qkv = D.linear(spy, x, wqkv, bias=qkv_b, norm=g1, eps=1e-5)
+            q = D.rope_kv(spy, qkv, pos, f, kc, vc, slots, heads=hq)
+            att = D.paged_attention(spy, q, kc, vc, bt, seq, pos)
+            h1 = D.linear(spy, att, w["wo"], residual=x)
+            mlp = D.linear_swiglu(spy, h1, w["wg"], w["wu"], norm=g2, eps=1e-5)
+            outs.append(D.linear(spy, mlp, w["wd"], residual=h1))
+            counts.append(len(spy.labels) - before)
+        return tuple(outs)
+
+    got_pre, got_dec = await call(shared_rt, stage, x_pre=x_pre, x_dec=x_dec, g1=ref_p["g1"].astype(np.float32),
+                                  g2=ref_p["g2"].astype(np.float32), qkv_b=qkv_b, f=f, bt=bt)
+    assert counts == [6, 6]
+    cache: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+    want_pre = layer_ref(x_pre, ref_p, cache, pre, hq, hkv, f)
+    want_dec = layer_ref(x_dec, ref_p, cache, dec, hq, hkv, f)
+    # float32 rounding through six products: relative to each row's largest value
+    close(f"layer prefill {kind}", got_pre, want_pre, np.abs(want_pre).max(-1, keepdims=True), rtol=2e-5)
+    close(f"layer decode {kind}", got_dec, want_dec, np.abs(want_dec).max(-1, keepdims=True), rtol=2e-5)
