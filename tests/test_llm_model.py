@@ -110,31 +110,39 @@ def test_quantized_q_and_k_rows_are_unpermuted_packed(files):
 
 
 def test_unpermuted_rows_give_llama_cpp_interleaved_rope_scores():
-    """HF rotate-half RoPE on the loaded rows = llama.cpp's interleaved RoPE on the file's rows."""
+    """Attention scores of HF rotate-half RoPE on HF rows = llama.cpp's interleaved RoPE on the file's rows."""
     rng = np.random.default_rng(3)
-    hd, heads, pos = 16, 2, 5
-    w_hf = rng.standard_normal((heads * hd, 8))
-    x = rng.standard_normal(8)
+    hd, heads = 16, 2
+    wq, wk = rng.standard_normal((heads * hd, 8)), rng.standard_normal((heads * hd, 8))
+    x, y = rng.standard_normal(8), rng.standard_normal(8)
     inv = 1.0 / 10000 ** (np.arange(0, hd, 2) / hd)
-    ang = pos * inv
 
-    def rotate_half(v):  # per head, pairs (j, j + hd/2)
+    def rotate_half(v, pos):  # per head, pairs (j, j + hd/2)
         v = v.reshape(heads, hd)
-        a, b = v[:, :hd // 2], v[:, hd // 2:]
-        return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], axis=1)
+        a, b, c, s = v[:, :hd // 2], v[:, hd // 2:], np.cos(pos * inv), np.sin(pos * inv)
+        return np.concatenate([a * c - b * s, b * c + a * s], axis=1)
 
-    def interleaved(v):  # per head, pairs (2j, 2j + 1)
+    def interleaved(v, pos):  # per head, pairs (2j, 2j + 1), as llama.cpp's rope
         v = v.reshape(heads, hd // 2, 2)
-        a, b = v[..., 0], v[..., 1]
-        return np.stack([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], axis=-1)
+        a, b, c, s = v[..., 0], v[..., 1], np.cos(pos * inv), np.sin(pos * inv)
+        return np.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(heads, hd)
 
-    hf = rotate_half(w_hf @ x).reshape(heads, hd)
-    cpp = interleaved(gguf_permute(w_hf, heads) @ x).reshape(heads, hd)
-    # Same vectors up to the within-head order of dimensions, so every q.k dot product agrees.
-    np.testing.assert_allclose(np.sort(hf, axis=1), np.sort(cpp, axis=1), rtol=1e-12)
-    np.testing.assert_allclose((hf * hf).sum(1), (cpp * cpp).sum(1), rtol=1e-12)
-    np.testing.assert_allclose(gguf_permute(w_hf, heads).reshape(heads, hd // 2, 2, 8)[:, :, 1],
-                               w_hf.reshape(heads, 2, hd // 2, 8)[:, 1], rtol=0)
+    for m, n in [(0, 0), (3, 1), (7, 2), (40, 39)]:
+        hf = (rotate_half(wq @ x, m) * rotate_half(wk @ y, n)).sum(1)
+        cpp = (interleaved(gguf_permute(wq, heads) @ x, m) * interleaved(gguf_permute(wk, heads) @ y, n)).sum(1)
+        np.testing.assert_allclose(hf, cpp, rtol=1e-12)
+        unpermuted = (interleaved(wq @ x, m) * interleaved(wk @ y, n)).sum(1)
+        if m != n:
+            assert not np.allclose(hf, unpermuted)  # the permutation matters
+
+
+def test_gguf_rope_freqs_tensor_is_llama3_scaling(tmp_path):
+    factors = np.linspace(1.0, 8.0, 8).astype(np.float32)
+    p = write_tiny_gguf(tmp_path / "a.gguf", edit=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    c = load_model(p).config
+    assert c.rope_scaling is not None and c.rope_scaling.rope_type == "factors"
+    base = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
+    np.testing.assert_allclose(c.rope_inv_freq(), base / factors.astype(np.float64), rtol=1e-12)
 
 
 def test_gguf_and_hf_directory_give_the_same_logits(files):
