@@ -29,10 +29,12 @@ import numpy as np
 __all__ = [
     "CHATML_TEMPLATE",
     "CORPUS",
+    "SHAPES",
     "SPECIAL_TOKENS",
     "expected_weights",
     "gguf_name",
     "gguf_permute",
+    "shaped_config",
     "tiny_config",
     "tiny_tokenizer",
     "tiny_weights",
@@ -54,6 +56,33 @@ CORPUS = [
     "A language model predicts the next token from the ones before it.",
     "Grouped-query attention shares keys and values between heads.",
 ] * 4
+
+
+# Real models' shapes (config.json keys), for random models of the benchmark's sizes.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                     "tie_word_embeddings": True},
+}
+
+
+def shaped_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """The ``config.json`` of a model of ``SHAPES[name]``'s shape (``overrides`` win, e.g. fewer layers).
+
+    Its vocabulary is larger than the fixture tokenizer's: ids past the tokenizer's are valid
+    model inputs, they just never come out of ``encode``.
+    """
+    shape = SHAPES[name]
+    c = tiny_config(shape["model_type"])
+    c.pop("head_dim", None)
+    c.update(shape)
+    c.update(overrides)
+    return c
 
 
 def tiny_config(arch: str = "llama", *, tied: bool = False, vocab_size: int | None = None,

@@ -18,6 +18,7 @@ from llm_fixtures import (  # noqa: E402
     CORPUS,
     expected_weights,
     gguf_permute,
+    shaped_config,
     tiny_config,
     tiny_tokenizer,
     tiny_weights,
@@ -548,3 +549,10 @@ def test_model_errors_are_hetero_errors_and_pickle(tmp_path):
 
 def test_tiny_chatml_template_is_the_fixture_one(files):
     assert load_model(files["qwen2", "hf"]).tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def test_shaped_configs_load(tmp_path):
+    c = shaped_config("smollm2-135m", num_hidden_layers=1, vocab_size=512)
+    m = load_model(write_tiny_hf_dir(tmp_path / "s", config=c))
+    assert (m.config.hidden_size, m.config.num_heads, m.config.num_kv_heads, m.config.head_dim) == (576, 9, 3, 64)
+    assert m.config.tie_word_embeddings and m.config.num_layers == 1
