@@ -64,27 +64,31 @@ Paged attention. Query row ``t`` (of ``q`` ``[T, heads, D]``) belongs to sequenc
 ``query_seq[t]`` and sits at position ``query_pos[t]``; it attends to keys ``0 ..
 query_pos[t]`` of its sequence (causal; a prefill chunk's keys must be in the cache
 before, i.e. ``rope_kv``/``kv_write`` first). A workgroup takes one query row and one KV
-head and serves the ``heads / kv_heads`` query heads sharing it (each key and value read
-once for the group). With few workgroups and a long cache (``T * kv_heads`` <
-:data:`ATTN_SPLIT_MIN_GROUPS`), the keys are split in chunks of :data:`ATTN_SPLIT_KEYS`
-(flash-decoding): partial (acc, max, sum) per split, then a combine pass.
+head and serves the query heads sharing it (up to :data:`ATTN_MAX_HEADS` of them; a larger
+group in chunks), so each key and value is read once for the group. Keys come in tiles of
+64: a thread a key for the scores, then 64 / (D / 4) groups of keys whose vec4 columns of
+the values the threads accumulate (constant trip counts, loads in flight together). A
+workgroup's latency is its serial walk over its tiles, so with few workgroups (query rows x
+KV heads x head chunks < :data:`ATTN_SPLIT_MIN_GROUPS`) the keys are split
+(flash-decoding) into up to ``max_blocks * block_size / ATTN_SPLIT_KEYS`` chunks: partial
+(acc, max, sum) per split, then a combine pass. Splits past a row's position end at once.
 
 Sampling (``sample``). A workgroup of 256 threads a row of logits ``[S, V]``; per-row
 parameters (:func:`sampling_params` builds them) so rows of one batch can differ.
 Temperature 0 is greedy: the argmax, ties to the lowest id (as ``numpy.argmax``).
 Otherwise, as transformers' warpers in order (temperature, top-k, top-p): the top-k
-threshold is the k-th largest logit, found by bisection over the float's order-preserving
-32-bit key (each step a count over the row, so at most 32 passes, exact); the top-p
-threshold the smallest top set whose softmax mass (at temperature T, within the top-k
-set) reaches ``top_p``, found the same way with sums. Ties at a threshold keep all tied
-tokens. Then Gumbel-max over the survivors: ``argmax(z_i / T - log(-log(u_i)))`` with
+threshold is the k-th largest logit, found digit by digit over the float's order-preserving
+32-bit key (radix 16: 8 passes over the row, each a histogram of the tokens that share the
+digits found so far; counts exact); the top-p threshold the smallest top set whose softmax
+mass (at temperature T, within the top-k set) reaches ``top_p``, found the same way with
+masses. Ties at a threshold keep all tied tokens. Then Gumbel-max over the survivors: ``argmax(z_i / T - log(-log(u_i)))`` with
 ``u_i`` from a counter-based hash of ``(seed, step, token id)``: the same seed and step
 give the same token on any adapter, whatever the row's place in the batch. NaN logits
 count as -inf. Only the int32 ids need to come back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
-:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
-:data:`ATTN_SPLIT_MIN_GROUPS`.
+:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
+:data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
 
 from __future__ import annotations
@@ -111,12 +115,20 @@ GEMV_THREADS = 64
 """Threads of a GEMV workgroup (a power of two)."""
 GEMV_ROWS = 4
 """Output rows a GEMV workgroup computes at M = 1 (fewer for larger M: registers)."""
+GEMV_WIDE_N = 16384
+"""From this many output rows a GEMV workgroup computes one (there are workgroups enough; on
+the H200 the 49152 x 576 Q8_0 output head ran in 5.3 us of GPU time a row a workgroup, 13 us
+four rows a workgroup)."""
 USE_SUBGROUPS = True
 """Reduce with subgroup operations where the device has the ``subgroup`` feature (False: for tests)."""
-ATTN_SPLIT_KEYS = 256
-"""Keys per split of a split (flash-decoding) attention."""
-ATTN_SPLIT_MIN_GROUPS = 64
-"""Split the keys when fewer workgroups (query rows x KV heads) than this would run otherwise."""
+ATTN_SPLIT_KEYS = 64
+"""Fewest keys per split of a split (flash-decoding) attention (one tile of 64: a workgroup's
+latency is its serial walk over its tiles)."""
+ATTN_SPLIT_MIN_GROUPS = 128
+"""Split the keys while fewer workgroups (query rows x KV heads x head chunks x splits) than this
+would run; past it, longer splits."""
+ATTN_MAX_HEADS = 8
+"""Most query heads one attention workgroup serves (a group of more is served in chunks)."""
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -297,7 +309,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         # GEMV_MAX_M rows of x at a time (registers); the params say which
         for m0 in range(0, m, GEMV_MAX_M):
             mr = min(GEMV_MAX_M, m - m0)
-            rows = max(1, min(GEMV_ROWS, 8 // mr))
+            rows = 1 if n >= GEMV_WIDE_N else max(1, min(GEMV_ROWS, 8 // mr))
             src = W.linear_gemv(kind, mr, rows, GEMV_THREADS, vec, swiglu, norm is not None, bias is not None,
                                 residual is not None, sg)
             kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
@@ -578,9 +590,9 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
                          "grouped-query attention")
     if d % 4:
         raise ValueError(f"{op}: head_dim must be a multiple of 4, got {d}")
+    if d > 256:
+        raise ValueError(f"{op}: head_dim must be at most 256, got {d}")
     group = hq // hkv
-    if group > 16:
-        raise ValueError(f"{op}: at most 16 query heads per KV head, got {group} ({hq} / {hkv})")
     bts = _arr(op, "block_tables", block_tables, _I32, 2)
     _ints(op, "query_seq", query_seq, (t,))
     _ints(op, "query_pos", query_pos, (t,))
@@ -606,21 +618,26 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
     if t == 0 or s == 0:
         return out
     cap = maxb * bs
+    # query heads a workgroup serves: the largest divisor of the group <= ATTN_MAX_HEADS (registers)
+    per_wg = max(c for c in range(1, min(group, ATTN_MAX_HEADS) + 1) if group % c == 0)
+    chunks = group // per_wg
     if splits is None:
+        base = t * hkv * chunks
         splits = 1
-        if t * hkv < ATTN_SPLIT_MIN_GROUPS and cap > ATTN_SPLIT_KEYS:
-            splits = _groups(cap, ATTN_SPLIT_KEYS)
+        if base < ATTN_SPLIT_MIN_GROUPS and cap > ATTN_SPLIT_KEYS:
+            splits = min(_groups(cap, ATTN_SPLIT_KEYS), _groups(ATTN_SPLIT_MIN_GROUPS, base))
     splits = min(int(splits), cap)
     split_keys = _groups(cap, splits)
     splits = _groups(cap, split_keys)
     sg = _subgroups(gpu)
     partial = splits > 1
-    kern = gpu.kernel(W.attention(group, d, partial, sg), "main",
-                      label=f"decoder.paged_attention.g{group}.d{d}{'.split' if partial else ''}{f'.sg{sg}' if sg else ''}")
+    kern = gpu.kernel(W.attention(per_wg, d, partial, sg), "main",
+                      label=f"decoder.paged_attention.g{per_wg}.d{d}{'.split' if partial else ''}"
+                      f"{f'.sg{sg}' if sg else ''}")
     params = struct.pack("<8If3I", t, hq, hkv, d, bs, maxb, splits, split_keys,
-                         float(sc) * 1.4426950408889634, 0, 0, 0)
+                         float(sc) * 1.4426950408889634, chunks, 0, 0)
     qt, btt, qst, qpt = _dev(gpu, q), _dev(gpu, block_tables), _dev(gpu, query_seq), _dev(gpu, query_pos)
-    workgroups = t * hkv * splits
+    workgroups = t * hkv * chunks * splits
     if not partial:
         gpu.dispatch(kern, workgroups, qt, k_cache, v_cache, btt, qst, qpt, out, params)
         return out

@@ -540,43 +540,52 @@ ATTN_WG = 64
 def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     """Causal GQA attention of one query row over its sequence's paged keys (or one split of them).
 
-    A workgroup per (query row, KV head, split) serves the ``group`` query heads that share
-    the KV head, so each key and value is read once for all of them. Keys come in tiles of
-    64, one thread a key for the scores (q in workgroup memory, scaled by scale * log2 e),
-    then every thread accumulates its dims (d = li, li + 64, ...) over the tile's values with
-    an online softmax (running maximum and sum per head, the accumulator rescaled when the
-    maximum rises; exp2). ``partial``: writes (acc, m, l) unnormalised for the combine pass.
+    A workgroup per (query row, KV head, chunk of ``group`` query heads, split) serves the
+    query heads that share the KV head, so each key and value is read once for all of them.
+    Keys come in tiles of 64: one thread a key for the scores (q in workgroup memory,
+    scaled by scale * log2 e), an online softmax per head (running maximum and sum, the
+    accumulators rescaled when the maximum rises; exp2), then the values: thread
+    (key group kg, column c) accumulates vec4 column c of the values of keys kg, kg + KG,
+    ... of the tile (KG = 64 / (D / 4) key groups; a constant trip count, so loads
+    pipeline), and the key groups' sums meet in workgroup memory at the end.
+    ``partial``: writes (acc, m, l) unnormalised for the combine pass.
     """
     wg = ATTN_WG
     d4 = d // 4
-    dt = -(-d // wg)
+    kg_n = max(1, wg // d4)  # key groups
+    per = -(-wg // kg_n)     # keys of a tile per key group
     G = group
     L: list[str] = []
     L.append("    let w = hetero_workgroup_id(wid).x;")
     L.append("    let split = w % p.nsplit;")
-    L.append("    let g = (w / p.nsplit) % p.hkv;")
-    L.append("    let t = w / (p.nsplit * p.hkv);")
+    L.append("    let hc = (w / p.nsplit) % p.chunks;")
+    L.append("    let g = (w / (p.nsplit * p.chunks)) % p.hkv;")
+    L.append("    let t = w / (p.nsplit * p.chunks * p.hkv);")
+    L.append(f"    let h0 = g * (p.hq / p.hkv) + hc * {G}u;  // first query head of this workgroup")
     L.append("    let seq = u32(qseq[t]);")
     L.append("    let ctx = u32(qpos[t]) + 1u;")
     L.append("    let start = split * p.split_keys;")
     L.append("    let end = min(ctx, start + p.split_keys);")
     L.append(f"    for (var e = li; e < {G * d4}u; e += {wg}u) {{")
-    L.append(f"        let h = e / {d4}u;")
-    L.append(f"        qsh[e] = q[(t * p.hq + g * {G}u + h) * {d4}u + e % {d4}u] * p.scale;")
+    L.append(f"        qsh[e] = q[(t * p.hq + h0 + e / {d4}u) * {d4}u + e % {d4}u] * p.scale;")
     L.append("    }")
+    L.append(f"    let kg = li / {d4}u;   // key group of the value phase")
+    L.append(f"    let col = li % {d4}u;  // vec4 column of the value phase")
+    L.append(f"    let vlive = kg < {kg_n}u;")
     L.append("    workgroupBarrier();")
     for h in range(G):
         L.append(f"    var m{h} = {_NEG};")
         L.append(f"    var l{h} = 0.0;")
-        for k in range(dt):
-            L.append(f"    var acc{h}_{k} = 0.0;")
+        L.append(f"    var acc{h} = vec4<f32>(0.0);")
     L.append(f"    for (var kt = start; kt < end; kt += {wg}u) {{")
     L.append("        let j = kt + li;")
     for h in range(G):
         L.append(f"        var s{h} = {_NEG};")
+    L.append("        var slot = 0u;  // keys past the end: weight 0, any valid row (the tile's first key)")
+    L.append("        let jr = select(kt, j, j < end);")
+    L.append("        slot = u32(bt[seq * p.maxb + jr / p.bs]) * p.bs + jr % p.bs;")
+    L.append("        slots[li] = slot;")
     L.append("        if (j < end) {")
-    L.append("            let slot = u32(bt[seq * p.maxb + j / p.bs]) * p.bs + j % p.bs;")
-    L.append("            slots[li] = slot;")
     L.append(f"            let base = (slot * p.hkv + g) * {d4}u;")
     for h in range(G):
         L.append(f"            var d{h} = 0.0;")
@@ -588,64 +597,72 @@ def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     for h in range(G):
         L.append(f"            s{h} = d{h};")
     L.append("        }")
-    inner = _reduce_lines([f"s{h}" for h in range(G)], "max", "tm", subgroups, wg)
-    L += ["    " + x for x in inner]
+    L += ["    " + x for x in _reduce_lines([f"s{h}" for h in range(G)], "max", "tm", subgroups, wg)]
     for h in range(G):
         L.append(f"        let mn{h} = max(m{h}, tm{h});")
         L.append(f"        let al{h} = exp2(m{h} - mn{h});")
         L.append(f"        m{h} = mn{h};")
         L.append(f"        let pr{h} = select(0.0, exp2(s{h} - mn{h}), j < end);")
         L.append(f"        psh[{h}u * {wg}u + li] = pr{h};")
-        for k in range(dt):
-            L.append(f"        acc{h}_{k} *= al{h};")
-    inner = _reduce_lines([f"pr{h}" for h in range(G)], "add", "ts", subgroups, wg)
-    L += ["    " + x for x in inner]
+        L.append(f"        acc{h} *= al{h};")
+    L += ["    " + x for x in _reduce_lines([f"pr{h}" for h in range(G)], "add", "ts", subgroups, wg)]
     for h in range(G):
         L.append(f"        l{h} = l{h} * al{h} + ts{h};")
-    L.append(f"        let nk = min({wg}u, end - kt);")
-    L.append("        for (var jj = 0u; jj < nk; jj++) {")
-    L.append("            let vb = (slots[jj] * p.hkv + g) * p.d;")
-    for k in range(dt):
-        cond = f"li + {k * wg}u < p.d"
-        L.append(f"            if ({cond}) {{")
-        L.append(f"                let vv = vc[vb + li + {k * wg}u];")
-        for h in range(G):
-            L.append(f"                acc{h}_{k} += psh[{h}u * {wg}u + jj] * vv;")
-        L.append("            }")
+    # psh and slots were written before the reductions' barriers: visible here
+    L.append("        if (vlive) {")
+    L.append(f"            for (var i = 0u; i < {per}u; i++) {{")
+    L.append(f"                let jj = min(kg + i * {kg_n}u, {wg - 1}u);")
+    L.append(f"                let live = kg + i * {kg_n}u < {wg}u;")
+    L.append(f"                let vv = vc[(slots[jj] * p.hkv + g) * {d4}u + col];")
+    for h in range(G):
+        L.append(f"                acc{h} += select(0.0, psh[{h}u * {wg}u + jj], live) * vv;")
+    L.append("            }")
     L.append("        }")
     L.append("        workgroupBarrier();")
     L.append("    }")
+    # the key groups' accumulators meet in workgroup memory (reusing nothing: its own array)
+    L.append("    if (vlive) {")
     for h in range(G):
-        L.append(f"    let hq{h} = g * {G}u + {h}u;")
-        for k in range(dt):
-            L.append(f"    if (li + {k * wg}u < p.d) {{")
-            if partial:
-                L.append(f"        out[((t * p.hq + hq{h}) * p.nsplit + split) * (p.d + 2u) + li + {k * wg}u] = acc{h}_{k};")
-            else:
-                L.append(f"        out[(t * p.hq + hq{h}) * p.d + li + {k * wg}u] = acc{h}_{k} / l{h};")
-            L.append("    }")
-        if partial:
-            L.append("    if (li == 0u) {")
-            L.append(f"        let pb = ((t * p.hq + hq{h}) * p.nsplit + split) * (p.d + 2u) + p.d;")
-            L.append(f"        out[pb] = m{h};")
-            L.append(f"        out[pb + 1u] = l{h};")
-            L.append("    }")
+        L.append(f"        ash[(kg * {G}u + {h}u) * {d4}u + col] = acc{h};")
+    L.append("    }")
+    L.append("    workgroupBarrier();")
+    L.append(f"    for (var e = li; e < {G * d4}u; e += {wg}u) {{")
+    L.append(f"        let h = e / {d4}u;")
+    L.append(f"        let c = e % {d4}u;")
+    L.append("        var a = vec4<f32>(0.0);")
+    L.append(f"        for (var k = 0u; k < {kg_n}u; k++) {{ a += ash[(k * {G}u + h) * {d4}u + c]; }}")
+    L.append("        var mh = 0.0;")
+    L.append("        var lh = 0.0;")
+    for h in range(G):
+        L.append(f"        if (h == {h}u) {{ mh = m{h}; lh = l{h}; }}")
+    L.append("        let hq = h0 + h;")
+    if partial:
+        L.append("        let pb = ((t * p.hq + hq) * p.nsplit + split) * (p.d + 2u);")
+        L.append("        out[pb + 4u * c] = a.x; out[pb + 4u * c + 1u] = a.y;")
+        L.append("        out[pb + 4u * c + 2u] = a.z; out[pb + 4u * c + 3u] = a.w;")
+        L.append("        if (c == 0u) { out[pb + p.d] = mh; out[pb + p.d + 1u] = lh; }")
+    else:
+        L.append("        let o = ((t * p.hq + hq) * p.d) + 4u * c;")
+        L.append("        let r = a / lh;")
+        L.append("        out[o] = r.x; out[o + 1u] = r.y; out[o + 2u] = r.z; out[o + 3u] = r.w;")
+    L.append("    }")
     body = "\n".join(L)
     red_size = max(1, wg // subgroups) * G if subgroups else wg * G
     args = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
             "@builtin(num_subgroups) nsg: u32") if subgroups else ""
     return f"""
 struct Params {{ t: u32, hq: u32, hkv: u32, d: u32, bs: u32, maxb: u32, nsplit: u32, split_keys: u32,
-                 scale: f32, pad0: u32, pad1: u32, pad2: u32 }}
+                 scale: f32, chunks: u32, pad1: u32, pad2: u32 }}
 @group(0) @binding(0) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> kc: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> vc: array<f32>;
+@group(0) @binding(2) var<storage, read> vc: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> bt: array<i32>;
 @group(0) @binding(4) var<storage, read> qseq: array<i32>;
 @group(0) @binding(5) var<storage, read> qpos: array<i32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 @group(0) @binding(7) var<uniform> p: Params;
 var<workgroup> qsh: array<vec4<f32>, {G * d4}>;
+var<workgroup> ash: array<vec4<f32>, {kg_n * G * d4}>;
 var<workgroup> psh: array<f32, {G * wg}>;
 var<workgroup> slots: array<u32, {wg}>;
 var<workgroup> red: array<f32, {red_size}>;
@@ -750,6 +767,7 @@ struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
 @group(0) @binding(3) var<uniform> p: Params;
 var<workgroup> rf: array<f32, {wg}>;
 var<workgroup> ru: array<u32, {wg}>;
+const WG: u32 = {wg}u;
 
 // Order-preserving map of a float32 onto u32 (larger float, larger key); NaN is taken as -inf.
 fn fkey(f: f32) -> u32 {{
@@ -801,6 +819,65 @@ fn argmax(li: u32, v: f32, i: u32) -> u32 {{
     return r;
 }}
 
+var<workgroup> hist: array<f32, 4096>;
+var<workgroup> bins: array<f32, 16>;
+
+// The largest key t with (count or softmax mass of the tokens with key >= t and key >= floor) >= goal,
+// found 4 bits at a time from the top: each pass histograms the tokens whose key shares the digits
+// found so far (per thread in registers, then summed over the workgroup), and the digit taken is the
+// highest whose tokens, with those above, reach the goal (the lowest digit if rounding leaves none).
+fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, mass: bool) -> u32 {{
+    var prefix = 0u;
+    var above = 0.0;
+    for (var level = 0u; level < 8u; level++) {{
+        let shift = 28u - 4u * level;
+        var h: array<f32, 16>;
+        for (var b = 0u; b < 16u; b++) {{ h[b] = 0.0; }}
+        for (var i = li; i < p.v; i += WG) {{
+            let v = logit(row, i);
+            let k = fkey(v);
+            // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
+            let same = level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u));
+            if (same && k >= floor) {{
+                var w = 1.0;
+                if (mass) {{ w = exp((v - mx) * inv_t); }}
+                let dg = (k >> shift) & 15u;
+                h[dg] += w;
+            }}
+        }}
+        for (var b = 0u; b < 16u; b++) {{ hist[b * WG + li] = h[b]; }}
+        workgroupBarrier();
+        {{
+            let b = li / 16u;
+            let s = li % 16u;
+            var t = 0.0;
+            for (var j = 0u; j < 16u; j++) {{ t += hist[b * WG + s * 16u + j]; }}
+            workgroupBarrier();  // every partial read before any is overwritten
+            hist[b * WG + s] = t;
+        }}
+        workgroupBarrier();
+        if (li < 16u) {{
+            var t = 0.0;
+            for (var j = 0u; j < 16u; j++) {{ t += hist[li * WG + j]; }}
+            bins[li] = t;
+        }}
+        workgroupBarrier();
+        var dsel = 0u;
+        var cum = above;
+        var found = false;
+        for (var dd = 0u; dd < 16u; dd++) {{
+            let d = 15u - dd;
+            let c = cum + bins[d];
+            if (!found && c >= goal) {{ dsel = d; found = true; above = cum; }}
+            cum = c;
+        }}
+        if (!found) {{ dsel = 0u; above = cum - bins[0]; }}
+        prefix |= dsel << shift;
+        workgroupBarrier();
+    }}
+    return prefix;
+}}
+
 @compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
     let row = hetero_workgroup_id(wid).x;
@@ -824,42 +901,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }}
     let mx = logit(row, best);
     let inv_t = 1.0 / temp;
-    // top-k: the largest key tk with count(key >= tk) >= k, by bisection over the keys
+    // top-k: the largest key tk with count(key >= tk) >= k (the k-th largest logit), digit by digit
+    // (radix 16, 8 passes): counts are exact in f32 (vocab < 2^24)
     var lo = 0u;
-    var hi = fkey(mx);  // count(key >= hi) >= 1; search (lo, hi] ... kept as lo = answer
+    let hi = fkey(mx);
     if (top_k > 0u && top_k < n) {{
-        var a = 0u;           // count(key >= a) = n >= k
-        var b = hi + 1u;      // count(key >= b) = 0 < k (hi < 0xffffffff: the key of a non-NaN float)
-        loop {{
-            if (b - a <= 1u) {{ break; }}
-            let mid = a + (b - a) / 2u;
-            var c = 0u;
-            for (var i = li; i < n; i += {wg}u) {{ c += select(0u, 1u, fkey(logit(row, i)) >= mid); }}
-            if (sum_u(li, c) >= top_k) {{ a = mid; }} else {{ b = mid; }}
-        }}
-        lo = a;
+        lo = radix_select(li, row, f32(top_k), 0u, mx, inv_t, false);
     }}
-    // top-p: the largest key tp >= tk whose tokens hold at least top_p of the top-k mass
+    // top-p: the largest key tp whose tokens (of the top-k set) hold at least top_p of its softmax mass
     if (top_p < 1.0) {{
         var z = 0.0;
-        for (var i = li; i < n; i += {wg}u) {{
+        for (var i = li; i < n; i += WG) {{
             let v = logit(row, i);
             if (fkey(v) >= lo) {{ z += exp((v - mx) * inv_t); }}
         }}
         let goal = top_p * sum_f(li, z);
-        var a = lo;
-        var b = hi + 1u;
-        loop {{
-            if (b - a <= 1u) {{ break; }}
-            let mid = a + (b - a) / 2u;
-            var s = 0.0;
-            for (var i = li; i < n; i += {wg}u) {{
-                let v = logit(row, i);
-                if (fkey(v) >= mid) {{ s += exp((v - mx) * inv_t); }}
-            }}
-            if (sum_f(li, s) >= goal) {{ a = mid; }} else {{ b = mid; }}
-        }}
-        lo = a;
+        lo = max(lo, radix_select(li, row, goal, lo, mx, inv_t, true));
     }}
     // Gumbel-max over the candidates (key >= lo): argmax of z_i / T - log(-log(u_i))
     var gv = bitcast<f32>(0xff800000u);

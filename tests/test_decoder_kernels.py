@@ -353,6 +353,27 @@ async def test_rope_kv_then_paged_attention_prefill(shared_rt: hetero.Runtime, h
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("heads", [(6, 1, 80, 4, 8), (9, 3, 16, 16, 2), (8, 2, 128, 16, 2)],
+                         ids=["mqa-d80", "gqa3-chunks", "gqa4-d128-chunks"])
+async def test_paged_attention_head_chunks_and_odd_head_dims(shared_rt: hetero.Runtime,
+                                                             heads: tuple[int, int, int, int, int],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query-head group served in chunks (ATTN_MAX_HEADS below the group), head_dim 80 (value
+    columns not a power of two) and 128; decode rows and a prefill batch."""
+    hq, hkv, d, bs, max_heads = heads
+    monkeypatch.setattr(D, "ATTN_MAX_HEADS", max_heads)
+    b = Batch([11, 70], bs, hq, hkv, d, seed=d + hq)
+    want = b.attention_ref(list(range(len(b.rows))))
+
+    def stage(gpu: Any, qkv: Any, pos: Any, f: Any, slots: Any, bt: Any, seq: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+        q = D.rope_kv(gpu, qkv, pos, f, kc, vc, slots, heads=b.hq)
+        return D.paged_attention(gpu, q, kc, vc, bt, seq, pos)
+    o = await call(shared_rt, stage, qkv=b.qkv, pos=b.pos, f=b.f, slots=b.slots, bt=b.bt, seq=b.seq)
+    close(f"paged_attention {hq}/{hkv} D={d} max_heads={max_heads}", o, want, 1.0)
+
+
+@ASYNCIO_ONLY
 async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode: one query a sequence at its last position over a cache written by kv_write; the
