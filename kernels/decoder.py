@@ -41,8 +41,10 @@ rows; thread t takes units t, t + 64, ... of each row (consecutive threads, cons
 words), and the partial sums meet through ``subgroupAdd`` where the device has the
 ``subgroup`` feature (:data:`USE_SUBGROUPS`) or a workgroup-memory tree. For larger M
 (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
-dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x.
-With ``norm`` the RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T /
+dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
+when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
+(partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
+RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T /
 sqrt(mean(x^2) + eps)``, the sum of squares accumulated beside the dot products (the
 GEMV's threads cover the whole row between them; the tiled kernel's threads sum their
 rows), so a decoder layer needs no separate norm dispatch.
@@ -81,13 +83,15 @@ threshold is the k-th largest logit, found digit by digit over the float's order
 32-bit key (radix 16: 8 passes over the row, each a histogram of the tokens that share the
 digits found so far; counts exact); the top-p threshold the smallest top set whose softmax
 mass (at temperature T, within the top-k set) reaches ``top_p``, found the same way with
-masses. Ties at a threshold keep all tied tokens. Then Gumbel-max over the survivors: ``argmax(z_i / T - log(-log(u_i)))`` with
-``u_i`` from a counter-based hash of ``(seed, step, token id)``: the same seed and step
-give the same token on any adapter, whatever the row's place in the batch. NaN logits
+masses. Ties at a threshold keep all tied tokens. Then Gumbel-max over the survivors:
+``argmax(z_i / T - log(-log(u_i)))`` with ``u_i`` from a counter-based hash of ``(seed,
+step, token id)``: the same seed and step give the same token on any adapter, whatever
+the row's place in the batch. NaN logits
 count as -inf. Only the int32 ids need to come back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
-:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
+:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
+:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
 :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
 
@@ -115,6 +119,11 @@ GEMV_THREADS = 64
 """Threads of a GEMV workgroup (a power of two)."""
 GEMV_ROWS = 4
 """Output rows a GEMV workgroup computes at M = 1 (fewer for larger M: registers)."""
+TILED_MIN_GROUPS = 128
+"""The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
+fewer workgroups than this (prefill of a short prompt, a few dozen streams)."""
+TILED_SPLIT_MIN_CHUNKS = 2
+"""Fewest chunks of 32 along K a split of the tiled kernel takes."""
 GEMV_WIDE_N = 16384
 """From this many output rows a GEMV workgroup computes one (there are workgroups enough; on
 the H200 the 49152 x 576 Q8_0 output head ran in 5.3 us of GPU time a row a workgroup, 13 us
@@ -291,17 +300,16 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
     xt = _dev(gpu, x)
-    bindings: list[Any] = [xt]
+    inputs: list[Any] = [xt]  # x, the weights' arrays, the norm weight: what the products read
     for w in ws:
-        bindings += _weight_tensors(gpu, w)
+        inputs += _weight_tensors(gpu, w)
     if norm is not None:
-        bindings.append(_dev(gpu, norm))
+        inputs.append(_dev(gpu, norm))
+    extras: list[Any] = []  # what the epilogue reads
     if bias is not None:
-        bindings.append(_dev(gpu, bias))
+        extras.append(_dev(gpu, bias))
     if residual is not None:
-        bindings.append(_dev(gpu, residual))
-    bindings.append(out)
-    bindings.append(b"")  # the params, per dispatch
+        extras.append(_dev(gpu, residual))
     flags = (swiglu, norm is not None, bias is not None, residual is not None)
     tag = "".join(t for t, f in zip((".swiglu", ".norm", ".bias", ".res"), flags) if f)
     if gemv:
@@ -314,13 +322,33 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
                                 residual is not None, sg)
             kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
                               f"{f'.sg{sg}' if sg else ''}")
-            bindings[-1] = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
-            gpu.dispatch(kern, _groups(n, rows), *bindings)
+            params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
+            gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
         return out
-    bindings[-1] = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
-    src = W.linear_tiled(kind, vec, swiglu, norm is not None, bias is not None, residual is not None)
-    kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}")
-    gpu.dispatch(kern, (_groups(n, 32), _groups(m, 32), 1), *bindings)
+    # K in splits when the output tiles alone would leave the GPU idle (a workgroup's latency is
+    # its serial walk over K): at least TILED_SPLIT_MIN_CHUNKS chunks of 32 a split
+    tiles = _groups(n, 32) * _groups(m, 32)
+    chunks = _groups(units, 4)
+    splits = min(_groups(TILED_MIN_GROUPS, tiles), max(1, chunks // TILED_SPLIT_MIN_CHUNKS))
+    ks = _groups(chunks, splits) * 4  # units of K a split takes
+    splits = _groups(units, ks)
+    params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
+    grid = (_groups(n, 32), _groups(m, 32), splits)
+    if splits == 1:
+        src = W.linear_tiled(kind, vec, swiglu, norm is not None, bias is not None, residual is not None)
+        kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}")
+        gpu.dispatch(kern, grid, *inputs, *extras, out, params)
+        return out
+    _fits(gpu, op, "the split-K partial sums", (splits, len(ws), m, n))
+    part = gpu.empty((splits, len(ws), m, n), np.float32)
+    pss = [gpu.empty((splits, m), np.float32)] if norm is not None else []
+    src = W.linear_tiled(kind, vec, swiglu, norm is not None, False, False, partial=True)
+    kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}.splitk")
+    gpu.dispatch(kern, grid, *inputs, part, *pss, params)
+    epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
+                     label=f"decoder.linear.epilogue{tag}")
+    gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
+                 struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out
 
 
@@ -331,8 +359,9 @@ def linear(gpu: GPUContext, x: Tensor | np.ndarray, w: PackedWeight | GPUWeight,
 
     ``x'`` is ``x``, or with ``norm`` (the RMSNorm weight, float32 [K]) ``rmsnorm(x, norm,
     eps)``, folded into the product. ``x`` may have more axes, [M, ...], the trailing ones
-    making K: attention's [T, heads, D] output feeds the output projection as it is. ``residual`` ([M, N]) is added in the epilogue (the
-    attention output projection and the MLP's down projection add the residual stream).
+    making K: attention's [T, heads, D] output feeds the output projection as it is.
+    ``residual`` ([M, N]) is added in the epilogue (the attention output projection and the
+    MLP's down projection add the residual stream).
     ``path``: "gemv" (the decode kernel; M <= :data:`GEMV_MAX_M` rows at a time), "tiled"
     (the GEMM kernel) or "auto" (GEMV for M <= :data:`GEMV_MAX_M`). The output head is
     ``linear(h, embedding_weight, norm=final_norm)`` for a tied embedding.

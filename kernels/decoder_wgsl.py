@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["attention", "attention_combine", "embedding", "linear_gemv", "linear_tiled", "rmsnorm", "rope_kv",
-           "sample"]
+__all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_tiled", "rmsnorm",
+           "rope_kv", "sample"]
 
 # -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
 # A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
@@ -63,7 +63,8 @@ def weight_fns(kind: str, tag: str) -> str:
 
 def _xoff(kind: str) -> str:
     if kind in ("q4_0", "q4_1"):
-        return "fn xoff(u: u32) -> vec2<u32> { let b = (u / 4u) * 32u + (u % 4u) * 4u; return vec2<u32>(b, b + 16u); }\n"
+        return ("fn xoff(u: u32) -> vec2<u32> {\n"
+                "    let b = (u / 4u) * 32u + (u % 4u) * 4u;\n    return vec2<u32>(b, b + 16u);\n}\n")
     return "fn xoff(u: u32) -> vec2<u32> { return vec2<u32>(u * 8u, u * 8u + 4u); }\n"
 
 
@@ -76,7 +77,7 @@ fn i8x4(v: u32) -> vec4<f32> {
 fn silu(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
 """
 
-_LINEAR_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, pad1: u32 }
+_LINEAR_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, ks: u32 }
 """
 
 
@@ -249,14 +250,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 
 @lru_cache(maxsize=None)
-def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
+def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool,
+                 partial: bool = False) -> str:
     """y[M, N] = x[M, K] @ W.T for larger M: 32 x 32 output tiles, 64 threads of 4 x 4 outputs each.
 
     K is walked in chunks of 32 (one quantization block, 4 units): the workgroup loads the
     x tile [32, 32] and dequantizes the weight tile [32, 32] (each of ``swiglu``'s two
     weights) into workgroup memory once, and every thread reuses them for its 16
     outputs. ``norm``: the weight tile is scaled by g (x g w = x (g w)) and each thread
-    sums the squares of its 4 rows of x on the way.
+    sums the squares of its 4 rows of x on the way. Workgroup z takes units ``z * p.ks ..``
+    of K (``p.ks`` a multiple of 4); ``partial`` (split K): the sums go to ``part``
+    ([splits, weights, M, N]) and the sums of squares to ``pss`` ([splits, M]) for
+    :func:`linear_epilogue`, which adds the splits and applies the epilogue.
     """
     nw = 2 if swiglu else 1
     L = []
@@ -272,7 +277,9 @@ def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, res
     if norm:
         for i in range(4):
             L.append(f"    var ss{i} = 0.0;")
-    L.append("    for (var kb = 0u; kb < p.units; kb += 4u) {")
+    L.append("    let kb0 = tile.z * p.ks;")
+    L.append("    let kb1 = min(p.units, kb0 + p.ks);")
+    L.append("    for (var kb = kb0; kb < kb1; kb += 4u) {")
     # x tile: 32 rows x 32 k = 256 vec4; thread li loads 4 of them
     L.append("        for (var e = li; e < 256u; e += 64u) {")
     L.append("            let rr = e / 8u;")
@@ -324,17 +331,49 @@ def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, res
     for i in range(4):
         L.append(f"    let mr{i} = m0 + ty + {8 * i}u;")
         L.append(f"    if (mr{i} < p.m) {{")
-        scale = f"inverseSqrt(ss{i} / f32(p.k) + p.eps)" if norm else "1.0"
-        L.append(f"        let sc{i} = {scale};")
-        for j in range(4):
-            a1 = f"c1_{i}_{j}" if swiglu else "0.0"
-            L.append(f"        if (n0 + tx + {8 * j}u < p.n) {{ store(mr{i}, n0 + tx + {8 * j}u, c0_{i}_{j}, {a1}, sc{i}); }}")
+        if partial:
+            if norm:
+                L.append(f"        if (tx == 0u) {{ pss[tile.z * p.m + mr{i}] = ss{i}; }}")
+            for j in range(4):
+                L.append(f"        if (n0 + tx + {8 * j}u < p.n) {{")
+                for w in range(nw):
+                    L.append(f"            part[((tile.z * {nw}u + {w}u) * p.m + mr{i}) * p.n + n0 + tx + {8 * j}u]"
+                             f" = c{w}_{i}_{j};")
+                L.append("        }")
+        else:
+            scale = f"inverseSqrt(ss{i} / f32(p.k) + p.eps)" if norm else "1.0"
+            L.append(f"        let sc{i} = {scale};")
+            for j in range(4):
+                a1 = f"c1_{i}_{j}" if swiglu else "0.0"
+                L.append(f"        if (n0 + tx + {8 * j}u < p.n) {{ store(mr{i}, n0 + tx + {8 * j}u, c0_{i}_{j}, {a1}, "
+                         f"sc{i}); }}")
         L.append("    }")
     body = "\n".join(L)
     ws = "".join(f"var<workgroup> ws{w}: array<f32, {32 * 33}>;\n" for w in range(nw))
-    return (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
+    if partial:
+        xt = "vec4<f32>" if vec else "f32"
+        decls = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
+        b = 1
+        for w in range(nw):
+            dcl, used = weight_decls(kind, b, str(w))
+            decls += dcl
+            b += used
+        if norm:
+            decls += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
+            b += 1
+        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
+        b += 1
+        if norm:
+            decls += f"@group(0) @binding({b}) var<storage, read_write> pss: array<f32>;\n"
+            b += 1
+        decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+        tail = ""
+    else:
+        decls = _io_decls(kind, vec, swiglu, norm, bias, residual)
+        tail = _epilogue(swiglu, bias, residual)
+    return (_COMMON + _LINEAR_PARAMS + decls
             + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
-            + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+            + (_g_reader(vec) if norm else "") + tail
             + f"""
 var<workgroup> xs: array<f32, {32 * 33}>;
 {ws}
@@ -344,6 +383,48 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }}
 """)
 
+
+
+@lru_cache(maxsize=None)
+def linear_epilogue(swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
+    """y[m, n] from a split-K product: the splits' partial sums (and sums of squares) added, then the
+    epilogue of :func:`linear_tiled` (norm scale, bias, residual, SwiGLU). A thread an output;
+    ``p.ks`` holds the number of splits."""
+    nw = 2 if swiglu else 1
+    decls = "@group(0) @binding(0) var<storage, read> part: array<f32>;\n"
+    b = 1
+    if norm:
+        decls += f"@group(0) @binding({b}) var<storage, read> pss: array<f32>;\n"
+        b += 1
+    if bias:
+        decls += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
+        b += 1
+    if residual:
+        decls += f"@group(0) @binding({b}) var<storage, read> res: array<f32>;\n"
+        b += 1
+    decls += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
+    decls += f"@group(0) @binding({b + 1}) var<uniform> p: Params;\n"
+    a1 = "a1" if swiglu else "0.0"
+    acc1 = f"a1 += part[((s * {nw}u + 1u) * p.m + m) * p.n + n];" if swiglu else ""
+    ss = ("var ss = 0.0;\n    for (var s = 0u; s < p.ks; s++) { ss += pss[s * p.m + m]; }\n"
+          "    let scale = inverseSqrt(ss / f32(p.k) + p.eps);") if norm else "let scale = 1.0;"
+    return (_COMMON + _LINEAR_PARAMS + decls + _epilogue(swiglu, bias, residual) + f"""
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let i = hetero_workgroup_id(wid).x * 64u + li;
+    if (i >= p.m * p.n) {{ return; }}
+    let m = i / p.n;
+    let n = i % p.n;
+    var a0 = 0.0;
+    var a1 = 0.0;
+    for (var s = 0u; s < p.ks; s++) {{
+        a0 += part[((s * {nw}u) * p.m + m) * p.n + n];
+        {acc1}
+    }}
+    {ss}
+    store(m, n, a0, {a1}, scale);
+}}
+""")
 
 # -- RMSNorm --------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
@@ -429,6 +510,9 @@ fn sincos(a: f32) -> vec2<f32> {{
 """
 
 
+_K_STORE_ROPE = "kc[o] = x1 * cs.y - x2 * cs.x; kc[o + half] = x2 * cs.y + x1 * cs.x;"
+
+
 @lru_cache(maxsize=None)
 def rope_kv(with_q: bool, with_kv: bool, rope_k: bool) -> str:
     """RoPE (rotate_half pairs (i, i + D/2)) of q heads into ``qo`` and of k heads, and k, v rows written
@@ -477,7 +561,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let x1 = ksrc[a];
         let x2 = ksrc[a + half];
         let o = (slot * p.hkv + hk) * p.d + i;
-        {"kc[o] = x1 * cs.y - x2 * cs.x; kc[o + half] = x2 * cs.y + x1 * cs.x;" if rope_k else "kc[o] = x1; kc[o + half] = x2;"}
+        {_K_STORE_ROPE if rope_k else "kc[o] = x1; kc[o + half] = x2;"}
         return;
     }}
     let hv = j - p.hq - p.hkv;
@@ -522,7 +606,8 @@ def _reduce_lines(vals: list[str], op: str, out: str, subgroups: int, wg: int) -
     L.append(f"    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{")
     L.append("        if (li < s) {")
     for i in range(n):
-        L.append(f"            red[{i}u * {wg}u + li] = {comb(f'red[{i}u * {wg}u + li]', f'red[{i}u * {wg}u + li + s]')};")
+        here, there = f"red[{i}u * {wg}u + li]", f"red[{i}u * {wg}u + li + s]"
+        L.append(f"            {here} = {comb(here, there)};")
     L.append("        }")
     L.append("        workgroupBarrier();")
     L.append("    }")

@@ -118,7 +118,8 @@ def _layout(kind: str, rows: int, cols: int) -> dict[str, tuple[np.dtype[Any], t
     if kind == "f16":
         return {"w": (u32, (rows, _pad8(cols) // 2))}
     nb = cols // BLOCK
-    out: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {"qs": (u32, (rows, cols // 4 if kind == "q8_0" else cols // 8)), "d": (f32, (rows, nb))}
+    qs_cols = cols // 4 if kind == "q8_0" else cols // 8
+    out: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {"qs": (u32, (rows, qs_cols)), "d": (f32, (rows, nb))}
     if kind == "q4_1":
         out["m"] = (f32, (rows, nb))
     return out

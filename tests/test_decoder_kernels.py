@@ -233,6 +233,28 @@ async def test_linear_swiglu(shared_rt: hetero.Runtime, kind: str, monkeypatch: 
             close("silu_mul", plain, a.astype(np.float32) * sig * b.astype(np.float32), np.abs(want))
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "f16"])
+async def test_linear_tiled_split_k(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 160 (5 chunks of 32) split 5, 3 and 1 ways (an uneven last split): partial sums and sums of
+    squares added by the epilogue pass, with norm, bias, residual and SwiGLU."""
+    k, n, m = 160, 40, 12
+    wa, wb = make_weight(kind, rand((n, k), 90)), make_weight(kind, rand((n, k), 91))
+    x, g, bias, res = rand((m, k), 92), rand((k,), 93) + 1.0, rand((n,), 94), rand((m, n), 95)
+    for min_chunks, groups in [(1, 10**6), (2, 10**6), (1, 1)]:
+        monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", min_chunks)
+        monkeypatch.setattr(D, "TILED_MIN_GROUPS", groups)
+        y, z = await call(shared_rt, lambda gpu, x, g, b, r: (
+            D.linear(gpu, x, wa, bias=b, residual=r, norm=g, path="tiled"),
+            D.linear_swiglu(gpu, x, wa, wb, norm=g, path="tiled")), x=x, g=g, b=bias, r=res)
+        want, scale = linear_ref(x, unpack(wa), bias, res, norm=g)
+        close(f"linear split-K {kind} min_chunks={min_chunks} groups={groups}", y, want, scale)
+        a, sa = linear_ref(x, unpack(wa), norm=g)
+        b2, sb = linear_ref(x, unpack(wb), norm=g)
+        sig = 1.0 / (1.0 + np.exp(-a))
+        close(f"linear_swiglu split-K {kind}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
+
+
 async def test_linear_errors(shared_rt: hetero.Runtime) -> None:
     pw = make_weight("q8_0", rand((8, 64), 50))
     with pytest.raises(hetero.StageError, match=r"linear: x of shape \[2, 32\] and w of shape \[8, 64\] do not "
@@ -590,11 +612,13 @@ def layer_ref(x: np.ndarray, p: dict[str, np.ndarray], cache: list[tuple[int, in
 
 @ASYNCIO_ONLY
 @pytest.mark.parametrize("kind", ["q4_1", "f16"])
-async def test_decoder_layer_prefill_then_decode_in_six_dispatches(shared_rt: hetero.Runtime, kind: str) -> None:
+async def test_decoder_layer_prefill_then_decode_in_six_dispatches(shared_rt: hetero.Runtime, kind: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen2-style block (Q/K/V biases), GQA 2:1, out of the fused ops: prefill of two sequences
     (13 rows: the tiled kernels), then one decode step for both (the GEMV kernels), against numpy on
     the same dequantized weights. Six dispatches a layer: QKV (RMSNorm folded, biases), RoPE + KV
     write, attention, output projection + residual, gate/up + SwiGLU (RMSNorm folded), down + residual."""
+    monkeypatch.setattr(D, "TILED_MIN_GROUPS", 1)  # no split K: one dispatch a product
     hdim, hq, hkv, ffn, bs = 64, 4, 2, 96, 4
     d = hdim // hq
     shapes = {"wq": (hq * d, hdim), "wk": (hkv * d, hdim), "wv": (hkv * d, hdim), "wo": (hdim, hq * d),
