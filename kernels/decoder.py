@@ -750,7 +750,8 @@ def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.nda
     out = gpu.empty((s,), np.int32)
     if s == 0:
         return out
-    kern = gpu.kernel(W.sample(), "main", label="decoder.sample")
+    vec = v % 4 == 0
+    kern = gpu.kernel(W.sample(vec), "main", label=f"decoder.sample{'.vec4' if vec else ''}")
     gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0))
     return out
 

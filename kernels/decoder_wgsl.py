@@ -840,13 +840,36 @@ fn rand_u32(seed: u32, step: u32, tok: u32) -> u32 {
 """
 
 
+_HISTOGRAM = ("let k = fkey(v); "
+              "if ((level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u))) && k >= floor) "
+              "{ h[(k >> shift) & 15u] += select(1.0, exp((v - mx) * inv_t), mass); }")
+_GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0.5) * (1.0 / 16777216.0); "
+           "let sc = (v - mx) * inv_t - log(-log(u)); if (sc > gv || gi == 0xffffffffu) { gv = sc; gi = i; } }")
+
+
 @lru_cache(maxsize=None)
-def sample() -> str:
-    """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max."""
+def sample(vec: bool) -> str:
+    """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max.
+
+    ``vec`` (V % 4 == 0): the row is read as vec4s, four tokens a load; each thread still
+    visits its tokens in increasing order (ties go to the lowest id).
+    """
     wg = SAMPLE_WG
-    return HASH + f"""
+
+    def each(body: str) -> str:
+        """A loop over this thread's tokens of the row: ``body`` sees ``i`` and ``v`` (NaN as -inf)."""
+        if vec:
+            return (f"for (var i4 = li; i4 < p.v / 4u; i4 += WG) {{\n"
+                    f"        let v4 = logits[row * (p.v / 4u) + i4];\n"
+                    f"        for (var c = 0u; c < 4u; c++) {{\n"
+                    f"            let i = i4 * 4u + c;\n"
+                    f"            let v = clean(v4[c]);\n"
+                    f"            {body}\n        }}\n    }}")
+        return (f"for (var i = li; i < p.v; i += WG) {{\n        let v = logit(row, i);\n        {body}\n    }}")
+
+    src = HASH + f"""
 struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
-@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(0) var<storage, read> logits: array<{'vec4<f32>' if vec else 'f32'}>;
 @group(0) @binding(1) var<storage, read> rp: array<u32>;
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
 @group(0) @binding(3) var<uniform> p: Params;
@@ -860,9 +883,9 @@ fn fkey(f: f32) -> u32 {{
     if ((b & 0x7fffffffu) > 0x7f800000u) {{ b = 0xff800000u; }}
     return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
 }}
+fn clean(v: f32) -> f32 {{ return select(v, bitcast<f32>(0xff800000u), v != v); }}
 fn logit(row: u32, i: u32) -> f32 {{
-    let v = logits[row * p.v + i];
-    return select(v, bitcast<f32>(0xff800000u), v != v);
+    {"return clean(logits[(row * p.v + i) / 4u][i % 4u]);" if vec else "return clean(logits[row * p.v + i]);"}
 }}
 fn sum_f(li: u32, v: f32) -> f32 {{
     rf[li] = v;
@@ -918,18 +941,8 @@ fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, m
         let shift = 28u - 4u * level;
         var h: array<f32, 16>;
         for (var b = 0u; b < 16u; b++) {{ h[b] = 0.0; }}
-        for (var i = li; i < p.v; i += WG) {{
-            let v = logit(row, i);
-            let k = fkey(v);
-            // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
-            let same = level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u));
-            if (same && k >= floor) {{
-                var w = 1.0;
-                if (mass) {{ w = exp((v - mx) * inv_t); }}
-                let dg = (k >> shift) & 15u;
-                h[dg] += w;
-            }}
-        }}
+        // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
+        {each(_HISTOGRAM)}
         for (var b = 0u; b < 16u; b++) {{ hist[b * WG + li] = h[b]; }}
         workgroupBarrier();
         {{
@@ -975,10 +988,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // the largest logit (greedy's answer)
     var bv = bitcast<f32>(0xff800000u);
     var bi = 0xffffffffu;
-    for (var i = li; i < n; i += {wg}u) {{
-        let v = logit(row, i);
-        if (v > bv || bi == 0xffffffffu) {{ bv = v; bi = i; }}
-    }}
+    {each("if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }")}
     let best = argmax(li, bv, bi);
     if (!(temp > 0.0)) {{
         if (li == 0u) {{ out[row] = i32(best); }}
@@ -996,25 +1006,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // top-p: the largest key tp whose tokens (of the top-k set) hold at least top_p of its softmax mass
     if (top_p < 1.0) {{
         var z = 0.0;
-        for (var i = li; i < n; i += WG) {{
-            let v = logit(row, i);
-            if (fkey(v) >= lo) {{ z += exp((v - mx) * inv_t); }}
-        }}
+        {each("if (fkey(v) >= lo) { z += exp((v - mx) * inv_t); }")}
         let goal = top_p * sum_f(li, z);
         lo = max(lo, radix_select(li, row, goal, lo, mx, inv_t, true));
     }}
     // Gumbel-max over the candidates (key >= lo): argmax of z_i / T - log(-log(u_i))
     var gv = bitcast<f32>(0xff800000u);
     var gi = 0xffffffffu;
-    for (var i = li; i < n; i += {wg}u) {{
-        let v = logit(row, i);
-        if (fkey(v) >= lo) {{
-            let u = (f32(rand_u32(seed, step, i) >> 8u) + 0.5) * (1.0 / 16777216.0);
-            let sc = (v - mx) * inv_t - log(-log(u));
-            if (sc > gv || gi == 0xffffffffu) {{ gv = sc; gi = i; }}
-        }}
-    }}
+    {each(_GUMBEL)}
     let pick = argmax(li, gv, gi);
     if (li == 0u) {{ out[row] = i32(pick); }}
 }}
 """
+    return src
