@@ -75,8 +75,9 @@ KV heads x head chunks < :data:`ATTN_SPLIT_MIN_GROUPS`) the keys are split
 (flash-decoding) into up to ``max_blocks * block_size / ATTN_SPLIT_KEYS`` chunks: partial
 (acc, max, sum) per split, then a combine pass. Splits past a row's position end at once.
 
-Sampling (``sample``). A workgroup of 256 threads a row of logits ``[S, V]``; per-row
-parameters (:func:`sampling_params` builds them) so rows of one batch can differ.
+Sampling (``sample``). A workgroup of :data:`SAMPLE_THREADS` threads a row of logits
+``[S, V]``; per-row parameters (:func:`sampling_params` builds them) so rows of one batch
+can differ.
 Temperature 0 is greedy: the argmax, ties to the lowest id (as ``numpy.argmax``).
 Otherwise, as transformers' warpers in order (temperature, top-k, top-p): the top-k
 threshold is the k-th largest logit, found digit by digit over the float's order-preserving
@@ -91,7 +92,7 @@ count as -inf. Only the int32 ids need to come back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
-:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
+:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
 :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
 
@@ -113,6 +114,9 @@ __all__ = ["GPUWeight", "add_rmsnorm", "embedding", "kv_cache", "kv_write", "lin
            "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------
+SAMPLE_THREADS = 1024
+"""Threads of a sampling workgroup (one a row), at most the adapter's limit: each pass over the
+row is a serial walk of V / threads tokens a thread."""
 GEMV_MAX_M = 8
 """Most activation rows ``linear`` multiplies with the GEMV kernel; more take the tiled kernel."""
 GEMV_THREADS = 64
@@ -751,7 +755,13 @@ def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.nda
     if s == 0:
         return out
     vec = v % 4 == 0
-    kern = gpu.kernel(W.sample(vec), "main", label=f"decoder.sample{'.vec4' if vec else ''}")
+    cap = min(int(SAMPLE_THREADS), int(gpu.limits["max-compute-invocations-per-workgroup"]),
+              int(gpu.limits["max-compute-workgroup-size-x"]))
+    wg = max(256, 1 << (max(cap, 1).bit_length() - 1))  # a power of two; WebGPU guarantees 256
+    sg = _subgroups(gpu)
+    sg = sg if sg and wg // sg * 16 <= 4096 else 0  # the histogram scratch holds 16 bins a subgroup
+    kern = gpu.kernel(W.sample(vec, wg, sg), "main",
+                      label=f"decoder.sample.t{wg}{'.vec4' if vec else ''}{f'.sg{sg}' if sg else ''}")
     gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0))
     return out
 

@@ -823,8 +823,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 
 # -- sampling -------------------------------------------------------------------------------------
-SAMPLE_WG = 256
-"""Threads of a sampling workgroup (one workgroup a row)."""
 
 HASH = """
 // A counter-based random number: lowbias32 (Wellons) chained over (seed, step, token); the same
@@ -841,20 +839,60 @@ fn rand_u32(seed: u32, step: u32, tok: u32) -> u32 {
 
 
 _HISTOGRAM = ("let k = fkey(v); "
-              "if ((level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u))) && k >= floor) "
-              "{ h[(k >> shift) & 15u] += select(1.0, exp((v - mx) * inv_t), mass); }")
+              "let inside = (level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u))) && k >= floor; "
+              "var w = 0.0; if (inside) { w = select(1.0, exp((v - mx) * inv_t), mass); } "
+              "let dg = (k >> shift) & 15u; "
+              + " ".join(f"h{b} += select(0.0, w, dg == {b}u);" for b in range(16)))
+
+
+def _hist_reduce(sg: int) -> str:
+    """WGSL summing the threads' h0..h15 over the workgroup into ``bins`` (then a barrier)."""
+    if sg:
+        adds = "\n".join(f"        let t{b} = subgroupAdd(h{b});" for b in range(16))
+        writes = " ".join(f"hist[sid * 16u + {b}u] = t{b};" for b in range(16))
+        return f"""{adds}
+        if (lane == 0u) {{ {writes} }}
+        workgroupBarrier();
+        if (li < 16u) {{
+            var t = 0.0;
+            for (var j = 0u; j < nsg; j++) {{ t += hist[j * 16u + li]; }}
+            bins[li] = t;
+        }}"""
+    stores = " ".join(f"hist[{b}u * 256u + li % 256u] = h{b};" for b in range(16))
+    adds = " ".join(f"hist[{b}u * 256u + li % 256u] += h{b};" for b in range(16))
+    return f"""        // the threads' histograms meet in hist (16 bins x 256), 256 threads at a time
+        for (var r = 0u; r < WG / 256u; r++) {{
+            if (li / 256u == r) {{
+                if (r == 0u) {{ {stores} }} else {{ {adds} }}
+            }}
+            workgroupBarrier();
+        }}
+        var t = 0.0;
+        if (li < 256u) {{
+            for (var j = 0u; j < 16u; j++) {{ t += hist[(li / 16u) * 256u + (li % 16u) * 16u + j]; }}
+        }}
+        workgroupBarrier();  // every partial read before any is overwritten
+        if (li < 256u) {{ hist[(li / 16u) * 256u + li % 16u] = t; }}
+        workgroupBarrier();
+        if (li < 16u) {{
+            var t2 = 0.0;
+            for (var j = 0u; j < 16u; j++) {{ t2 += hist[li * 256u + j]; }}
+            bins[li] = t2;
+        }}"""
 _GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0.5) * (1.0 / 16777216.0); "
            "let sc = (v - mx) * inv_t - log(-log(u)); if (sc > gv || gi == 0xffffffffu) { gv = sc; gi = i; } }")
 
 
 @lru_cache(maxsize=None)
-def sample(vec: bool) -> str:
+def sample(vec: bool, wg: int = 256, sg: int = 0) -> str:
     """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max.
 
     ``vec`` (V % 4 == 0): the row is read as vec4s, four tokens a load; each thread still
-    visits its tokens in increasing order (ties go to the lowest id).
+    visits its tokens in increasing order (ties go to the lowest id). ``wg``: threads (a
+    power of two >= 256): each pass over the row is a serial walk of V / wg tokens a thread.
+    ``sg``: the radix histograms are summed with subgroupAdd (the smallest subgroup size; 0:
+    through workgroup memory only).
     """
-    wg = SAMPLE_WG
 
     def each(body: str) -> str:
         """A loop over this thread's tokens of the row: ``body`` sees ``i`` and ``v`` (NaN as -inf)."""
@@ -867,6 +905,10 @@ def sample(vec: bool) -> str:
                     f"            {body}\n        }}\n    }}")
         return (f"for (var i = li; i < p.v; i += WG) {{\n        let v = logit(row, i);\n        {body}\n    }}")
 
+    SG_PARAMS = ", lane: u32, sid: u32, nsg: u32" if sg else ""
+    SG_ARGS = ", lane, sid, nsg" if sg else ""
+    SG_BUILTINS = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
+                   "@builtin(num_subgroups) nsg: u32") if sg else ""
     src = HASH + f"""
 struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
 @group(0) @binding(0) var<storage, read> logits: array<{'vec4<f32>' if vec else 'f32'}>;
@@ -934,32 +976,16 @@ var<workgroup> bins: array<f32, 16>;
 // found 4 bits at a time from the top: each pass histograms the tokens whose key shares the digits
 // found so far (per thread in registers, then summed over the workgroup), and the digit taken is the
 // highest whose tokens, with those above, reach the goal (the lowest digit if rounding leaves none).
-fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, mass: bool) -> u32 {{
+fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, mass: bool{SG_PARAMS}) -> u32 {{
     var prefix = 0u;
     var above = 0.0;
     for (var level = 0u; level < 8u; level++) {{
         let shift = 28u - 4u * level;
-        var h: array<f32, 16>;
-        for (var b = 0u; b < 16u; b++) {{ h[b] = 0.0; }}
+        // 16 named registers (an array indexed by the digit would live in local memory)
+        {" ".join(f"var h{b} = 0.0;" for b in range(16))}
         // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
         {each(_HISTOGRAM)}
-        for (var b = 0u; b < 16u; b++) {{ hist[b * WG + li] = h[b]; }}
-        workgroupBarrier();
-        {{
-            let b = li / 16u;
-            let s = li % 16u;
-            var t = 0.0;
-            for (var j = 0u; j < 16u; j++) {{ t += hist[b * WG + s * 16u + j]; }}
-            workgroupBarrier();  // every partial read before any is overwritten
-            hist[b * WG + s] = t;
-        }}
-        workgroupBarrier();
-        if (li < 16u) {{
-            var t = 0.0;
-            for (var j = 0u; j < 16u; j++) {{ t += hist[li * WG + j]; }}
-            bins[li] = t;
-        }}
-        workgroupBarrier();
+{_hist_reduce(sg)}        workgroupBarrier();
         var dsel = 0u;
         var cum = above;
         var found = false;
@@ -977,7 +1003,7 @@ fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, m
 }}
 
 @compute @workgroup_size({wg})
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32{SG_BUILTINS}) {{
     let row = hetero_workgroup_id(wid).x;
     let n = p.v;
     let temp = bitcast<f32>(rp[row * 8u]);
@@ -1001,14 +1027,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var lo = 0u;
     let hi = fkey(mx);
     if (top_k > 0u && top_k < n) {{
-        lo = radix_select(li, row, f32(top_k), 0u, mx, inv_t, false);
+        lo = radix_select(li, row, f32(top_k), 0u, mx, inv_t, false{SG_ARGS});
     }}
     // top-p: the largest key tp whose tokens (of the top-k set) hold at least top_p of its softmax mass
     if (top_p < 1.0) {{
         var z = 0.0;
         {each("if (fkey(v) >= lo) { z += exp((v - mx) * inv_t); }")}
         let goal = top_p * sum_f(li, z);
-        lo = max(lo, radix_select(li, row, goal, lo, mx, inv_t, true));
+        lo = max(lo, radix_select(li, row, goal, lo, mx, inv_t, true{SG_ARGS}));
     }}
     // Gumbel-max over the candidates (key >= lo): argmax of z_i / T - log(-log(u_i))
     var gv = bitcast<f32>(0xff800000u);

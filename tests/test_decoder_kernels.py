@@ -519,10 +519,22 @@ async def test_sample_greedy_is_argmax_with_ties_to_the_lowest_id(shared_rt: het
 
 
 @ASYNCIO_ONLY
-async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runtime) -> None:
+@pytest.mark.parametrize("threads", [256, 1024])
+async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runtime, threads: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed rows in one batch (greedy, top-k, top-p, both, plain temperature): every token is inside
-    numpy's candidate set, equals the numpy sampler (same hash), and the same seed and step repeat."""
-    s, v = 40, 517
+    numpy's candidate set, equals the numpy sampler (same hash), and the same seed and step repeat;
+    workgroups of 256 and of 1024 threads (where the adapter allows), histograms summed through
+    subgroups and through workgroup memory, rows read as scalars (V = 517) and as vec4s (V = 520)."""
+    monkeypatch.setattr(D, "SAMPLE_THREADS", threads)
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for v in (517, 520):
+            await _sample_mixed_rows(shared_rt, v)
+
+
+async def _sample_mixed_rows(shared_rt: hetero.Runtime, v: int) -> None:
+    s = 40
     logits = rand((s, v), 81, scale=3.0)
     temp = np.tile([0.0, 1.0, 0.7, 1.3, 0.5], s // 5)
     top_k = np.tile([0, 10, 0, 40, 0], s // 5)
