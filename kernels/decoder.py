@@ -56,7 +56,8 @@ NTK) is the host's business. sin and cos are computed in the kernel with a caref
 argument reduction (the WGSL builtins are only specified on [-pi, pi]).
 
 KV cache. One cache tensor per layer for K and one for V, float32 ``[num_blocks,
-block_size, kv_heads, head_dim]`` (:func:`kv_cache` makes a pair); a token's row goes to
+block_size, kv_heads, head_dim]``, or f16 pairs in uint32 ``[..., head_dim / 2]`` (half the
+memory; :func:`kv_cache` makes a pair of either); a token's row goes to
 flat slot ``block * block_size + offset`` (``slots``, int32). ``paged_attention`` finds
 key ``j`` of sequence ``s`` at slot ``block_tables[s, j // block_size] * block_size + j
 % block_size``. Slots and block-table entries are not checked on the GPU: the host
@@ -465,23 +466,43 @@ def add_rmsnorm(gpu: GPUContext, x: Tensor | np.ndarray, residual: Tensor | np.n
 
 
 # -- RoPE and the KV cache ------------------------------------------------------------------------
-def kv_cache(gpu: GPUContext, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """A (K, V) pair of resident float32 caches [num_blocks, block_size, kv_heads, head_dim], zeroed."""
+def kv_cache(gpu: GPUContext, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+             dtype: str = "f32") -> tuple[Tensor, Tensor]:
+    """A (K, V) pair of resident, zeroed caches for ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``dtype="f32"``: float32 [num_blocks, block_size, kv_heads, head_dim]. ``"f16"``: half
+    the memory, uint32 [num_blocks, block_size, kv_heads, head_dim / 2] holding f16 pairs
+    (``pack2x16float``: element 2i in the low half), head_dim a multiple of 4; rows are
+    rounded to f16 when written, attention computes in float32.
+    """
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
                     ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"kv_cache: {name} must be an int >= 1, got {v!r}")
-    shape = (int(num_blocks), int(block_size), int(kv_heads), int(head_dim))
+    if dtype not in ("f32", "f16"):
+        raise ValueError(f"kv_cache: dtype must be 'f32' or 'f16', got {dtype!r}")
+    if dtype == "f16" and head_dim % 4:
+        raise ValueError(f"kv_cache: an f16 cache needs head_dim to be a multiple of 4, got {head_dim}")
+    last = int(head_dim) // 2 if dtype == "f16" else int(head_dim)
+    shape = (int(num_blocks), int(block_size), int(kv_heads), last)
     _fits(gpu, "kv_cache", "a cache", shape)
-    z = np.zeros(shape, np.float32)
+    z = np.zeros(shape, np.uint32 if dtype == "f16" else np.float32)
     return gpu.resident(z), gpu.resident(z)
 
 
+_U32 = np.dtype(np.uint32)
+
+
 def _cache_shape(op: str, name: str, c: Any) -> tuple[int, int, int, int]:
-    s = _arr(op, name, c, _F32, 4)
+    """[num_blocks, block_size, kv_heads, head_dim] of a cache (float32, or uint32 f16 pairs)."""
+    _kind(op, name, c)
     if not isinstance(c, Tensor):
         raise TypeError(f"{op}: {name} must be a hetero.Tensor (the cache is written in place), got a numpy array")
-    return s[0], s[1], s[2], s[3]
+    if c.dtype not in (_F32, _U32):
+        raise TypeError(f"{op}: {name} must be float32 (or uint32 f16 pairs, kv_cache(dtype='f16')), got "
+                        f"{c.dtype.name} (shape {c.shape})")
+    s = _arr(op, name, c, c.dtype, 4)
+    return s[0], s[1], s[2], s[3] * (2 if c.dtype == _U32 else 1)
 
 
 def _ints(op: str, name: str, a: Any, shape: tuple[int, ...]) -> None:
@@ -496,7 +517,8 @@ def _rope_record(gpu: GPUContext, label: str, t: int, hq: int, hkv: int, d: int,
     total = t * (hq + 2 * hkv) * (d // 2)
     if total == 0:
         return
-    kern = gpu.kernel(W.rope_kv(with_q, with_kv, rope_k), "main", label=label)
+    f16 = with_kv and kc.dtype == _U32
+    kern = gpu.kernel(W.rope_kv(with_q, with_kv, rope_k, f16), "main", label=label + (".f16" if f16 else ""))
     params = struct.pack("<12I", t, hq, hkv, d, src[1], src[2], ksrc[1], ksrc[2], vsrc[1], vsrc[2], total, 0)
     gpu.dispatch(kern, _groups(total, 64), pos, inv_freq, slots, src[0], ksrc[0], vsrc[0], qo, kc, vc, params)
 
@@ -541,8 +563,12 @@ def _slots_check(op: str, slots: Any, t: int, kc_shape: tuple[int, int, int, int
 def _caches(op: str, k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
     ks = _cache_shape(op, "k_cache", k_cache)
     vs = _cache_shape(op, "v_cache", v_cache)
-    if ks != vs:
-        raise ValueError(f"{op}: k_cache of shape {ks} and v_cache of shape {vs} differ; they must be equal")
+    if ks != vs or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{op}: k_cache ({k_cache.dtype.name} {tuple(k_cache.shape)}) and v_cache "
+                         f"({v_cache.dtype.name} {tuple(v_cache.shape)}) differ; they must be equal")
+    if k_cache.dtype == _U32 and ks[3] % 4:
+        raise ValueError(f"{op}: f16 caches need head_dim to be a multiple of 4, got {ks[3]} "
+                         f"(k_cache {tuple(k_cache.shape)} of f16 pairs)")
     return ks
 
 
@@ -664,8 +690,10 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
     splits = _groups(cap, split_keys)
     sg = _subgroups(gpu)
     partial = splits > 1
-    kern = gpu.kernel(W.attention(per_wg, d, partial, sg), "main",
+    f16 = k_cache.dtype == _U32
+    kern = gpu.kernel(W.attention(per_wg, d, partial, sg, f16), "main",
                       label=f"decoder.paged_attention.g{per_wg}.d{d}{'.split' if partial else ''}"
+                      f"{'.f16' if f16 else ''}"
                       f"{f'.sg{sg}' if sg else ''}")
     params = struct.pack("<8If3I", t, hq, hkv, d, bs, maxb, splits, split_keys,
                          float(sc) * 1.4426950408889634, chunks, 0, 0)

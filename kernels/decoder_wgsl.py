@@ -514,10 +514,35 @@ _K_STORE_ROPE = "kc[o] = x1 * cs.y - x2 * cs.x; kc[o + half] = x2 * cs.y + x1 * 
 
 
 @lru_cache(maxsize=None)
-def rope_kv(with_q: bool, with_kv: bool, rope_k: bool) -> str:
+def rope_kv(with_q: bool, with_kv: bool, rope_k: bool, f16_cache: bool = False) -> str:
     """RoPE (rotate_half pairs (i, i + D/2)) of q heads into ``qo`` and of k heads, and k, v rows written
     to their cache slots: a thread per (row, head, pair). Heads 0..HQ-1 are q, then HKV k, then HKV v.
+
+    ``f16_cache``: the caches hold f16 pairs in u32 words (``pack2x16float``); a thread of
+    an even pair i writes pairs i and i + 1 (whole words; D % 4 == 0), odd ones only rotate q.
     """
+    cache_t = "u32" if f16_cache else "f32"
+    if f16_cache:
+        k_body = f"""if (i % 2u == 1u) {{ return; }}
+        let cs1 = sincos(f32(pos[t]) * inv_freq[i + 1u]);
+        let x1 = ksrc[a]; let x2 = ksrc[a + half]; let y1 = ksrc[a + 1u]; let y2 = ksrc[a + 1u + half];
+        let o = ((slot * p.hkv + hk) * p.d + i) / 2u;
+        {"kc[o] = pack2x16float(vec2<f32>(x1 * cs.y - x2 * cs.x, y1 * cs1.y - y2 * cs1.x)); "
+         "kc[o + half / 2u] = pack2x16float(vec2<f32>(x2 * cs.y + x1 * cs.x, y2 * cs1.y + y1 * cs1.x));"
+         if rope_k else
+         "kc[o] = pack2x16float(vec2<f32>(x1, y1)); kc[o + half / 2u] = pack2x16float(vec2<f32>(x2, y2));"}"""
+        v_body = """if (i % 2u == 1u) { return; }
+    let o = ((slot * p.hkv + hv) * p.d + i) / 2u;
+    vc[o] = pack2x16float(vec2<f32>(vsrc[a], vsrc[a + 1u]));
+    vc[o + half / 2u] = pack2x16float(vec2<f32>(vsrc[a + half], vsrc[a + half + 1u]));"""
+    else:
+        k_body = f"""let x1 = ksrc[a];
+        let x2 = ksrc[a + half];
+        let o = (slot * p.hkv + hk) * p.d + i;
+        {_K_STORE_ROPE if rope_k else "kc[o] = x1; kc[o + half] = x2;"}"""
+        v_body = """let o = (slot * p.hkv + hv) * p.d + i;
+    vc[o] = vsrc[a];
+    vc[o + half] = vsrc[a + half];"""
     return f"""
 struct Params {{ t: u32, hq: u32, hkv: u32, d: u32,
                  qs: u32, qoff: u32, ks: u32, koff: u32,
@@ -529,8 +554,8 @@ struct Params {{ t: u32, hq: u32, hkv: u32, d: u32,
 @group(0) @binding(4) var<storage, read> ksrc: array<f32>;
 @group(0) @binding(5) var<storage, read> vsrc: array<f32>;
 @group(0) @binding(6) var<storage, read_write> qo: array<f32>;
-@group(0) @binding(7) var<storage, read_write> kc: array<f32>;
-@group(0) @binding(8) var<storage, read_write> vc: array<f32>;
+@group(0) @binding(7) var<storage, read_write> kc: array<{cache_t}>;
+@group(0) @binding(8) var<storage, read_write> vc: array<{cache_t}>;
 @group(0) @binding(9) var<uniform> p: Params;
 {SINCOS}
 @compute @workgroup_size(64)
@@ -558,17 +583,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (j < p.hq + p.hkv) {{
         let hk = j - p.hq;
         let a = p.koff + t * p.ks + hk * p.d + i;
-        let x1 = ksrc[a];
-        let x2 = ksrc[a + half];
-        let o = (slot * p.hkv + hk) * p.d + i;
-        {_K_STORE_ROPE if rope_k else "kc[o] = x1; kc[o + half] = x2;"}
+        {k_body}
         return;
     }}
     let hv = j - p.hq - p.hkv;
     let a = p.voff + t * p.vs + hv * p.d + i;
-    let o = (slot * p.hkv + hv) * p.d + i;
-    vc[o] = vsrc[a];
-    vc[o + half] = vsrc[a + half];
+    {v_body}
 }}
 """
 
@@ -622,7 +642,7 @@ ATTN_WG = 64
 
 
 @lru_cache(maxsize=None)
-def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
+def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool = False) -> str:
     """Causal GQA attention of one query row over its sequence's paged keys (or one split of them).
 
     A workgroup per (query row, KV head, chunk of ``group`` query heads, split) serves the
@@ -633,9 +653,13 @@ def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     (key group kg, column c) accumulates vec4 column c of the values of keys kg, kg + KG,
     ... of the tile (KG = 64 / (D / 4) key groups; a constant trip count, so loads
     pipeline), and the key groups' sums meet in workgroup memory at the end.
-    ``partial``: writes (acc, m, l) unnormalised for the combine pass.
+    ``partial``: writes (acc, m, l) unnormalised for the combine pass. ``f16_cache``: K and
+    V hold f16 pairs in u32 words (4 values a vec2<u32>).
     """
     wg = ATTN_WG
+    kv_t = "vec2<u32>" if f16_cache else "vec4<f32>"
+    ld = ("fn ld(w: vec2<u32>) -> vec4<f32> { return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }"
+          if f16_cache else "fn ld(w: vec4<f32>) -> vec4<f32> { return w; }")
     d4 = d // 4
     kg_n = max(1, wg // d4)  # key groups
     per = -(-wg // kg_n)     # keys of a tile per key group
@@ -675,7 +699,7 @@ def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     for h in range(G):
         L.append(f"            var d{h} = 0.0;")
     L.append(f"            for (var c = 0u; c < {d4}u; c++) {{")
-    L.append("                let kv = kc[base + c];")
+    L.append("                let kv = ld(kc[base + c]);")
     for h in range(G):
         L.append(f"                d{h} += dot(qsh[{h * d4}u + c], kv);")
     L.append("            }")
@@ -698,7 +722,7 @@ def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
     L.append(f"            for (var i = 0u; i < {per}u; i++) {{")
     L.append(f"                let jj = min(kg + i * {kg_n}u, {wg - 1}u);")
     L.append(f"                let live = kg + i * {kg_n}u < {wg}u;")
-    L.append(f"                let vv = vc[(slots[jj] * p.hkv + g) * {d4}u + col];")
+    L.append(f"                let vv = ld(vc[(slots[jj] * p.hkv + g) * {d4}u + col]);")
     for h in range(G):
         L.append(f"                acc{h} += select(0.0, psh[{h}u * {wg}u + jj], live) * vv;")
     L.append("            }")
@@ -739,8 +763,9 @@ def attention(group: int, d: int, partial: bool, subgroups: int) -> str:
 struct Params {{ t: u32, hq: u32, hkv: u32, d: u32, bs: u32, maxb: u32, nsplit: u32, split_keys: u32,
                  scale: f32, chunks: u32, pad1: u32, pad2: u32 }}
 @group(0) @binding(0) var<storage, read> q: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> kc: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> vc: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> kc: array<{kv_t}>;
+@group(0) @binding(2) var<storage, read> vc: array<{kv_t}>;
+{ld}
 @group(0) @binding(3) var<storage, read> bt: array<i32>;
 @group(0) @binding(4) var<storage, read> qseq: array<i32>;
 @group(0) @binding(5) var<storage, read> qpos: array<i32>;

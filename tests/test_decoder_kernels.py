@@ -348,30 +348,47 @@ class Batch:
         return out
 
 
+def f16_pairs(words: np.ndarray) -> np.ndarray:
+    """An f16 cache's uint32 words [..., D / 2] as float32 [..., D]."""
+    return words.view(np.float16).astype(np.float32)
+
+
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("heads", [(9, 3, 16, 4), (8, 2, 32, 16), (4, 4, 64, 4)],
                          ids=["gqa3-bs4", "gqa4-bs16", "mha-d64"])
 async def test_rope_kv_then_paged_attention_prefill(shared_rt: hetero.Runtime, heads: tuple[int, int, int, int],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """All tokens of three sequences (one spanning several blocks with a partial last one, one of a
-    single token) in one batch: rope_kv writes the cache, then each row attends causally."""
+    single token) in one batch: rope_kv writes the cache, then each row attends causally. An f16
+    cache holds the rows rounded to f16, and attention matches numpy on those rounded rows."""
     hq, hkv, d, bs = heads
     b = Batch([9, 1, 21], bs, hq, hkv, d, seed=hq * 10 + d)
+    if cache == "f16":  # the reference attends over the rounded rows
+        b.k = b.k.astype(np.float16).astype(np.float64)
+        b.v = b.v.astype(np.float16).astype(np.float64)
     want = b.attention_ref(list(range(len(b.rows))))
     for sg in subgroup_modes(shared_rt):
         monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
         for splits in (None, 1, 3):
             def stage(gpu: Any, qkv: Any, pos: Any, f: Any, slots: Any, bt: Any, seq: Any) -> Any:
-                kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+                kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d, dtype=cache)
                 q = D.rope_kv(gpu, qkv, pos, f, kc, vc, slots, heads=b.hq)
                 return q, kc, vc, D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
             q, kc, vc, o = await call(shared_rt, stage, qkv=b.qkv, pos=b.pos, f=b.f, slots=b.slots, bt=b.bt,
                                       seq=b.seq)
             close("rope_kv q", q, b.q, 1.0, rtol=2e-6)
+            if cache == "f16":
+                assert kc.dtype == np.uint32 and kc.shape == (b.nb, bs, hkv, d // 2)
+                kc, vc = f16_pairs(kc), f16_pairs(vc)
             flat_k, flat_v = kc.reshape(-1, hkv, d), vc.reshape(-1, hkv, d)
-            close("rope_kv k in the cache", flat_k[b.slots], b.k, 1.0, rtol=2e-6)
+            if cache == "f32":
+                close("rope_kv k in the cache", flat_k[b.slots], b.k, 1.0, rtol=2e-6)
+            else:  # the GPU rounds its float32 rotation, numpy the float64 one: an f16 ulp apart at most
+                close("rope_kv k in the f16 cache", flat_k[b.slots], b.k, np.abs(b.k), rtol=1e-3)
             np.testing.assert_array_equal(flat_v[b.slots], b.v.astype(np.float32))
-            close(f"paged_attention {hq}/{hkv} D={d} bs={bs} splits={splits} subgroups={sg}", o, want, 1.0)
+            close(f"paged_attention {hq}/{hkv} D={d} bs={bs} splits={splits} subgroups={sg} cache={cache}", o,
+                  want, 1.0, rtol=1e-5 if cache == "f32" else 1e-3)
 
 
 @ASYNCIO_ONLY
@@ -399,22 +416,25 @@ async def test_paged_attention_head_chunks_and_odd_head_dims(shared_rt: hetero.R
 async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode: one query a sequence at its last position over a cache written by kv_write; the
-    flash-decoding split (chosen, and forced) agrees with the one-pass kernel."""
+    flash-decoding split (chosen, and forced) agrees with the one-pass kernel; float32 and f16 caches."""
     monkeypatch.setattr(D, "ATTN_SPLIT_KEYS", 32)
     b = Batch([70, 5, 130], 16, 9, 3, 16, seed=7)
     last = [max(i for i, (s2, _) in enumerate(b.rows) if s2 == s) for s in range(len(b.lens))]
-    want = b.attention_ref(last)
     k = b.k.astype(np.float32)
     v = b.v.astype(np.float32)
     qd = b.q[last].astype(np.float32)
-    for splits in (None, 1, 2, 7):
-        def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any) -> Any:
-            kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
-            D.kv_write(gpu, kc, vc, k, v, slots)
-            return D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
-        o = await call(shared_rt, stage, k=k, v=v, slots=b.slots, q=qd, bt=b.bt,
-                       seq=np.arange(len(b.lens), dtype=np.int32), pos=b.pos[last])
-        close(f"paged_attention decode splits={splits}", o, want, 1.0)
+    for cache in ("f32", "f16"):
+        if cache == "f16":  # kv_write rounds the float32 rows to f16 as numpy does
+            b.k, b.v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+        want = b.attention_ref(last)
+        for splits in (None, 1, 2, 7):
+            def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any) -> Any:
+                kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d, dtype=cache)
+                D.kv_write(gpu, kc, vc, k, v, slots)
+                return D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
+            o = await call(shared_rt, stage, k=k, v=v, slots=b.slots, q=qd, bt=b.bt,
+                           seq=np.arange(len(b.lens), dtype=np.int32), pos=b.pos[last])
+            close(f"paged_attention decode splits={splits} cache={cache}", o, want, 1.0)
 
 
 async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
@@ -432,6 +452,8 @@ async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
                          heads=4)
     with pytest.raises(hetero.StageError, match=r"rope_kv: slots must be in \[0, 8\)"):
         await call(shared_rt, stage2, qkv=rand((1, 64), 2))
+    with pytest.raises(hetero.StageError, match="kv_cache: an f16 cache needs head_dim to be a multiple of 4, got 6"):
+        await call(shared_rt, lambda gpu, x: D.kv_cache(gpu, 2, 4, 1, 6, dtype="f16")[0], x=rand((1,), 3))
 
 
 # -- embedding and the output head -------------------------------------------------------------------
