@@ -25,12 +25,14 @@ op                                  what (and what it fuses)
 ``k_cache, v_cache, slots, ...)``   k and v written to their cache slots: one dispatch
 ``kv_write(k_cache, v_cache, k, v,`` rows of k and v into their cache slots
 ``slots)``
+``kv_cache(nb, bs, kv_heads, D,``   a zeroed, resident (K, V) pair, float32 or f16 pairs
+``dtype)``
 ``paged_attention(q, k_cache,``     causal grouped-query attention over a paged KV cache, one
 ``v_cache, block_tables,``          dispatch (online softmax), or split along the keys with a
 ``query_seq, query_pos, scale)``    combine pass (flash-decoding) when there are few queries
 ``embedding(table, ids)``           rows of a (quantized) table, dequantized
 ``sample(logits, params)``          a token id a row: greedy, or temperature / top-k / top-p and
-                                    a seeded Gumbel-max
+                                    a seeded Gumbel-max; ``sampling_params(...)`` builds params
 ==================================  ============================================================
 
 Linear layers (``linear``, ``linear_swiglu``). ``x`` is float32 ``[M, K]``, the weight
@@ -44,10 +46,10 @@ words), and the partial sums meet through ``subgroupAdd`` where the device has t
 dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
 when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
 (partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
-RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T /
-sqrt(mean(x^2) + eps)``, the sum of squares accumulated beside the dot products (the
-GEMV's threads cover the whole row between them; the tiled kernel's threads sum their
-rows), so a decoder layer needs no separate norm dispatch.
+RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T / sqrt(mean(x^2) + eps)``, the
+sum of squares accumulated beside the dot products (the GEMV's threads cover the whole row
+between them; the tiled kernel's threads sum their rows), so a decoder layer needs no
+separate norm dispatch.
 
 RoPE. Hugging Face's convention (``q * cos + rotate_half(q) * sin``): pairs ``(i, i +
 D/2)``, angle ``pos * inv_freq[i]`` in float32 as transformers computes it.
@@ -78,8 +80,7 @@ KV heads x head chunks < :data:`ATTN_SPLIT_MIN_GROUPS`) the keys are split
 
 Sampling (``sample``). A workgroup of :data:`SAMPLE_THREADS` threads a row of logits
 ``[S, V]``; per-row parameters (:func:`sampling_params` builds them) so rows of one batch
-can differ.
-Temperature 0 is greedy: the argmax, ties to the lowest id (as ``numpy.argmax``).
+can differ. Temperature 0 is greedy: the argmax, ties to the lowest id (as ``numpy.argmax``).
 Otherwise, as transformers' warpers in order (temperature, top-k, top-p): the top-k
 threshold is the k-th largest logit, found digit by digit over the float's order-preserving
 32-bit key (radix 16: 8 passes over the row, each a histogram of the tokens that share the
@@ -88,13 +89,13 @@ mass (at temperature T, within the top-k set) reaches ``top_p``, found the same 
 masses. Ties at a threshold keep all tied tokens. Then Gumbel-max over the survivors:
 ``argmax(z_i / T - log(-log(u_i)))`` with ``u_i`` from a counter-based hash of ``(seed,
 step, token id)``: the same seed and step give the same token on any adapter, whatever
-the row's place in the batch. NaN logits
-count as -inf. Only the int32 ids need to come back to the host.
+the row's place in the batch. NaN logits count as -inf. Only the int32 ids need to come
+back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
-:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`USE_SUBGROUPS`, :data:`ATTN_SPLIT_KEYS`,
-:data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
+:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`USE_SUBGROUPS`,
+:data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ TILED_SPLIT_MIN_CHUNKS = 2
 """Fewest chunks of 32 along K a split of the tiled kernel takes."""
 GEMV_WIDE_N = 16384
 """From this many output rows a GEMV workgroup computes one (there are workgroups enough; on
-the H200 the 49152 x 576 Q8_0 output head ran in 5.3 us of GPU time a row a workgroup, 13 us
-four rows a workgroup)."""
+the H200, 40 independent dispatches of the 49152 x 576 Q8_0 output head took 5.3 us of GPU
+time each with one row a workgroup, 13 us with four)."""
 USE_SUBGROUPS = True
 """Reduce with subgroup operations where the device has the ``subgroup`` feature (False: for tests)."""
 ATTN_SPLIT_KEYS = 64
