@@ -94,7 +94,7 @@ back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
-:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`USE_SUBGROUPS`,
+:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
 
@@ -119,6 +119,9 @@ __all__ = ["GPUWeight", "add_rmsnorm", "embedding", "kv_cache", "kv_write", "lin
 SAMPLE_THREADS = 1024
 """Threads of a sampling workgroup (one a row), at most the adapter's limit: each pass over the
 row is a serial walk of V / threads tokens a thread."""
+SAMPLE_REGS = 16
+"""Most vec4 registers a sampling thread holds the row in (V <= 4 x threads x this, and V a
+multiple of 4): the row is read from memory once, the 16-20 passes walk registers."""
 GEMV_MAX_M = 8
 """Most activation rows ``linear`` multiplies with the GEMV kernel; more take the tiled kernel."""
 GEMV_THREADS = 64
@@ -789,8 +792,11 @@ def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.nda
     wg = max(256, 1 << (max(cap, 1).bit_length() - 1))  # a power of two; WebGPU guarantees 256
     sg = _subgroups(gpu)
     sg = sg if sg and wg // sg * 16 <= 4096 else 0  # the histogram scratch holds 16 bins a subgroup
-    kern = gpu.kernel(W.sample(vec, wg, sg), "main",
-                      label=f"decoder.sample.t{wg}{'.vec4' if vec else ''}{f'.sg{sg}' if sg else ''}")
+    regs = _groups(v, 4 * wg) if vec else 0
+    regs = regs if regs <= SAMPLE_REGS else 0
+    kern = gpu.kernel(W.sample(vec, wg, sg, regs), "main",
+                      label=f"decoder.sample.t{wg}{'.vec4' if vec else ''}{f'.sg{sg}' if sg else ''}"
+                      f"{f'.r{regs}' if regs else ''}")
     gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0))
     return out
 

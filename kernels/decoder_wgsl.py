@@ -863,11 +863,10 @@ fn rand_u32(seed: u32, step: u32, tok: u32) -> u32 {
 """
 
 
-_HISTOGRAM = ("let k = fkey(v); "
-              "let inside = (level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u))) && k >= floor; "
-              "var w = 0.0; if (inside) { w = select(1.0, exp((v - mx) * inv_t), mass); } "
-              "let dg = (k >> shift) & 15u; "
-              + " ".join(f"h{b} += select(0.0, w, dg == {b}u);" for b in range(16)))
+def _reg_loads(regs: int) -> str:
+    """WGSL reading this thread's vec4s of the row into r0 .. r{regs-1} (NaN as -inf)."""
+    return "\n    ".join(f"var r{c} = vec4<f32>(0.0); if (li + {c}u * WG < p.v / 4u) "
+                          f"{{ r{c} = clean4(logits[row * (p.v / 4u) + li + {c}u * WG]); }}" for c in range(regs))
 
 
 def _hist_reduce(sg: int) -> str:
@@ -909,18 +908,24 @@ _GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0
 
 
 @lru_cache(maxsize=None)
-def sample(vec: bool, wg: int = 256, sg: int = 0) -> str:
+def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0) -> str:
     """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max.
 
     ``vec`` (V % 4 == 0): the row is read as vec4s, four tokens a load; each thread still
     visits its tokens in increasing order (ties go to the lowest id). ``wg``: threads (a
     power of two >= 256): each pass over the row is a serial walk of V / wg tokens a thread.
     ``sg``: the radix histograms are summed with subgroupAdd (the smallest subgroup size; 0:
-    through workgroup memory only).
+    through workgroup memory only). ``regs`` (with ``vec``): the row is read once into
+    ``regs`` vec4 registers a thread (V <= 4 * wg * regs) and every later pass walks those,
+    not memory.
     """
 
     def each(body: str) -> str:
         """A loop over this thread's tokens of the row: ``body`` sees ``i`` and ``v`` (NaN as -inf)."""
+        if regs:
+            return "\n    ".join(
+                f"for (var q = 0u; q < 4u; q++) {{ let i = (li + {c}u * WG) * 4u + q; "
+                f"if (i < p.v) {{ let v = r{c}[q]; {body} }} }}" for c in range(regs))
         if vec:
             return (f"for (var i4 = li; i4 < p.v / 4u; i4 += WG) {{\n"
                     f"        let v4 = logits[row * (p.v / 4u) + i4];\n"
@@ -930,8 +935,45 @@ def sample(vec: bool, wg: int = 256, sg: int = 0) -> str:
                     f"            {body}\n        }}\n    }}")
         return (f"for (var i = li; i < p.v; i += WG) {{\n        let v = logit(row, i);\n        {body}\n    }}")
 
-    SG_PARAMS = ", lane: u32, sid: u32, nsg: u32" if sg else ""
-    SG_ARGS = ", lane, sid, nsg" if sg else ""
+    def radix(out: str, goal: str, floor: str, mass: bool) -> str:
+        """WGSL setting ``out`` to the largest key t with (count, or softmax mass with ``mass``, of the
+        tokens with key >= t and key >= floor) >= goal, found 4 bits at a time from the top: each
+        pass histograms the tokens whose key shares the digits found so far (per thread in named
+        registers, then summed over the workgroup), and the digit taken is the highest whose
+        tokens, with those above, reach the goal (the lowest digit if rounding leaves none)."""
+        weight = "exp((v - mx) * inv_t)" if mass else "1.0"
+        hist_body = ("let k = fkey(v); "
+                     "if ((level == 0u || (k >> (shift + 4u)) == (prefix >> (shift + 4u))) && k >= " + floor + ") { "
+                     "let w = " + weight + "; let dg = (k >> shift) & 15u; "
+                     + " ".join(f"h{b} += select(0.0, w, dg == {b}u);" for b in range(16)) + " }")
+        return f"""{"var " + out + " = 0u;" if out != "lo" else ""}
+    {{
+    var prefix = 0u;
+    var above = 0.0;
+    let goal_v = {goal};
+    for (var level = 0u; level < 8u; level++) {{
+        let shift = 28u - 4u * level;
+        {" ".join(f"var h{b} = 0.0;" for b in range(16))}
+        // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
+        {each(hist_body)}
+{_hist_reduce(sg)}
+        workgroupBarrier();
+        var dsel = 0u;
+        var cum = above;
+        var found = false;
+        for (var dd = 0u; dd < 16u; dd++) {{
+            let d = 15u - dd;
+            let c = cum + bins[d];
+            if (!found && c >= goal_v) {{ dsel = d; found = true; above = cum; }}
+            cum = c;
+        }}
+        if (!found) {{ dsel = 0u; above = cum - bins[0]; }}
+        prefix |= dsel << shift;
+        workgroupBarrier();
+    }}
+    {out} = prefix;
+    }}"""
+
     SG_BUILTINS = (", @builtin(subgroup_invocation_id) lane: u32, @builtin(subgroup_id) sid: u32, "
                    "@builtin(num_subgroups) nsg: u32") if sg else ""
     src = HASH + f"""
@@ -951,6 +993,7 @@ fn fkey(f: f32) -> u32 {{
     return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
 }}
 fn clean(v: f32) -> f32 {{ return select(v, bitcast<f32>(0xff800000u), v != v); }}
+fn clean4(v: vec4<f32>) -> vec4<f32> {{ return select(v, vec4<f32>(bitcast<f32>(0xff800000u)), v != v); }}
 fn logit(row: u32, i: u32) -> f32 {{
     {"return clean(logits[(row * p.v + i) / 4u][i % 4u]);" if vec else "return clean(logits[row * p.v + i]);"}
 }}
@@ -997,36 +1040,6 @@ fn argmax(li: u32, v: f32, i: u32) -> u32 {{
 var<workgroup> hist: array<f32, 4096>;
 var<workgroup> bins: array<f32, 16>;
 
-// The largest key t with (count or softmax mass of the tokens with key >= t and key >= floor) >= goal,
-// found 4 bits at a time from the top: each pass histograms the tokens whose key shares the digits
-// found so far (per thread in registers, then summed over the workgroup), and the digit taken is the
-// highest whose tokens, with those above, reach the goal (the lowest digit if rounding leaves none).
-fn radix_select(li: u32, row: u32, goal: f32, floor: u32, mx: f32, inv_t: f32, mass: bool{SG_PARAMS}) -> u32 {{
-    var prefix = 0u;
-    var above = 0.0;
-    for (var level = 0u; level < 8u; level++) {{
-        let shift = 28u - 4u * level;
-        // 16 named registers (an array indexed by the digit would live in local memory)
-        {" ".join(f"var h{b} = 0.0;" for b in range(16))}
-        // the digits above this level equal the prefix (none at level 0: shift + 4 = 32)
-        {each(_HISTOGRAM)}
-{_hist_reduce(sg)}        workgroupBarrier();
-        var dsel = 0u;
-        var cum = above;
-        var found = false;
-        for (var dd = 0u; dd < 16u; dd++) {{
-            let d = 15u - dd;
-            let c = cum + bins[d];
-            if (!found && c >= goal) {{ dsel = d; found = true; above = cum; }}
-            cum = c;
-        }}
-        if (!found) {{ dsel = 0u; above = cum - bins[0]; }}
-        prefix |= dsel << shift;
-        workgroupBarrier();
-    }}
-    return prefix;
-}}
-
 @compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32{SG_BUILTINS}) {{
     let row = hetero_workgroup_id(wid).x;
@@ -1036,6 +1049,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let top_p = bitcast<f32>(rp[row * 8u + 2u]);
     let seed = rp[row * 8u + 3u];
     let step = rp[row * 8u + 4u];
+    {_reg_loads(regs)}
     // the largest logit (greedy's answer)
     var bv = bitcast<f32>(0xff800000u);
     var bi = 0xffffffffu;
@@ -1052,14 +1066,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var lo = 0u;
     let hi = fkey(mx);
     if (top_k > 0u && top_k < n) {{
-        lo = radix_select(li, row, f32(top_k), 0u, mx, inv_t, false{SG_ARGS});
+        {radix("lo", "f32(top_k)", "0u", False)}
     }}
     // top-p: the largest key tp whose tokens (of the top-k set) hold at least top_p of its softmax mass
     if (top_p < 1.0) {{
         var z = 0.0;
         {each("if (fkey(v) >= lo) { z += exp((v - mx) * inv_t); }")}
         let goal = top_p * sum_f(li, z);
-        lo = max(lo, radix_select(li, row, goal, lo, mx, inv_t, true{SG_ARGS}));
+        {radix("tp", "goal", "lo", True)}
+        lo = max(lo, tp);
     }}
     // Gumbel-max over the candidates (key >= lo): argmax of z_i / T - log(-log(u_i))
     var gv = bitcast<f32>(0xff800000u);

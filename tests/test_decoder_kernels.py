@@ -550,11 +550,13 @@ async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runt
     """Mixed rows in one batch (greedy, top-k, top-p, both, plain temperature): every token is inside
     numpy's candidate set, equals the numpy sampler (same hash), and the same seed and step repeat;
     workgroups of 256 and of 1024 threads (where the adapter allows), histograms summed through
-    subgroups and through workgroup memory, rows read as scalars (V = 517) and as vec4s (V = 520)."""
+    subgroups and through workgroup memory, rows read as scalars (V = 517), as vec4s from memory
+    at every pass and once into registers (V = 520, 2080)."""
     monkeypatch.setattr(D, "SAMPLE_THREADS", threads)
     for sg in subgroup_modes(shared_rt):
         monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
-        for v in (517, 520):
+        for v, regs in ((517, 16), (520, 0), (520, 16), (2080, 16)):  # 2080: 3 registers at 256 threads
+            monkeypatch.setattr(D, "SAMPLE_REGS", regs)
             await _sample_mixed_rows(shared_rt, v)
 
 
