@@ -13,10 +13,12 @@ before any work starts, so a bad path costs nothing; Ctrl-C ends any command wit
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 # This is the console script's entry module: it imports only what the interpreter has
 # loaded already, so that Ctrl-C during the heavy imports (argparse, numpy, wgpu) lands
@@ -51,7 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = _parser()
+    with _interrupts_seen() as seen:
+        try:
+            parser = _parser()
+        except Exception:
+            # An extension module may turn an interrupt during its import into an ImportError
+            # (numpy does): the interrupt it swallowed is still the reason.
+            if seen:
+                raise KeyboardInterrupt from None
+            raise
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version and usage errors: return instead of exiting
@@ -59,19 +69,71 @@ def _main(argv: Sequence[str] | None) -> int:
     from .errors import HeteroError
 
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        try:
+            sys.stdout.flush()  # here, not at exit: a failed write must change the exit status
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # what print() buffered could not be written (a full disk)
+            raise HeteroError(f"cannot write standard output: {e.strerror or e}") from e
+        return code
     except HeteroError as e:
         print(f"hetero: error: {e}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except OSError:  # it would fail again at exit, with a traceback
+            _drop_stdout()
         return 1
     except BrokenPipeError:
-        # The reader went away (``hetero info | head``). Point stdout at devnull so the
-        # interpreter's final flush does not raise again.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        # The reader went away (``hetero info | head``).
+        _drop_stdout()
         return 1
+    except OSError as e:
+        # A write error with no file name that reached this far is standard output's: hetero
+        # reports its own files' errors naming them (and print() gives no file name).
+        if e.filename is not None or e.errno not in _WRITE_ERRNOS:
+            raise
+        print(f"hetero: error: cannot write standard output: {e.strerror}", file=sys.stderr)
+        _drop_stdout()
+        return 1
+
+
+# What writing to a full or failing device raises.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+@contextlib.contextmanager
+def _interrupts_seen() -> Iterator[list[int]]:
+    """While the block runs, Ctrl-C raises KeyboardInterrupt as usual and is also noted in the list
+    yielded. Where SIGINT is not Python's default handler (ignored, or the main thread's only) nothing changes."""
+    import signal
+
+    seen: list[int] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = None
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield seen
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at devnull, dropping what is buffered, so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:

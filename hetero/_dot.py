@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._files import atomic_write
 from .errors import GraphError, GraphvizError
 
 if TYPE_CHECKING:
@@ -235,10 +236,7 @@ def visualize(graph: Graph, path: str | os.PathLike[str], *, rankdir: str = "LR"
         raise GraphvizError(f"graph {graph.name!r}: cannot write {str(dest)!r}: directory "
                             f"{str(dest.parent)!r} does not exist")
     if suffix in TEXT_SUFFIXES:
-        try:
-            dest.write_text(text, encoding="utf-8")
-        except OSError as e:
-            raise GraphvizError(f"graph {graph.name!r}: cannot write {str(dest)!r}: {e.strerror or e}") from e
+        _write(graph, dest, text.encode("utf-8"))
         return dest
     fmt = suffix[1:]
     if fmt not in RENDER_FORMATS:
@@ -249,11 +247,20 @@ def visualize(graph: Graph, path: str | os.PathLike[str], *, rankdir: str = "LR"
         raise GraphvizError(f"graph {graph.name!r}: rendering {str(dest)!r} needs Graphviz's 'dot' program, "
                             f"which is not on PATH; {INSTALL_GRAPHVIZ}, or write the DOT text with a .dot path")
     try:
-        done = subprocess.run([exe, f"-T{fmt}", "-o", str(dest)], input=text.encode("utf-8"),
+        done = subprocess.run([exe, f"-T{fmt}"], input=text.encode("utf-8"),
                               capture_output=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise GraphvizError(f"graph {graph.name!r}: running {exe!r} failed: {e}") from e
     if done.returncode != 0:
         err = done.stderr.decode("utf-8", "replace").strip()
         raise GraphvizError(f"graph {graph.name!r}: 'dot -T{fmt}' failed (exit status {done.returncode}): {err}")
+    _write(graph, dest, done.stdout)
     return dest
+
+
+def _write(graph: Graph, dest: Path, data: bytes) -> None:
+    """Write the picture atomically: a failed write (a full disk) leaves no partial file and says why."""
+    try:
+        atomic_write(dest, lambda f: f.write(data))
+    except OSError as e:
+        raise GraphvizError(f"graph {graph.name!r}: cannot write {str(dest)!r}: {e.strerror or e}") from e

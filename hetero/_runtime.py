@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping, MutableSequence
@@ -23,9 +24,12 @@ from ._placement import PLACEMENTS, PerfModel
 from ._scheduler import Run, Scheduler
 from ._stats import RunStats
 from ._trace import Tracer
+from ._files import write_error
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
 __all__ = ["MapResults", "Runtime", "RuntimeOptions", "run"]
+
+log = logging.getLogger("hetero")
 
 
 def _is_number(v: object) -> bool:
@@ -150,14 +154,24 @@ class Runtime:
     async def __aenter__(self) -> Runtime:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await anyio.to_thread.run_sync(self.close)
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        await anyio.to_thread.run_sync(self._close_after, exc_type is not None)
 
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close_after(exc_type is not None)
+
+    def _close_after(self, failing: bool) -> None:
+        """Close; while an exception leaves the block, a trace that cannot be written is only logged."""
+        if not failing:
+            self.close()
+            return
+        try:
+            self.close()
+        except HeteroError as e:  # the trace file: the exception leaving the block is the one to see
+            log.warning("%s", e)
 
     def close(self) -> None:
         """Stop the workers and release the device. Blocks until workers finish their current stage.
@@ -167,7 +181,9 @@ class Runtime:
         (which refuses any later submission before it destroys memory). Each step is
         idempotent, so a close that was interrupted (Ctrl-C) can be completed by calling
         it again. Worker processes running a stage are killed; shared memory of process
-        stages is unlinked.
+        stages is unlinked. Last, the trace file is written: when it cannot be (a full
+        disk), the close completes and then raises :class:`~hetero.HeteroError` with the
+        OS's reason (leaving a ``with`` block on an exception, it is logged instead).
         """
         if self._close_done:
             return
@@ -177,9 +193,11 @@ class Runtime:
             dev = self._device
         if dev is not None:
             dev.close()
-        if self._tracer is not None:
-            self._tracer.close()
+        tracer = self._tracer
+        written = tracer.close() if tracer is not None else True
         self._close_done = True
+        if tracer is not None and not written and tracer.write_error is not None:
+            raise write_error("trace file", tracer.path, tracer.write_error)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -462,7 +480,7 @@ def _default_runtime() -> Runtime:
     with _default_lock:
         if _default is None or _default._closed:
             _default = Runtime()
-            atexit.register(_default.close)
+            atexit.register(_default._close_after, True)  # at exit nothing can catch: log
         return _default
 
 

@@ -129,6 +129,7 @@ class Tracer:
         self.errors = 0
         self.closed = False
         self.writes = 0
+        self.write_error: OSError | None = None  # why the last write failed; None once one succeeds
         self._last_write = 0.0
         self._encoded: list[str] = []  # JSON of the first _encoded_count events, a run of them per write
         self._encoded_count = 0
@@ -351,25 +352,33 @@ class Tracer:
             atomic_write_text(self.path, '{"traceEvents":[' + body + '],"displayTimeUnit":"ms","otherData":'
                               + _dumps(self._other()) + "}")
             self.writes += 1
+            self.write_error = None
             self._last_write = time.monotonic()
         return self.path
 
     def maybe_write(self, min_interval: float = 1.0) -> bool:
         """:meth:`write` unless the last write was less than ``min_interval`` s ago (for run ends).
 
-        Never raises: a failed write is logged and counted.
+        Never raises: a file that cannot be written keeps its reason in ``write_error``
+        (the final write at :meth:`close` reports it); another failure is logged and counted.
         """
         if self.writes and time.monotonic() - self._last_write < min_interval:
             return False
         try:
             self.write()
             return True
+        except OSError as e:
+            self.write_error = e
+            return False
         except Exception:  # noqa: BLE001
             self._failed()
             return False
 
     def close(self) -> bool:
-        """Stop recording and write the file a last time; True if written. Idempotent, never raises."""
+        """Stop recording and write the file a last time; True if written. Idempotent, never raises.
+
+        When the file cannot be written, ``write_error`` says why (the caller reports it).
+        """
         with self._lock:
             if self.closed:
                 return False
@@ -377,6 +386,9 @@ class Tracer:
         try:
             self.write()
             return True
-        except Exception:  # noqa: BLE001 - closing a Runtime must not fail for its trace file
+        except OSError as e:
+            self.write_error = e
+            return False
+        except Exception:  # noqa: BLE001 - a defect in the tracer must not fail the close
             log.warning("hetero: could not write the trace file %s", self.path, exc_info=True)
             return False

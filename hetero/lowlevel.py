@@ -34,7 +34,7 @@ Devices and caches:
 
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
-written with :func:`atomic_write_text`; :func:`check_writable` checks, before any work,
+written with :func:`atomic_write_text` (:func:`atomic_write` for bytes); :func:`check_writable` checks, before any work,
 that an output file can be written. :func:`positive_int` is the ``argparse`` type of a
 count option (``--workers N``), as hetero's own command line reads it.
 """
@@ -45,7 +45,7 @@ from typing import Any
 
 from ._gpu.device import Device, Kernel
 from ._argtypes import positive_int
-from ._files import atomic_write_text, check_writable
+from ._files import atomic_write, atomic_write_text, check_writable
 from ._gpu.context import GPUContext
 from ._bridge import running_loop as _running_loop
 from ._runtime import Runtime, _default_runtime
@@ -58,6 +58,7 @@ __all__ = [
     "GPUContext",
     "Kernel",
     "Tensor",
+    "atomic_write",
     "atomic_write_text",
     "check_writable",
     "default_runtime",

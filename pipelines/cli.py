@@ -12,10 +12,8 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from hetero.lowlevel import check_writable, positive_int
+from hetero.lowlevel import atomic_write, check_writable, positive_int
 from hetero.errors import HeteroError
 
 __all__ = ["FORMATS", "InputFileError", "add_parser", "read_input", "read_lines", "run", "write_jsonl"]
@@ -146,23 +144,26 @@ def write_jsonl(f: Any, texts: list[str], emb: np.ndarray) -> None:
 
 
 def _save_to(dest: Path, write: Any) -> None:
-    """``write(f)`` into a file beside ``dest``, renamed over it: an interrupted save leaves no partial file."""
-    tmp: str | None = None
+    """``write(f)`` into a file beside ``dest``, renamed over it: an interrupted or failed save leaves
+    no partial file (a device such as ``/dev/null`` is written in place)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # as open(dest, "w") would create it (mkstemp makes 0600)
-        os.replace(tmp, dest)
-        tmp = None
+        atomic_write(dest, write)
     except OSError as e:
         raise InputFileError(f"cannot write output file {str(dest)!r}: {e.strerror or e}") from e
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _closed_at_end(rt: Any) -> Iterator[None]:
+    """Close ``rt`` when the block ends, holding Ctrl-C (even then the command ends once the device is
+    closed). A trace file that cannot be written fails the command, unless the block already failed."""
+    try:
+        yield
+    except BaseException:
+        with interrupts_held(), contextlib.suppress(HeteroError):
+            rt.close()
+        raise
+    with interrupts_held():
+        rt.close()
 
 
 def _output_format(args: argparse.Namespace) -> str:
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         emb, adapter = _embed_on_cluster(texts, model, args.batch_size, int8, scheduler, workers)
     else:
         rt = hetero.Runtime(trace=args.trace, placement=getattr(args, "placement", "auto"))
-        try:
+        with _closed_at_end(rt):
             emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
                         progress=getattr(args, "progress", None))
             adapter = rt.device().summary["summary"]
@@ -212,9 +213,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 sides = sorted({st.device for st in stages})
                 if sides:
                     adapter += f" (encoder stages on the {' and '.join(sides)})"
-        finally:
-            with interrupts_held():  # Ctrl-C (even now) ends the command once the device is closed
-                rt.close()
     dt = time.perf_counter() - t0
     emb = emb.astype(np.float32, copy=False)
     if to_stdout:
@@ -224,11 +222,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         else:
             write_jsonl(buf, texts, emb)
         sink = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-        if sink is not None:
-            sink.write(buf.getvalue())
-            sink.flush()
-        else:
-            sys.stdout.write(buf.getvalue().decode("latin-1" if fmt == "npy" else "utf-8"))
+        try:
+            if sink is not None:
+                sink.write(buf.getvalue())
+                sink.flush()
+            else:
+                sys.stdout.write(buf.getvalue().decode("latin-1" if fmt == "npy" else "utf-8"))
+                sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise InputFileError(f"cannot write standard output: {e.strerror or e}") from e
     elif fmt == "npy":
         _save(dest, emb)
     else:
