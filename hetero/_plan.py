@@ -189,10 +189,12 @@ class Plan:
         missing = [n for n in expected if n not in given]
         unknown = sorted(n for n in given if n not in expected)
         want = ", ".join(expected) if expected else "no inputs"
-        if missing:
-            raise InputError(f"graph {self.name!r} is missing input(s): {', '.join(missing)} (expected: {want})")
+        said = []
         if unknown:
-            raise InputError(f"graph {self.name!r} got unknown input(s): {', '.join(unknown)} (expected: {want})")
+            said.append(f"got unknown input(s): {', '.join(unknown)}")
+        if missing:
+            said.append(f"is missing input(s): {', '.join(missing)}")
+        raise InputError(f"graph {self.name!r} {' and '.join(said)} (expected: {want})")
 
 
 def _is_node(v: object) -> bool:

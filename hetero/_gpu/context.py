@@ -51,6 +51,18 @@ def _check_uploadable(a: np.ndarray) -> None:
         raise TypeError(f"gpu.upload: cannot upload an array of Python objects (shape {a.shape})")
 
 
+def native(a: np.ndarray) -> np.ndarray:
+    """``a`` in the machine's byte order: a big-endian array (``'>f4'``) is converted with a copy.
+
+    Shaders read the GPU's byte order (little-endian everywhere WebGPU runs), which is the
+    host's; a non-native array uploaded as it is would be read as other numbers.
+    """
+    dt = a.dtype
+    if dt.isnative or dt.hasobject:
+        return a
+    return a.astype(dt.newbyteorder("="))
+
+
 class GPUContext:
     """What a GPU stage function receives as its first argument.
 
@@ -123,7 +135,7 @@ class GPUContext:
 
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
-        a = np.asarray(array)
+        a = native(np.asarray(array))
         _check_uploadable(a)
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
@@ -142,6 +154,7 @@ class GPUContext:
         """
         ring = self._dev.ring
         total = 0
+        arrays = [native(a) for a in arrays]
         for a in arrays:
             _check_uploadable(a)
             total += pad4(a.nbytes)
@@ -191,7 +204,7 @@ class GPUContext:
         groups against it: never ``destroy()`` its buffer yourself (a cached bind group
         over a destroyed buffer would fail at submission); it goes with the device.
         """
-        a = np.ascontiguousarray(array)
+        a = native(np.ascontiguousarray(array))
         if a.dtype == object:
             raise TypeError(f"gpu.resident: cannot upload an array of Python objects (shape {a.shape})")
         _sized("gpu.resident", a.shape, a.dtype, self.limits["max-buffer-size"])
@@ -312,7 +325,8 @@ class GPUContext:
         """``(buffer, offset, size)`` of a binding: a Tensor's range, or a uniform holding the bytes."""
         if isinstance(b, Tensor):
             return (b.buffer, b.offset, b.binding_size)
-        data = bytes(b) if isinstance(b, (bytes, bytearray, memoryview)) else np.ascontiguousarray(b).tobytes()
+        data = bytes(b) if isinstance(b, (bytes, bytearray, memoryview)) else \
+            np.ascontiguousarray(native(np.asarray(b))).tobytes()
         size = _uniform_size(len(data))
         return (self._dev.binds.uniform(data.ljust(size, b"\0")), 0, size)
 
@@ -399,7 +413,7 @@ def _check_bindings(k: Kernel, bindings: tuple[Any, ...], limits: dict[str, int]
 
 def _check_dtype(k: Kernel, i: int, d: Binding, dtype: np.dtype[Any], what: str, example: str) -> None:
     """A TypeError when binding ``i``'s data (a ``what`` of ``dtype``) is not what the shader reads there."""
-    want = dtype_mismatch(d, dtype)
+    want = dtype_mismatch(d, dtype if dtype.isnative else dtype.newbyteorder("="))  # converted when uploaded
     if want is not None:
         raise TypeError(f"kernel {k.label!r} binding {i} ({d.name}: {d.type}): got {_article(dtype.name)} "
                         f"{dtype.name} {what} where the shader reads {want}; pass {want} data "
