@@ -78,7 +78,7 @@ from .minilm import Model, load_model
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
            "PACKED_SPLIT_MAX_TOKENS", "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "SPLIT_SMALL", "EmbeddingService",
            "MapRuntime", "TokenGroups",
-           "aembed", "atoken_ids",
+           "aembed", "atoken_ids", "check_texts",
            "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
            "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
            "pack_tokens", "packed_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
@@ -650,6 +650,23 @@ async def _offers_cpu(runtime: MapRuntime) -> bool:
     return cpu
 
 
+def check_texts(texts: Sequence[str]) -> None:
+    """Raise :class:`hetero.InputError` naming the first text that is not valid Unicode.
+
+    A Python str can hold a lone surrogate (``"\\ud800"``: valid JSON, and what
+    ``surrogateescape`` decoding makes of bad bytes), which no tokenizer takes; the
+    error names its index and position instead of the tokenizer's ``TypeError``. One
+    check for every entry point: the Python API and the server.
+    """
+    for i, t in enumerate(texts):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise hetero.InputError(
+                f"texts[{i}] is not valid Unicode: a lone surrogate U+{ord(t[e.start]):04X} at character "
+                f"{e.start}; pass text decoded as UTF-8 (invalid bytes replaced, errors='replace')") from None
+
+
 def _check_texts(texts: Sequence[str]) -> list[str]:
     if isinstance(texts, str):
         raise TypeError("embed: texts must be a sequence of str, got a single str (wrap it in a list)")
@@ -657,6 +674,7 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
     for i, t in enumerate(out):
         if not isinstance(t, str):
             raise TypeError(f"embed: texts[{i}] must be str, got {type(t).__name__}")
+    check_texts(out)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,3 +68,26 @@ async def test_unexpected_input_is_named_by_run_and_map(rt: hetero.Runtime) -> N
     with pytest.raises(hetero.InputError) as e:
         _ = [r async for r in rt.map(g, [{"x": 1}, {"y": 1}])]
     assert str(e.value) == want
+
+
+def test_a_lone_surrogate_is_an_input_error_naming_its_index(tmp_path: Path) -> None:
+    from hetero.pipelines import Encoder
+    from hetero.pipelines.embed import check_texts, embed
+    from hetero.pipelines.testing import write_random_model
+
+    model = write_random_model(tmp_path / "m", seed=1, vocab_size=300, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=40,
+                               max_seq_length=24)
+    want = ("texts[1] is not valid Unicode: a lone surrogate U+D800 at character 3; pass text decoded as UTF-8 "
+            "(invalid bytes replaced, errors='replace')")
+    with pytest.raises(hetero.InputError) as e:
+        check_texts(["fine", "abc\ud800def"])
+    assert str(e.value) == want
+    check_texts(["fine", "été 🤖"])  # valid text passes
+    with hetero.Runtime(cpu_threads=1) as rt:
+        with pytest.raises(hetero.InputError) as e:
+            embed(["fine", "abc\ud800def"], model=str(model), runtime=rt)
+        assert str(e.value) == want
+        with pytest.raises(hetero.InputError) as e:
+            Encoder(str(model), runtime=rt).encode("\udfff")
+        assert str(e.value).startswith("texts[0] is not valid Unicode: a lone surrogate U+DFFF at character 0")
