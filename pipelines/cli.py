@@ -25,9 +25,14 @@ import numpy as np
 from hetero.lowlevel import atomic_write, check_writable, positive_int
 from hetero.errors import HeteroError
 
-__all__ = ["FORMATS", "InputFileError", "add_parser", "read_input", "read_lines", "run", "write_jsonl"]
+__all__ = ["FORMATS", "InputFileError", "MAX_BATCH_TOKENS", "add_parser", "read_input", "read_lines", "run",
+           "write_jsonl"]
 
 FORMATS = ("npy", "jsonl")
+# hetero embed's cap on padded tokens per batch (text-embeddings-inference's --max-batch-tokens
+# default): batch 128 of sentences up to 126 characters runs whole, and 1000 lines of 300
+# words (256 tokens after truncation) run 64 to a batch instead of all at once.
+MAX_BATCH_TOKENS = 16384
 STDIO = "-"  # --input - reads stdin, --output - writes stdout
 
 
@@ -60,6 +65,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a progress bar on standard error (default: for 1000 lines or more on a terminal)")
     p.add_argument("--batch-size", type=positive_int, default=32, metavar="N",
                    help="sentences per GPU batch (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=MAX_BATCH_TOKENS, metavar="T",
+                   help="padded tokens per GPU batch at most (sentences times the batch's longest, each counted "
+                   "as at most its characters + 2 and the model's max_seq_length): bounds memory for any "
+                   "--batch-size (default: %(default)s)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (quantized per output channel; "
                    "embeddings, layernorms, attention and pooling stay float32)")
@@ -206,7 +215,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         rt = hetero.Runtime(trace=args.trace, placement=getattr(args, "placement", "auto"))
         with _closed_at_end(rt):
             emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
-                        progress=getattr(args, "progress", None))
+                        progress=getattr(args, "progress", None),
+                        max_batch_tokens=getattr(args, "max_batch_tokens", MAX_BATCH_TOKENS))
             adapter = rt.device().summary["summary"]
             if texts:
                 stages = [st for st in rt.stats().stages if st.placement is not None]

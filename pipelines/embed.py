@@ -78,7 +78,7 @@ from .minilm import Model, load_model
 __all__ = ["FUSED_MAX_BATCH", "INT8_STRATEGY", "LENGTH_STEP", "LINEAR_LAYERS", "LOOP_TOKENIZE_MAX", "MAX_IN_FLIGHT",
            "PACKED_SPLIT_MAX_TOKENS", "POOL_WGSL", "QKV", "SPAN_POOL_WGSL", "SPLIT_SMALL", "EmbeddingService",
            "MapRuntime", "TokenGroups",
-           "aembed", "atoken_ids", "check_texts",
+           "aembed", "atoken_ids", "batch_chunks", "check_texts",
            "cpu_weights", "embed", "embed_batches", "embedding_graph", "get_model", "length_bucket", "length_buckets",
            "linear_weight", "mean_pool_l2_cpu", "mean_pool_l2_packed", "mean_pool_l2_packed_cpu", "pack_bucketed",
            "pack_tokens", "packed_tokens", "quantized_weights", "resident_int8_weights", "resident_weights",
@@ -689,10 +689,34 @@ def _order(texts: list[str]) -> np.ndarray:
     return np.argsort([-len(t) for t in texts], kind="stable")
 
 
-def _check_sizes(batch_size: int, max_in_flight: int) -> None:
-    for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight)):
+def _check_sizes(batch_size: int, max_in_flight: int, max_batch_tokens: int | None = None) -> None:
+    for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight),
+                    ("max_batch_tokens", 1 if max_batch_tokens is None else max_batch_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"embed: {name} must be an integer >= 1, got {v!r}")
+
+
+def batch_chunks(texts: Sequence[str], batch_size: int, max_batch_tokens: int | None,
+                 max_seq_length: int) -> list[np.ndarray]:
+    """The batches :func:`embed_batches` runs: indices into ``texts``, longest first.
+
+    At most ``batch_size`` texts each and, with ``max_batch_tokens``, at most that many
+    padded tokens (texts times the batch's longest; a batch of one may exceed it). A
+    text's tokens are bounded without tokenizing it: its characters plus the two special
+    tokens, capped at ``max_seq_length`` (longer inputs are truncated). So the memory of a
+    batch stays bounded for any ``batch_size``.
+    """
+    order = _order(list(texts))
+    if max_batch_tokens is None:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks: list[np.ndarray] = []
+    start = 0
+    while start < len(order):
+        longest = min(max_seq_length, len(texts[int(order[start])]) + 2)  # the first is the longest
+        n = max(1, min(batch_size, max_batch_tokens // longest))
+        chunks.append(order[start:start + n])
+        start += n
+    return chunks
 
 
 async def _batch_graph(m: Model, runtime: MapRuntime, int8: bool, batch_size: int, n: int) -> hetero.Graph:
@@ -704,18 +728,18 @@ async def _batch_graph(m: Model, runtime: MapRuntime, int8: bool, batch_size: in
 
 async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                         batch_size: int = 32, runtime: MapRuntime, max_in_flight: int = MAX_IN_FLIGHT,
-                        int8: bool = False) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+                        int8: bool = False,
+                        max_batch_tokens: int | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
     """Yield ``(indices, embeddings)`` per batch: rows of ``embeddings`` belong to ``texts[indices]``.
 
-    Batches come longest sentences first; through ``runtime.map`` with up to
-    ``max_in_flight`` batches at once, so later batches are tokenized while the GPU
-    encodes this one. ``int8``: see :func:`embed`.
+    Batches come longest sentences first (see :func:`batch_chunks` for ``max_batch_tokens``);
+    through ``runtime.map`` with up to ``max_in_flight`` batches at once, so later batches
+    are tokenized while the GPU encodes this one. ``int8``: see :func:`embed`.
     """
-    _check_sizes(batch_size, max_in_flight)
+    _check_sizes(batch_size, max_in_flight, max_batch_tokens)
     items = _check_texts(texts)
     m = get_model(model)
-    order = _order(items)
-    chunks = [order[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    chunks = batch_chunks(items, batch_size, max_batch_tokens, m.config.max_seq_length)
     g = await _batch_graph(m, runtime, int8, batch_size, len(items))
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
@@ -736,13 +760,16 @@ PROGRESS_MIN_TEXTS = 1000
 
 async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                  batch_size: int = 32, runtime: MapRuntime, int8: bool = False,
-                 progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
+                 progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT,
+                 max_batch_tokens: int | None = None) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
-    _check_sizes(batch_size, max_in_flight)
+    _check_sizes(batch_size, max_in_flight, max_batch_tokens)
     items = _check_texts(texts)
     m = get_model(model)
     out = np.zeros((len(items), m.dim), np.float32)
-    if items and len(items) <= batch_size and isinstance(runtime, hetero.Runtime) and not progress:
+    one_batch = len(items) <= batch_size and (
+        max_batch_tokens is None or len(batch_chunks(items, batch_size, max_batch_tokens, m.config.max_seq_length)) == 1)
+    if items and one_batch and isinstance(runtime, hetero.Runtime) and not progress:
         # One batch (a lone sentence's call takes a few ms): one run, in the caller's order,
         # without map()'s generators and a progress bar.
         out[:] = await runtime.run(await _batch_graph(m, runtime, int8, batch_size, len(items)), texts=items)
@@ -757,7 +784,7 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
     done: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8,
-                                            max_in_flight=max_in_flight):
+                                            max_in_flight=max_in_flight, max_batch_tokens=max_batch_tokens):
             done.append((idx, emb))
             bar.update(len(idx))
     finally:
@@ -769,7 +796,7 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
 
 def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
           runtime: MapRuntime | None = None, int8: bool = False, progress: bool | None = None,
-          max_in_flight: int = MAX_IN_FLIGHT) -> np.ndarray:
+          max_in_flight: int = MAX_IN_FLIGHT, max_batch_tokens: int | None = None) -> np.ndarray:
     """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
 
     ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
@@ -782,7 +809,10 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     quantized once per model, resident per device; see the module doc); embeddings,
     layernorms, attention and pooling stay float32. ``progress``: a progress bar on
     stderr (default: for long inputs when stderr is a terminal). ``max_in_flight``:
-    batches tokenized or encoded at once. Synchronous: from async code use :func:`aembed`.
+    batches tokenized or encoded at once. ``max_batch_tokens``: a batch holds at most this
+    many padded tokens too (see :func:`batch_chunks`; ``hetero embed`` caps at 16384), which
+    bounds memory for any ``batch_size``. Inputs longer than the model's ``max_seq_length``
+    are truncated, as sentence-transformers does. Synchronous: from async code use :func:`aembed`.
     """
     lib = running_loop()
     if lib is not None:
@@ -795,7 +825,7 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
 
     async def main() -> None:
         result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt, int8=int8,
-                                   progress=progress, max_in_flight=max_in_flight))
+                                   progress=progress, max_in_flight=max_in_flight, max_batch_tokens=max_batch_tokens))
 
     anyio.run(main)
     return result[0]
