@@ -397,8 +397,9 @@ class RawClient:
 
 
 def raw_request(host: str, text: str) -> bytes:
-    """The bytes of one ``POST /v1/embeddings`` for ``text`` (base64, as the load's httpx clients send)."""
-    body = json.dumps({"input": text, "encoding_format": "base64"}).encode()
+    """The bytes of one ``POST /v1/embeddings`` for ``text`` (base64, as the load's httpx clients send;
+    truncated past the model's longest input, as the bulk reference ``embed()`` truncates)."""
+    body = json.dumps({"input": text, "encoding_format": "base64", "truncate": True}).encode()
     return (f"POST /v1/embeddings HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
@@ -511,8 +512,8 @@ def load_process(url: str, texts: list[str], clients: int, rate: float, duration
 
             async def send_httpx(i: int) -> int:
                 try:
-                    r = await http.post("/v1/embeddings", json={"input": texts[i],
-                                                                "encoding_format": "base64"})
+                    r = await http.post("/v1/embeddings", json={"input": texts[i], "encoding_format": "base64",
+                                                                "truncate": True})
                 except httpx.HTTPError:
                     return 0
                 return r.status_code
