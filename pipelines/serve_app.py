@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -132,7 +133,7 @@ class ServeSettings:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise HeteroError("--api-key must be a non-empty string")
 
-    @property
+    @functools.cached_property
     def served_name(self) -> str:
         """The model's name in answers: the first served name, else ``model_name``, else the
         directory's name (or the name given, such as ``"minilm"``)."""
@@ -142,9 +143,10 @@ class ServeSettings:
             return self.model_name
         return self.model if not os.path.isdir(self.model) else os.path.basename(os.path.normpath(self.model))
 
-    @property
+    @functools.cached_property
     def model_ids(self) -> tuple[str, ...]:
-        """The ids a request's ``model`` may name (``GET /v1/models`` lists them)."""
+        """The ids a request's ``model`` may name (``GET /v1/models`` lists them); found once, as
+        requests check against them."""
         return self.served_model_names or (self.served_name,)
 
     def __repr__(self) -> str:  # the key stays out of logs and tracebacks
