@@ -14,6 +14,8 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _runtime    Runtime: worker pools, the device, the run/map entry points
 #     _batcher    Batcher: single requests gathered into batched runs
 #     _scheduler  executes a Plan from the event loop over worker threads
+#     _run        Run: one execution of a plan, its state and the transitions that change it
+#     _workers    WorkerPool: worker threads serving a priority queue of jobs
 #     _process    process stages: the worker-process pool, shared memory for large arrays
 #     _graph      Graph: declaration only   _dot  pictures of a graph (DOT, networkx, files)
 #     _plan       a Graph validated once: order, consumers, last uses, transfers

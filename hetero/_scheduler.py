@@ -47,42 +47,33 @@ Policy
 
 State
 -----
-Per run (:class:`Run`): host values, device values, remaining-dependency counts,
-the number of unfinished stages, start times of timed stages (and, for CPU thread
-stages, the worker running each: whoever takes it from the run, the finishing worker
-or the timeout, decides whether that worker is abandoned), held device blocks (GPU
-values and shared uploads), and the first error. Counts are changed under the
-run's lock; the plan is shared, read-only. Once the run's caller has its outputs (or
-its error, or was cancelled) the run forgets its values: stages of it that complete
-later store nothing, and the Run kept for ``Runtime.stats()`` holds only timings.
+Per run: see :mod:`hetero._run` (a :class:`~hetero._run.Run` changes its own state, under
+its own lock, through named transitions; the plan is shared, read-only).
 Per CPU pool: its live workers, and the count of abandoned ones still running.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
-import math
 import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-import anyio
 import numpy as np
 
-from ._bridge import loop_caller
 from ._gpu.capture import run_captured
 from ._gpu.context import GPUContext, _Park
 from ._gpu.tensor import map_values
 from ._gpu.recorder import SharedRecorder, StageRecorder
-from ._placement import PerfModel, Placement, Placer, input_bytes
-from ._plan import ARG_CONST, ARG_INPUT, ARG_NODE, Plan, StagePlan
+from ._placement import PerfModel, Placer, input_bytes
+from ._plan import ARG_CONST, ARG_NODE, Plan, StagePlan
 from ._process import Job, ProcessPool
-from ._stats import RunStats, Timeline
+from ._run import Run
 from ._gpu.tensor import Tensor
-from .errors import DeviceLostError, StageError
+from ._workers import Worker, WorkerPool
+from .errors import StageError
 
 if TYPE_CHECKING:
     from ._gpu.device import Device
@@ -94,7 +85,6 @@ log = logging.getLogger("hetero")
 # A stage dispatching more workgroups than this is submitted on its own rather than
 # coalesced with its neighbours: its GPU time dwarfs the cost of a submission.
 LARGE_STAGE_WORKGROUPS = 1 << 14
-_KEEP: Any = object()  # Run.set_value: leave the device-side value as it is
 
 # The only active run's stage whose commit finds the GPU idle is submitted at once, with
 # the stages before it in the shared encoder, when that encoder holds at least this many
@@ -112,507 +102,6 @@ _CLEANUP_WAIT = 5.0
 # While this many abandoned threads per CPU worker are still running, timed CPU thread
 # stages fail at once (see the module docstring): hung threads must not pile up unbounded.
 ABANDONED_PER_THREAD = 4
-
-
-class _Worker:
-    """One worker thread of a pool; ``abandoned`` once the pool gave up on it."""
-
-    __slots__ = ("abandoned", "thread")
-
-    def __init__(self) -> None:
-        self.abandoned = False
-        self.thread: threading.Thread | None = None
-
-
-class WorkerPool:
-    """A fixed number of live daemon threads serving a priority queue of jobs.
-
-    A worker stuck in a job can be abandoned (:meth:`abandon`): a new thread takes its
-    place at once, and the stuck one ends when its job returns.
-    """
-
-    def __init__(self, name: str, threads: int, on_idle: Callable[[], None] | None = None,
-                 on_start: Callable[[], None] | None = None) -> None:
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"{name} needs at least 1 thread, got {threads!r}")
-        self.name = name
-        self.size = threads
-        self._on_idle = on_idle  # called when the last busy worker finds the queue empty
-        self._on_start = on_start  # called once, before the threads start
-        self._busy = 0
-        self._heap: list[tuple[Any, int, Callable[[], None]]] = []
-        # Held directly (``with self._lock``) where nothing waits: the same as holding the
-        # condition, without its Python-level __enter__ and __exit__.
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._arrival = itertools.count()
-        self._closed = False
-        self._threads: list[threading.Thread] = []  # the live workers (abandoned ones leave it)
-        self._numbers = itertools.count()
-        self._local = threading.local()  # .worker: the _Worker of a pool thread
-        self._abandoned = 0  # abandoned workers whose job has not returned yet
-
-    def _start(self) -> None:
-        if self._on_start is not None:
-            self._on_start()
-        for _ in range(self.size):
-            self._spawn()
-
-    def _spawn(self) -> None:
-        """Start one worker (the lock held, or before any worker runs)."""
-        w = _Worker()
-        t = w.thread = threading.Thread(target=self._work, args=(w,), name=f"{self.name}-{next(self._numbers)}",
-                                        daemon=True)
-        self._threads.append(t)
-        t.start()
-
-    @property
-    def abandoned(self) -> int:
-        """Abandoned workers still running their job."""
-        return self._abandoned
-
-    def current(self) -> _Worker | None:
-        """The worker of this pool running the calling thread, or None."""
-        return getattr(self._local, "worker", None)
-
-    def abandon(self, worker: _Worker) -> int:
-        """Give up on ``worker`` (stuck in its job): a new worker replaces it; returns the abandoned count."""
-        with self._lock:
-            if not worker.abandoned:
-                worker.abandoned = True
-                self._abandoned += 1
-                self._busy -= 1
-                if worker.thread in self._threads:
-                    self._threads.remove(worker.thread)
-                if not self._closed:
-                    self._spawn()
-            return self._abandoned
-
-    def submit(self, key: Any, job: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._threads:
-                self._start()
-            heapq.heappush(self._heap, (key, next(self._arrival), job))
-            self._cv.notify()
-
-    def submit_many(self, items: list[tuple[Any, Callable[[], None]]]) -> None:
-        with self._lock:
-            if not self._threads:
-                self._start()
-            for key, job in items:
-                heapq.heappush(self._heap, (key, next(self._arrival), job))
-            self._cv.notify(len(items))
-
-    def _work(self, worker: _Worker) -> None:
-        self._local.worker = worker
-        heap, lock, cv, on_idle = self._heap, self._lock, self._cv, self._on_idle
-        heappop = heapq.heappop
-        while True:
-            with lock:
-                while not heap:
-                    if self._closed:
-                        return
-                    cv.wait()
-                job = heappop(heap)[2]
-                self._busy += 1
-            try:
-                job()  # jobs catch their own errors
-            except BaseException:  # pragma: no cover - a defect: keep the thread serving the queue
-                log.exception("%s: a job failed", self.name)
-            with lock:
-                if worker.abandoned:  # a replacement serves the queue: this thread ends
-                    self._abandoned -= 1
-                    return
-                self._busy -= 1
-                idle = not self._busy and not heap
-            if idle and on_idle is not None:
-                try:
-                    on_idle()
-                except BaseException:  # pragma: no cover - the hook must not kill the worker
-                    log.exception("%s: idle hook failed", self.name)
-
-    def close(self) -> None:
-        """Stop the workers and join the live ones (abandoned threads are not waited for)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-            threads = list(self._threads)
-        for t in threads:
-            t.join(timeout=5)
-
-
-class Run:
-    """One execution of a plan: its state, and the code workers run for its stages."""
-
-    def __init__(self, sched: Scheduler, plan: Plan, inputs: dict[str, Any], seq: int) -> None:
-        self.sched = sched
-        self.plan = plan
-        self.inputs = inputs
-        self.seq = seq
-        n = len(plan.stages)
-        # The stages as this run executes them: a mixed stage becomes one of its variants
-        # when placed (Scheduler.dispatch).
-        self.stages: list[StagePlan] = list(plan.stages)
-        self.placements: list[Placement | None] = [None] * n
-        self.open_placements: dict[int, Placement] = {}  # placed and not finished: their queue-wait charge
-        self.values: list[Any] = [None] * n  # host-side values (what CPU stages and the caller see)
-        self.dev_values: list[Any] = [None] * n  # what GPU stages see (Tensors stay Tensors)
-        self.remaining = list(plan.n_deps)
-        self.unfinished = n
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None
-        self.stopped = False  # failed, cancelled or done: start nothing more
-        self.done = False
-        self.timed_started: dict[int, float] = {}  # timed stages now running -> start time
-        # Timed CPU thread stages now running -> their worker; taken (under the lock) either by
-        # the worker when the function returns or by the timeout, which then abandons it.
-        self.timed_workers: dict[int, _Worker] = {}
-        # Device memory: a GPU value's blocks are held while holds[i] > 0 (see Plan.holds).
-        self.holds = list(plan.holds)
-        # CPU values uploaded once for all their GPU readers (plan.shared_uploads): the
-        # device-side structure, held (holds[i], one per reader) like a GPU value.
-        self.uploaded: dict[int, Any] = {}
-        self.held: dict[int, list[Any]] = {}
-        self.proc_jobs: dict[int, Job] = {}  # process stages handed to the process pool, not done
-        self.recording = 0  # GPU stages of this run being recorded right now
-        self.tl = Timeline(n)
-        self.cleaned = False
-        self.forgotten = False  # the caller has what it needs: values are no longer stored
-        self._event: anyio.Event | None = None
-        self._call: Callable[[Callable[[], Any]], None] | None = None
-        self.on_wake: Callable[[], None] | None = None  # also called on the loop whenever the run wakes its waiter
-
-    # -- loop side ------------------------------------------------------------------
-    def start(self) -> None:
-        """Bind to the current event loop and queue the root stages."""
-        self._call = loop_caller()
-        self._event = anyio.Event()
-        self.sched.run_started(self)
-        tracer = self.sched.tracer
-        if tracer is not None:
-            tracer.name_thread("event loop")
-            tracer.instant(f"run {self.seq} of {self.plan.name!r} starts", "run")
-        if not self.plan.stages:
-            self._finish()
-            return
-        self.sched.dispatch(self, list(self.plan.roots))
-
-    async def wait(self) -> Any:
-        """Wait for the run to end; return its outputs or raise its error.
-
-        Whether it completed, failed or was cancelled, the run returns (or raises) only
-        once no stage of it is being recorded and every block it held is back in the pool.
-        """
-        try:
-            while True:
-                event = self._event = anyio.Event()
-                if self.stopped:
-                    break
-                delay = self._check_timeouts()
-                if self.stopped:
-                    break
-                with anyio.move_on_after(delay):
-                    await event.wait()
-        finally:
-            if not self.stopped:  # cancelled by the caller
-                self.stop()
-            await self.settled()
-            outputs = self.outputs() if self.error is None else None
-            self.forget_values()
-        if self.error is not None:
-            raise self.error
-        return outputs
-
-    def check_timeouts(self) -> float:
-        """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
-        return self._check_timeouts()
-
-    async def settled(self) -> None:
-        """Wait, shielded from cancellation and without blocking the loop, until the stopped
-        run's blocks are back in the pool (at most ``_CLEANUP_WAIT`` seconds).
-
-        Stages being recorded when the run stopped finish recording first (recording is
-        short; a stage's GPU work is not awaited). Even a run that succeeded can wait here:
-        its last stage's GPU work may complete on the fence thread while the recording
-        thread is still letting go of that stage's inputs.
-        """
-        if self.cleaned:
-            return
-        stray: BaseException | None = None
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLEANUP_WAIT) as timeout:
-            while not self.cleaned:
-                event = self._event = anyio.Event()
-                if self.cleaned:
-                    break
-                try:
-                    await event.wait()
-                except anyio.get_cancelled_exc_class() as e:
-                    if timeout.cancel_called:
-                        raise
-                    # Under asyncio a cancellation requested just before the shield took effect
-                    # still arrives inside it: wait on, and raise it once the blocks are back.
-                    stray = e
-        if stray is not None:
-            raise stray
-        if not self.cleaned:
-            log.warning("run %d of %r: a GPU stage is still being recorded %g s after the run stopped; "
-                        "returning with its device memory in use", self.seq, self.plan.name, _CLEANUP_WAIT)
-
-    def forget_values(self) -> None:
-        """The run is over for its caller: drop every value it computed.
-
-        The Run outlives its return (``Runtime.stats()`` describes the last one), and its
-        values would keep large intermediates, and downloads on staging memory, alive.
-        A stage of a stopped run that completes later stores nothing.
-        """
-        n = len(self.plan.stages)
-        with self.lock:
-            self.forgotten = True  # first: stage_args reads the lists without the lock
-            self.values, self.dev_values, self.uploaded = [None] * n, [None] * n, {}
-
-    def set_value(self, i: int, *, host: Any = _KEEP, dev: Any = _KEEP) -> None:
-        """Store stage ``i``'s value: on the host side (what CPU stages and the caller see)
-        and what GPU stages see, unless the run's caller is gone."""
-        with self.lock:
-            if not self.forgotten:
-                if host is not _KEEP:
-                    self.values[i] = host
-                if dev is not _KEEP:
-                    self.dev_values[i] = dev
-
-    def stage_args(self, st: StagePlan) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """A CPU stage's arguments; None once the run's caller is gone.
-
-        Reads without the lock: the list is read before ``forgotten``, which
-        ``forget_values`` sets before it swaps the lists, so a list read while the
-        flag is still clear is the run's own.
-        """
-        values = self.values
-        if self.forgotten:
-            return None
-        return self.args_for(st, values)
-
-    def _check_timeouts(self) -> float:
-        """Fail the run if a running timed stage is overdue; return seconds until the next deadline."""
-        now = time.monotonic()
-        nearest = math.inf
-        for i, t0 in list(self.timed_started.items()):
-            st = self.plan.stages[i]
-            assert st.timeout is not None
-            left = t0 + st.timeout - now
-            if left <= 0:
-                with self.lock:
-                    worker = self.timed_workers.pop(i, None)
-                if worker is not None:  # still in its function: its thread is lost to the pool
-                    self.sched.abandon_worker(st, worker)
-                self.fail_timeout(st)
-                return 0.0
-            nearest = min(nearest, left)
-        return nearest
-
-    def _wake(self) -> None:
-        call = self._call
-        if call is not None:
-            call(self._set_event)
-
-    def _set_event(self) -> None:
-        if self._event is not None:
-            self._event.set()
-        if self.on_wake is not None:
-            self.on_wake()
-
-    def stop(self) -> None:
-        with self.lock:
-            self.stopped = True
-            clean = self.recording == 0
-        self._cancel_processes()
-        if clean:
-            self.cleanup()
-
-    def _cancel_processes(self) -> None:
-        """The run stopped: its queued process stages never run, running ones lose their worker."""
-        with self.lock:
-            if not self.proc_jobs:
-                return
-            jobs, self.proc_jobs = list(self.proc_jobs.values()), {}
-        pool = self.sched.procs()
-        for job in jobs:
-            pool.cancel(job)
-
-    # -- device memory ----------------------------------------------------------------
-    def hold(self, i: int, blocks: list[Any]) -> bool:
-        """Keep ``blocks`` for value ``i``; False (nothing kept) if the run stopped."""
-        pool = None
-        with self.lock:
-            if self.stopped:
-                return False
-            if blocks:
-                pool = blocks[0].pool
-                self.held[i] = blocks
-        if pool is not None:
-            for b in blocks:
-                pool.retain(b)
-        return True
-
-    def drop_hold(self, i: int) -> None:
-        with self.lock:
-            self.holds[i] -= 1
-            blocks = self.held.pop(i, None) if self.holds[i] <= 0 else None
-        if blocks:
-            blocks[0].pool.release_many(blocks)  # one pool: see hold()
-
-    def recording_done(self) -> None:
-        with self.lock:
-            self.recording -= 1
-            clean = self.stopped and self.recording == 0
-        if clean:
-            self.cleanup()
-
-    def cleanup(self) -> None:
-        """The run stopped and nothing of it is being recorded: return every block it holds."""
-        with self.lock:
-            if self.cleaned:
-                return
-            self.cleaned = True
-            held, self.held = self.held, {}
-        blocks = [b for value in held.values() for b in value]
-        if blocks:
-            blocks[0].pool.release_many(blocks)  # a run's blocks are its device's
-        for i in list(self.open_placements):
-            self.sched.placement_done(self, i, None)
-        self.sched.run_ended(self)
-        self._wake()
-
-    def stats(self) -> RunStats:
-        stages = self.stages
-        return self.tl.snapshot(self.plan.name, [st.name for st in stages], [_kind(st) for st in stages],
-                                ok=self.done and self.error is None, placements=self.placements)
-
-    def outputs(self) -> Any:
-        outs = []
-        for kind, ref in self.plan.outputs:
-            outs.append(self.inputs[ref] if kind == ARG_INPUT else self.values[ref])
-        return outs[0] if self.plan.single_output else tuple(outs)
-
-    # -- worker side ----------------------------------------------------------------
-    def fail(self, st: StagePlan, exc: BaseException, attempts: int = 1) -> None:
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
-        err = StageError(f"{_kind(st)} stage {st.name!r} failed{tries}: {type(exc).__name__}: {exc}", st.name)
-        err.__cause__ = exc
-        self._set_error(err)
-
-    def fail_timeout(self, st: StagePlan) -> None:
-        exc = TimeoutError(f"stage {st.name!r} ran longer than its timeout of {st.timeout:g} s")
-        err = StageError(f"{_kind(st)} stage {st.name!r} timed out after {st.timeout:g} s", st.name)
-        err.__cause__ = exc
-        self._set_error(err)
-
-    def fail_abandoned_cap(self, st: StagePlan, abandoned: int, cap: int) -> None:
-        self._set_error(StageError(
-            f"cpu stage {st.name!r} with a timeout cannot start: {abandoned} threads abandoned by timed-out "
-            f"stages are still running, the cap is {cap} ({ABANDONED_PER_THREAD} x cpu_threads); a thread "
-            "cannot be killed: run code that may hang as a process stage (g.cpu(fn, ..., process=True)), "
-            "whose worker is killed on timeout", st.name))
-
-    def keep_worker(self, i: int) -> bool:
-        """Timed CPU thread stage ``i``'s function returned: False when its worker was abandoned meanwhile."""
-        with self.lock:
-            return self.timed_workers.pop(i, None) is not None
-
-    def _set_error(self, err: BaseException) -> None:
-        with self.lock:
-            if self.stopped:
-                return
-            self.stopped = True
-            self.error = err
-            clean = self.recording == 0
-        self._cancel_processes()
-        if clean:
-            self.cleanup()  # wakes the waiter
-        else:
-            self._wake()
-
-    def _finish(self) -> None:
-        with self.lock:
-            if self.stopped:
-                return
-            self.stopped = True
-            self.done = True
-            clean = self.recording == 0
-        self.tl.end = time.perf_counter_ns()
-        if clean:
-            self.cleanup()  # wakes the waiter
-        else:
-            self._wake()
-
-    def args_for(self, st: StagePlan, values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        inputs = self.inputs
-        filled = [*st.arg_consts]
-        for p, ref in st.arg_nodes:
-            filled[p] = values[ref]
-        for p, name in st.arg_inputs:
-            filled[p] = inputs[name]
-        args = tuple(filled)
-        if not st.kwargs:
-            return args, {}
-        kwargs = {
-            k: values[ref] if kind == ARG_NODE else (ref if kind == ARG_CONST else inputs[ref])
-            for k, (kind, ref) in st.kwargs
-        }
-        return args, kwargs
-
-    def release(self, consumers: tuple[int, ...]) -> list[int]:
-        """One dependency of each consumer completed; return those now ready."""
-        with self.lock:
-            return self._count_down(consumers)
-
-    def _count_down(self, consumers: tuple[int, ...]) -> list[int]:
-        """One dependency of each consumer completed (the lock held); those now ready."""
-        remaining = self.remaining
-        ready = []
-        for c in consumers:
-            remaining[c] -= 1
-            if remaining[c] == 0:
-                ready.append(c)
-        return ready
-
-    def complete(self, i: int, value: Any, gpu_consumers: tuple[int, ...],
-                 cpu_consumers: tuple[int, ...]) -> tuple[list[int], list[int]]:
-        """Stage ``i`` computed ``value`` on the host: store it (both sides), release its
-        consumers and count it done, under one lock; return the GPU and CPU consumers now
-        ready. The run finishes here when this was its last stage, which it cannot be while
-        a consumer is ready."""
-        with self.lock:
-            if not self.forgotten:
-                self.values[i] = value
-                self.dev_values[i] = value
-            ready_gpu = self._count_down(gpu_consumers) if gpu_consumers else []
-            ready_cpu = self._count_down(cpu_consumers) if cpu_consumers else []
-            self.unfinished -= 1
-            last = self.unfinished == 0
-        if last:
-            self._finish()
-        return ready_gpu, ready_cpu
-
-    def stage_done(self) -> None:
-        with self.lock:
-            self.unfinished -= 1
-            last = self.unfinished == 0
-        if last:
-            self._finish()
-
-    def begin_timed(self, st: StagePlan) -> None:
-        self.timed_started[st.index] = time.monotonic()
-        self._wake()  # the waiter arms a deadline for it
-
-    def end_timed(self, st: StagePlan) -> bool:
-        """Stop watching ``st``; False (and the run failed) when it overran its timeout."""
-        t0 = self.timed_started.pop(st.index)
-        assert st.timeout is not None
-        if time.monotonic() - t0 > st.timeout:
-            self.fail_timeout(st)
-            return False
-        return True
 
 
 class Scheduler:
@@ -654,6 +143,11 @@ class Scheduler:
     def new_run(self, plan: Plan, inputs: dict[str, Any]) -> Run:
         return Run(self, plan, inputs, next(self._seq))
 
+    @property
+    def cleanup_wait(self) -> float:
+        """Seconds a stopped run waits for its stages being recorded before returning anyway."""
+        return _CLEANUP_WAIT
+
     def dispatch(self, run: Run, ready: list[int]) -> None:
         """Queue ready stages on the pool of their kind (a mixed stage: where it is placed now)."""
         stages, seq, run_cpu = run.stages, run.seq, self.run_cpu
@@ -688,7 +182,7 @@ class Scheduler:
         for i in inline:  # after the others are queued: they need not wait for these
             run_cpu(run, i, inline=True)
 
-    def abandon_worker(self, st: StagePlan, worker: _Worker) -> None:
+    def abandon_worker(self, st: StagePlan, worker: Worker) -> None:
         """Timed CPU thread stage ``st`` overran while its function still runs: replace its worker."""
         n = self.cpu.abandon(worker)
         log.warning("cpu stage %r timed out after %g s and its thread cannot be killed: the thread is abandoned "
@@ -728,10 +222,8 @@ class Scheduler:
         host, on_dev = input_bytes(args, kwargs)
         p = placer.decide(st.name, host, on_dev, gpu, adapter_type)
         i = st.index
-        run.placements[i] = p
-        run.open_placements[i] = p
         placed = run.plan.variants[i][0 if p.device == "cpu" else 1]
-        run.stages[i] = placed
+        run.place(i, p, placed)
         if self.tracer is not None:
             self.tracer.instant(f"place {st.name} on {p.device}", "placement", args={"run": run.seq, **p.as_dict()})
         return placed
@@ -750,7 +242,7 @@ class Scheduler:
 
     def placement_done(self, run: Run, i: int, seconds: float | None) -> None:
         """A placed execution ended (``seconds``: its measured time; None: it failed or was dropped)."""
-        p = run.open_placements.pop(i, None)
+        p = run.end_placement(i)
         if p is not None:
             self.placer.finished(run.plan.stages[i].name, p, seconds)
 
@@ -759,10 +251,9 @@ class Scheduler:
 
         None once the run's caller is gone.
         """
-        with run.lock:
-            if run.forgotten:
-                return None
-            dev_values = run.dev_values
+        dev_values = run.device_values()
+        if dev_values is None:
+            return None
         args, kwargs = run.args_for(st, dev_values)
         tensors: dict[int, Tensor] = {}
 
@@ -828,19 +319,14 @@ class Scheduler:
                         if worker is not None:
                             abandoned, cap = self.cpu.abandoned, ABANDONED_PER_THREAD * self.cpu.size
                             if abandoned >= cap:
-                                run.fail_abandoned_cap(st, abandoned, cap)
+                                run.fail_with(_abandoned_cap(st, abandoned, cap))
                                 return
-                            run.timed_workers[i] = worker
-                        run.begin_timed(st)
+                        run.begin_timed(st, worker)
                     if st.mixed:  # placed on the CPU: device values come to the host first
                         try:
                             host_args = self._host_args(run, st)
                         except BaseException as e:  # noqa: BLE001 - e.g. the device was lost
-                            if not st.simple:
-                                run.timed_started.pop(i, None)
-                                if worker is not None and not run.keep_worker(i):
-                                    return  # timed out meanwhile, and its thread was abandoned
-                            run.fail(st, e)
+                            run.fail_stage(st, e, 1, worker is not None)
                             return
                         if host_args is None:
                             return  # stopped, and its caller is gone
@@ -859,12 +345,8 @@ class Scheduler:
                         value = st.fn(*got[0], **got[1])
                         break
                     except BaseException as e:  # noqa: BLE001 - nothing a stage raises may kill a worker
-                        if not _retry(run, st, e, attempt):
-                            if not st.simple:
-                                run.timed_started.pop(i, None)
-                                if worker is not None and not run.keep_worker(i):
-                                    return  # timed out meanwhile, and its thread was abandoned
-                            run.fail(st, e, attempt)
+                        if not run.retry(st, e, attempt):
+                            run.fail_stage(st, e, attempt, worker is not None)
                             return
                 got = host_args = None
                 done = recorded[i] = completed[i] = perf_ns()
@@ -873,12 +355,9 @@ class Scheduler:
                         run.drop_hold(d)
                     self.placement_done(run, i, (done - t_fn) / 1e9)
                 if self.tracer is not None:
-                    self.tracer.span(st.name, "cpu", started[i], done, args=_span_args(run, i))
-                if not plain and not st.simple:
-                    if worker is not None and not run.keep_worker(i):
-                        return  # timed out meanwhile, and its thread was abandoned
-                    if not run.end_timed(st):
-                        return
+                    self.tracer.span(st.name, "cpu", started[i], done, args=run.span_args(i))
+                if not plain and not st.simple and not run.end_timed(st, worker is not None):
+                    return
                 ready, ready_cpu = run.complete(i, value, st.gpu_consumers, st.cpu_consumers)
                 value = None
                 if ready:
@@ -906,6 +385,12 @@ class Scheduler:
                     self._procs = ProcessPool(self.cpu_processes)
         return self._procs
 
+    def cancel_jobs(self, jobs: list[Job]) -> None:
+        """A run stopped: its queued process jobs never run, running ones lose their worker."""
+        pool = self.procs()
+        for job in jobs:
+            pool.cancel(job)
+
     def run_process(self, run: Run, i: int, attempt: int = 1) -> None:
         """Hand process stage ``i`` to the process pool (pickling its arguments here) and return."""
         if run.stopped:
@@ -925,26 +410,18 @@ class Scheduler:
             if got is None:
                 return  # stopped, and its caller is gone
             job = pool.job((run.seq, -st.priority), st.fn, got[0], got[1], done)
-            # Known to the run before it can complete (or the run stop and cancel it).
-            with run.lock:
-                stopped = run.stopped
-                if not stopped:
-                    run.proc_jobs[i] = job
-            if stopped:
+            if not run.add_job(i, job):
                 pool.cancel(job)
                 return
             pool.submit(job)
         except BaseException as e:  # noqa: BLE001 - e.g. an argument that does not pickle
-            if not st.simple:
-                run.timed_started.pop(i, None)
-            run.fail(st, e, attempt)
+            run.fail_stage(st, e, attempt)
 
     def _process_done(self, run: Run, st: StagePlan, attempt: int, ok: bool, value: Any, worker: int,
                       t0: int, t1: int) -> None:
         """On the process pool's dispatcher thread: process stage ``st`` returned, raised or crashed."""
         i = st.index
-        with run.lock:
-            run.proc_jobs.pop(i, None)
+        run.job_done(i)
         if run.stopped:
             return
         tl = run.tl
@@ -961,9 +438,7 @@ class Scheduler:
                     timer.daemon = True
                     timer.start()
                 return
-            if not st.simple:
-                run.timed_started.pop(i, None)
-            run.fail(st, value, attempt)
+            run.fail_stage(st, value, attempt)
             return
         tl.recorded[i] = tl.completed[i] = time.perf_counter_ns()
         if not st.simple and not run.end_timed(st):
@@ -975,10 +450,8 @@ class Scheduler:
     # -- GPU stages -----------------------------------------------------------------
     def run_gpu(self, run: Run, i: int) -> None:
         """Record GPU stage ``i`` on this thread with its own encoder and enqueue it."""
-        with run.lock:
-            if run.stopped:
-                return
-            run.recording += 1
+        if not run.begin_recording():
+            return
         st = run.stages[i]
         try:
             self._record_gpu(run, st)
@@ -992,8 +465,8 @@ class Scheduler:
         i = st.index
         tl = run.tl
         tl.started[i] = time.perf_counter_ns()
-        if not st.simple and i not in run.timed_started:
-            run.begin_timed(st)
+        if not st.simple:
+            run.begin_timed(st)  # again after waiting for memory: it keeps its first start
         try:
             dev = self._device()
             dev.check_alive()
@@ -1035,10 +508,8 @@ class Scheduler:
                     self._abandon(rec, ctx)
                     if _failed_by_loss(run, st, dev, e):
                         return
-                    if not _retry(run, st, e, attempt):
-                        if not st.simple:
-                            run.timed_started.pop(i, None)
-                        run.fail(st, e, attempt)
+                    if not run.retry(st, e, attempt):
+                        run.fail_stage(st, e, attempt)
                         return
             # The value keeps the blocks of the tensors it holds until its last consumer is
             # recorded (and its download, if any, is done); everything else the stage took
@@ -1049,7 +520,7 @@ class Scheduler:
                 return
             tl.recorded[i] = time.perf_counter_ns()
             if self.tracer is not None:
-                targs = _span_args(run, i)
+                targs = run.span_args(i)
                 if tl.capture[i] is not None:
                     targs["capture"] = tl.capture[i]
                 self.tracer.span(st.name, "gpu-record", tl.started[i], tl.recorded[i], args=targs)
@@ -1097,8 +568,7 @@ class Scheduler:
                 ctx.discard()
                 return
             for d, up in fresh.items():  # uploaded here for every reader: keep it for the others
-                if run.hold(d, list({id(b): b for b in _blocks_of(up)}.values())):
-                    run.uploaded[d] = up
+                run.keep_upload(d, up, list({id(b): b for b in _blocks_of(up)}.values()))
             ctx.release_blocks()
         for d in st.gpu_deps:
             run.drop_hold(d)
@@ -1200,7 +670,7 @@ class Scheduler:
         with self._runs_lock:
             runs = [r for r in self._active.values() if r.plan.has_gpu]
         for r in runs:
-            r._set_error(exc)
+            r.fail_with(exc)
 
     def run_started(self, run: Run) -> None:
         with self._runs_lock:
@@ -1229,37 +699,16 @@ class Scheduler:
 
 
 
-def _kind(st: StagePlan) -> str:
-    """How a stage is named in errors and stats: cpu, process or gpu."""
-    return "process" if st.process else st.kind
-
-
-def _retry(run: Run, st: StagePlan, exc: BaseException, attempt: int) -> bool:
-    """Whether stage ``st`` runs again after failing with ``exc`` on ``attempt``; waits its backoff first.
-
-    Only instances of the stage's ``retry_on`` are retried, up to ``retries`` times. The
-    wait is cut short when the run stops meanwhile (then False).
-    """
-    opts = st.options
-    if attempt > opts.retries or run.stopped or not isinstance(exc, opts.retry_on):
-        return False
-    deadline = time.monotonic() + opts.retry_delay_s(attempt)
-    while not run.stopped:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return True
-        time.sleep(min(left, 0.05))
-    return False
+def _abandoned_cap(st: StagePlan, abandoned: int, cap: int) -> StageError:
+    return StageError(
+        f"cpu stage {st.name!r} with a timeout cannot start: {abandoned} threads abandoned by timed-out "
+        f"stages are still running, the cap is {cap} ({ABANDONED_PER_THREAD} x cpu_threads); a thread "
+        "cannot be killed: run code that may hang as a process stage (g.cpu(fn, ..., process=True)), "
+        "whose worker is killed on timeout", st.name)
 
 
 def _bind(fn: Callable[[Run, int], None], run: Run, i: int) -> Callable[[], None]:
     return lambda: fn(run, i)
-
-
-def _span_args(run: Run, i: int) -> dict[str, Any]:
-    """A stage span's trace arguments: the run, and for a placed stage the decision and its estimates."""
-    p = run.placements[i]
-    return {"run": run.seq} if p is None else {"run": run.seq, "placement": p.as_dict()}
 
 
 def _failed_by_loss(run: Run, st: StagePlan, dev: Device, e: BaseException) -> bool:
@@ -1269,11 +718,7 @@ def _failed_by_loss(run: Run, st: StagePlan, dev: Device, e: BaseException) -> b
         dev._probe_lost()
     if dev.lost is None:
         return False
-    # whichever thread noticed first, this run fails the same way
-    lost = DeviceLostError(f"the GPU device was lost ({dev.lost}) while stage {st.name!r} was recorded or "
-                           "submitted; create a new Runtime")
-    lost.__cause__ = e
-    run._set_error(lost)
+    run.fail_lost(st, dev.lost, e)  # whichever thread noticed first, this run fails the same way
     return True
 
 
