@@ -3,7 +3,7 @@
 ``info`` shows what the GPU side of hetero will run on; ``info --check`` is the
 one-line probe setup scripts use to decide whether to install a software Vulkan
 driver; ``demo`` runs a small hybrid CPU/GPU graph and checks it against numpy.
-``embed`` (``hetero.pipelines.cli``), ``serve`` (``hetero.pipelines.serve``) and ``graph``
+``embed`` (``hetero.pipelines.embed_cli``), ``serve`` (``hetero.pipelines.serve``) and ``graph``
 (``hetero.pipelines.picture``) come from the pipelines.
 Errors hetero raises are printed as ``hetero: error: <message>`` (exit status 1),
 not as tracebacks. Files a command will write (``--trace``, ``--output``) are checked
@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="write a Chrome/Perfetto trace of the runs to this file (open it in ui.perfetto.dev)")
     demo.set_defaults(func=cmd_demo)
 
-    from hetero.pipelines import cli as embed_cli
+    from hetero.pipelines import embed_cli
 
     embed_cli.add_parser(sub)
 

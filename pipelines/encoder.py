@@ -29,7 +29,9 @@ import numpy as np
 import hetero
 from hetero.lowlevel import default_runtime, running_loop
 
-from .embed import aembed, get_model
+from .embed import aembed
+from .embed_placement import aoffers_cpu
+from .embed_weights import get_model
 from .minilm import Model, ModelNotFoundError
 
 __all__ = ["MINILM_IDS", "Encoder", "hf_cache_dirs", "resolve_model"]
@@ -158,8 +160,9 @@ class Encoder:
                        show_progress_bar: bool | None, convert_to_numpy: bool) -> Any:
         single = isinstance(sentences, str)
         texts = [sentences] if isinstance(sentences, str) else sentences
+        # Which graph: decided here for the runtime this encoder runs on (once per Runtime).
         emb = await aembed(texts, model=self.model, batch_size=batch_size, runtime=rt, int8=self.int8,
-                           progress=show_progress_bar)
+                           progress=show_progress_bar, cpu=await aoffers_cpu(rt))
         if single:
             return emb[0]
         return emb if convert_to_numpy else list(emb)

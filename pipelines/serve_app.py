@@ -53,7 +53,8 @@ import numpy as np
 import hetero
 from hetero.errors import HeteroError
 
-from .embed import EmbeddingService, TokenGroups
+from .embed_service import EmbeddingService
+from .embed_tokens import TokenGroups
 from .minilm import Model
 from .serve_engine import EmbeddingEngine, EngineClient, EngineError
 from .serve_metrics import ServeMetrics, import_serve
@@ -204,7 +205,7 @@ class EmbeddingServer:
                  engine: EngineClient | None = None, settings: ServeSettings | None = None,
                  http_server: str | None = None, **options: Any) -> None:
         import_serve()
-        from .embed import get_model
+        from .embed_weights import get_model
 
         if settings is None:
             name = model if isinstance(model, (str, os.PathLike)) else "minilm"

@@ -55,7 +55,7 @@ import numpy as np
 import hetero
 from hetero.errors import DeviceLostError, HeteroError, OverloadedError
 
-from .embed import EmbeddingService
+from .embed_service import EmbeddingService
 from .minilm import Model
 
 __all__ = ["EmbeddingEngine", "EngineClient", "EngineError"]

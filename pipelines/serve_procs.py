@@ -47,7 +47,7 @@ def _front_main(settings: ServeSettings, host: str, port: int, backend: str, htt
 
 
 def _engine_main(settings: ServeSettings, address_file: str, secret: bytes, backend: str) -> None:
-    from .embed import get_model
+    from .embed_weights import get_model
 
     s = settings
     metrics = ServeMetrics(lambda: 0, lambda: 0)  # several processes: the gauges are set, not read

@@ -10,7 +10,8 @@ import pytest
 
 import hetero
 from hetero import _cli
-from hetero.pipelines.embed import batch_chunks, embed, embed_batches, get_model
+from hetero.pipelines.embed import batch_chunks, embed, embed_batches
+from hetero.pipelines.embed_weights import get_model
 from hetero.pipelines.testing import write_random_model
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

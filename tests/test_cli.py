@@ -238,7 +238,7 @@ def _sigint_default() -> None:
 
 
 def test_interrupts_held_until_the_teardown_ends() -> None:
-    from hetero.pipelines import cli as embed_cli
+    from hetero.pipelines import embed_cli
 
     steps: list[str] = []
     before = signal.getsignal(signal.SIGINT)

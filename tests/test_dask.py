@@ -34,8 +34,9 @@ from distributed import Client, LocalCluster  # noqa: E402
 import hetero  # noqa: E402
 from hetero._gpu.device import adapter_index, adapter_labels, list_adapters  # noqa: E402
 from hetero.dask import ClusterError, DaskRuntime, HeteroPlugin, LocalWGPUCluster, WorkerAdapter  # noqa: E402
-from hetero.pipelines import cli  # noqa: E402
-from hetero.pipelines.embed import aembed, embed, get_model  # noqa: E402
+from hetero.pipelines import embed_cli  # noqa: E402
+from hetero.pipelines.embed import aembed, embed  # noqa: E402
+from hetero.pipelines.embed_weights import get_model  # noqa: E402
 from hetero.pipelines.testing import write_random_model  # noqa: E402
 
 DOUBLE = """
@@ -260,7 +261,7 @@ def _refuse(rt: hetero.Runtime) -> None:
 def test_on_workers_asks_each_workers_runtime_and_embed_follows_their_answers(client: Client) -> None:
     """embed() on a DaskRuntime carries the CPU twins exactly when every worker's Runtime would
     (on lavapipe, where the suite runs without a GPU: yes, as a local Runtime there)."""
-    from hetero.pipelines.embed import offers_cpu
+    from hetero.pipelines.embed_placement import offers_cpu
 
     with DaskRuntime(client) as drt:
         workers = drt.workers()
@@ -404,7 +405,7 @@ def test_embed_and_cli_on_worker_processes(proc_client: Client, model_dir: Path,
         def write(self, s: str) -> None:
             lines.append(s)
 
-    assert cli.run(args, out=Out()) == 0  # type: ignore[arg-type]
+    assert embed_cli.run(args, out=Out()) == 0  # type: ignore[arg-type]
     np.testing.assert_allclose(np.load(out), local, atol=1e-5)
     assert f"on dask cluster at {proc_client.scheduler.address} (2 worker(s))" in "".join(lines)
 
@@ -423,7 +424,7 @@ def test_cli_cluster_options_are_checked(model_dir: Path, tmp_path: Path,
                               trace=str(tmp_path / "t.json"), scheduler="tcp://127.0.0.1:1", workers=None)
     with pytest.raises(hetero.HeteroError, match="^--trace records a local run; it cannot be combined with "
                        "--scheduler or --workers$"):
-        cli.run(args)
+        embed_cli.run(args)
 
 
 def die_once(x: np.ndarray, marker: str) -> np.ndarray:

@@ -181,7 +181,7 @@ def test_dot_parses_the_text_and_keeps_every_name(tmp_path: Path) -> None:
 
 @needs_dot
 def test_embed_pipeline_picture_renders(tmp_path: Path) -> None:
-    from hetero.pipelines.embed import embedding_graph
+    from hetero.pipelines.embed_graph import embedding_graph
     from hetero.pipelines.testing import write_random_model
     from hetero.pipelines.minilm import load_model
 
@@ -213,7 +213,8 @@ def test_cli_graph_draws_the_graph_that_would_run(tmp_path: Path, capsys: pytest
     """The embed pipeline offers CPU twins only where placement may choose them (offers_cpu): the
     picture shows the GPU-only graph under --placement gpu, and follows the adapter under auto."""
     from hetero import _cli
-    from hetero.pipelines.embed import embedding_graph, offers_cpu
+    from hetero.pipelines.embed_graph import embedding_graph
+    from hetero.pipelines.embed_placement import offers_cpu
     from hetero.pipelines.minilm import load_model
     from hetero.pipelines.testing import write_random_model
 

@@ -26,9 +26,11 @@ import numpy as np
 import pytest
 
 import hetero
-from hetero.pipelines import cli, minilm
-from hetero.pipelines.embed import (FUSED_MAX_BATCH, LOOP_TOKENIZE_MAX, aembed, embed, embedding_graph, get_model, quantized_weights,
-                                    tokenize)
+from hetero.pipelines import embed_cli, minilm
+from hetero.pipelines.embed import FUSED_MAX_BATCH, aembed, embed
+from hetero.pipelines.embed_graph import embedding_graph
+from hetero.pipelines.embed_tokens import LOOP_TOKENIZE_MAX, tokenize
+from hetero.pipelines.embed_weights import get_model, quantized_weights
 from hetero.pipelines.minilm import (ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, Model,
                                      load_model)
 from hetero.pipelines.testing import write_random_model
@@ -132,7 +134,8 @@ def test_k_split_products_fuse_their_summing_pass_with_the_layernorms_and_gelu(t
 
     monkeypatch.setattr(mm_op, "choose_config", forced)
     monkeypatch.setattr(hetero.GPUContext, "dispatch", spy)
-    from hetero.pipelines.embed import service_graph, token_ids
+    from hetero.pipelines.embed_graph import service_graph
+    from hetero.pipelines.embed_tokens import token_ids
 
     with hetero.Runtime(cpu_threads=2, placement="gpu") as rt:  # its own device: nothing captured before
         got = embed(SENTENCES, model=tiny, runtime=rt, batch_size=1)
@@ -257,7 +260,7 @@ async def test_few_texts_are_tokenized_on_the_loop_thread_many_on_a_worker(tiny:
 async def test_the_graph_choice_is_asked_once_per_runtime(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """aembed asks offers_cpu (on a worker thread: it may open the device) once per Runtime, then
     remembers: a lone sentence's call does not pay that thread round trip again."""
-    from hetero.pipelines import embed as E
+    from hetero.pipelines import embed_placement as E
 
     asked: list[int] = []
     real = E.offers_cpu
@@ -274,6 +277,29 @@ async def test_the_graph_choice_is_asked_once_per_runtime(tiny: Model, monkeypat
         await aembed(SENTENCES[:1], model=tiny, runtime=b)
         await aembed(SENTENCES[:1], model=tiny, runtime=b)
         assert len(asked) == 2
+
+
+@pytest.mark.anyio
+async def test_a_caller_that_says_which_graph_is_not_asked_back(tiny: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told ``cpu=``, aembed and EmbeddingService build that graph and never ask the runtime
+    (offers_cpu); with the CPU twins on a placement="gpu" runtime, the same embeddings."""
+    from hetero.pipelines import embed_placement, embed_service
+    from hetero.pipelines.embed_graph import service_graph
+
+    def refuse(rt: object) -> bool:
+        raise AssertionError("the runtime was asked which graph to build")
+
+    monkeypatch.setattr(embed_placement, "offers_cpu", refuse)
+    monkeypatch.setattr(embed_service, "offers_cpu", refuse)
+    async with hetero.Runtime(cpu_threads=1, placement="gpu") as rt:
+        gpu_only = await aembed(SENTENCES[:3], model=tiny, runtime=rt, cpu=False)
+        assert [s.name for s in rt.stats().stages if s.kind == "gpu"] == ["encoder0", "encoder1"]
+        twins = await aembed(SENTENCES[:3], model=tiny, runtime=rt, cpu=True)
+        assert {"embeddings", "layer0", "pool"} <= {s.name for s in rt.stats().stages if s.placement is not None}
+        np.testing.assert_allclose(twins, gpu_only, atol=1e-5)
+        service = embed_service.EmbeddingService(rt, tiny, max_batch_tokens=64, cpu=False)
+        assert service.graph is service_graph(tiny, max_batch_tokens=64, cpu=False)
+        await service.aclose()
 
 
 def plain_layers(model: Model, texts: list[str]) -> np.ndarray:
@@ -501,19 +527,19 @@ def test_minilm_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> 
 # -- hetero embed --------------------------------------------------------------------------------------------
 def _cli_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hetero")
-    cli.add_parser(p.add_subparsers(dest="command", required=True))
+    embed_cli.add_parser(p.add_subparsers(dest="command", required=True))
     return p.parse_args(argv)
 
 
 def test_read_lines_keeps_empty_lines_and_decodes_utf8(tmp_path: Path) -> None:
     f = tmp_path / "in.txt"
     f.write_bytes("\ufeffone\r\n\ntwo 🤖\nthree".encode())
-    assert cli.read_lines(f) == ["one", "", "two 🤖", "three"]
+    assert embed_cli.read_lines(f) == ["one", "", "two 🤖", "three"]
     f.write_bytes(b"a\n\n")
-    assert cli.read_lines(f) == ["a", ""]
+    assert embed_cli.read_lines(f) == ["a", ""]
     f.write_bytes(b"ok\n\xff\n")
-    with pytest.raises(cli.InputFileError) as e:
-        cli.read_lines(f)
+    with pytest.raises(embed_cli.InputFileError) as e:
+        embed_cli.read_lines(f)
     assert str(e.value) == f"input file {str(f)!r} is not UTF-8: invalid byte 0xff on line 2"
 
 
@@ -524,7 +550,7 @@ def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Pa
     out, trace = tmp_path / "out.npy", tmp_path / "t.json"
     args = _cli_args(["embed", "--model", str(model_dir), "--input", str(src), "--output", str(out),
                       "--batch-size", "2", "--trace", str(trace)])
-    assert args.func is cli.run
+    assert args.func is embed_cli.run
     msgs: list[str] = []
 
     class Sink:
@@ -535,7 +561,7 @@ def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Pa
         def flush(self) -> None:
             pass
 
-    assert cli.run(args, out=Sink()) == 0
+    assert embed_cli.run(args, out=Sink()) == 0
     got = np.load(out)
     assert got.dtype == np.float32 and got.shape == (4, 32)
     np.testing.assert_allclose(got, reference(get_model(str(model_dir)), lines), atol=2e-5)
@@ -543,7 +569,7 @@ def test_the_embed_command_end_to_end(tmp_path: Path, tiny: Model, model_dir: Pa
 
     bad = _cli_args(["embed", "--model", str(tmp_path / "none"), "--input", str(src), "--output", str(out)])
     with pytest.raises(ModelNotFoundError):
-        cli.run(bad)
+        embed_cli.run(bad)
 
 
 def test_the_embed_command_checks_its_output_paths_before_any_work(tmp_path: Path, model_dir: Path,
@@ -586,7 +612,7 @@ def test_the_embed_command_with_int8(tmp_path: Path, model_dir: Path, capsys: py
     args = _cli_args(["embed", "--model", str(model_dir), "--input", str(src), "--output", str(out), "--int8"])
     assert args.int8 is True
     assert not _cli_args(["embed", "--model", "m", "--input", "i", "--output", "o.npy"]).int8
-    assert cli.run(args) == 0
+    assert embed_cli.run(args) == 0
     msg = capsys.readouterr().out
     assert "embedded 4 sentence(s)" in msg and "with int8 weights" in msg
     got = np.load(out)
@@ -608,7 +634,7 @@ def test_progress_bar_on_request_and_quiet_by_default(shared_rt: hetero.Runtime,
 def test_graphs_offer_cpu_implementations_where_placement_may_choose_them() -> None:
     """On lavapipe (a CPU-emulated adapter) and under placement="cpu" the embedding graph carries
     the numpy twins; forced onto the GPU, or on a runtime that is not a hetero.Runtime, it does not."""
-    from hetero.pipelines.embed import offers_cpu
+    from hetero.pipelines.embed_placement import offers_cpu
 
     with hetero.Runtime(cpu_threads=1) as auto, hetero.Runtime(cpu_threads=1, placement="cpu") as cpu, \
             hetero.Runtime(cpu_threads=1, placement="gpu") as gpu:
@@ -632,13 +658,13 @@ def test_batch_encodings_are_the_one_text_encodings(tiny: Model, monkeypatch: py
     """Several texts go through the tokenizer's batch call without offsets where it has one
     (encode_batch_fast), else encode_batch: ids and type ids are each text's own encode()'s,
     truncation included."""
-    from hetero.pipelines.embed import _encode
+    from hetero.pipelines.embed_tokens import encodings
 
     texts = ["", "a", "The quick brown fox jumps over the lazy dog.", "x " * 300, *SENTENCES]
     want = [(e.ids, e.type_ids) for e in (tiny.tokenizer.encode(t) for t in texts)]
     assert hasattr(tiny.tokenizer, "encode_batch_fast")  # the tokenizers this suite installs have it
-    assert [(e.ids, e.type_ids) for e in _encode(tiny, texts)] == want
+    assert [(e.ids, e.type_ids) for e in encodings(tiny, texts)] == want
     spy = _ThreadOfEncode(tiny.tokenizer)  # encode and encode_batch only: the fallback
     monkeypatch.setattr(tiny, "tokenizer", spy)
-    assert [(e.ids, e.type_ids) for e in _encode(tiny, texts)] == want
+    assert [(e.ids, e.type_ids) for e in encodings(tiny, texts)] == want
     assert len(spy.threads) == 1  # one encode_batch call

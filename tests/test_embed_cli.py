@@ -12,8 +12,9 @@ import pytest
 
 import hetero
 from hetero import _cli
-from hetero.pipelines import cli
-from hetero.pipelines.embed import embed, get_model
+from hetero.pipelines import embed_cli
+from hetero.pipelines.embed import embed
+from hetero.pipelines.embed_weights import get_model
 from hetero.pipelines.testing import write_random_model
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -89,5 +90,5 @@ def test_progress_switch(tmp_path: Path, model_dir: Path, capsys: pytest.Capture
     assert _cli.main([*base, "--no-progress"]) == 0
     assert "2/2" not in capsys.readouterr().err
     p = __import__("argparse").ArgumentParser()
-    cli.add_parser(p.add_subparsers())
+    embed_cli.add_parser(p.add_subparsers())
     assert p.parse_args(["embed", "--model", "m", "--input", "-", "--output", "-"]).progress is None

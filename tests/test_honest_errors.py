@@ -72,7 +72,8 @@ async def test_unexpected_input_is_named_by_run_and_map(rt: hetero.Runtime) -> N
 
 def test_a_lone_surrogate_is_an_input_error_naming_its_index(tmp_path: Path) -> None:
     from hetero.pipelines import Encoder
-    from hetero.pipelines.embed import check_texts, embed
+    from hetero.pipelines.embed import embed
+    from hetero.pipelines.embed_tokens import check_texts
     from hetero.pipelines.testing import write_random_model
 
     model = write_random_model(tmp_path / "m", seed=1, vocab_size=300, hidden_size=32, intermediate_size=64,

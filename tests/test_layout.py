@@ -198,7 +198,7 @@ def test_imports_are_resolved_to_hetero_modules() -> None:
     assert "hetero.kernels.nn_wgsl" in graph["hetero.kernels.nn"]   # from hetero.kernels import nn_wgsl
     assert "hetero._scheduler" in graph["hetero._runtime"]          # relative: from ._scheduler import ...
     assert "hetero._gpu.device" not in graph["hetero._gpu.fence"]           # only under TYPE_CHECKING
-    assert "hetero.pipelines.cli" in graph["hetero._cli"]           # inside a function
+    assert "hetero.pipelines.embed_cli" in graph["hetero._cli"]     # inside a function
 
 
 # What the GPU runtime layer (hetero._gpu) may import besides itself: the modules both layers share.

@@ -62,10 +62,10 @@ def seven() -> int:
 def test_positive_int_is_the_one_count_type_of_every_command() -> None:
     import argparse
 
-    from hetero.pipelines import cli as pipelines_cli
+    from hetero.pipelines import embed_cli
 
     assert ll.positive_int("3") == 3
     for bad, shown in (("0", "0"), ("-2", "-2"), ("x", "'x'")):
         with pytest.raises(argparse.ArgumentTypeError, match=f"expected an integer >= 1, got {shown}"):
             ll.positive_int(bad)
-    assert pipelines_cli.positive_int is ll.positive_int
+    assert embed_cli.positive_int is ll.positive_int

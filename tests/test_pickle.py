@@ -10,7 +10,7 @@ import pytest
 
 import hetero
 from hetero import errors
-from hetero.pipelines import cli as embed_cli
+from hetero.pipelines import embed_cli
 from hetero.pipelines import minilm
 
 SCALE_WGSL = """

@@ -17,10 +17,14 @@ import pytest
 
 import hetero
 from hetero._cli import main as cli_main
-import hetero.pipelines.embed as embed_mod
-from hetero.pipelines.embed import (LOOP_TOKENIZE_MAX, EmbeddingService, TokenGroups, aembed, length_bucket, length_buckets, pack_tokens,
-                                     packed_tokens, row_bucket, service_examples, service_graph, service_shapes,
-                                     token_bucket, token_ids)
+import hetero.pipelines.embed_graph as graph_mod
+import hetero.pipelines.embed_tokens as tokens_mod
+from hetero.pipelines.embed import aembed
+from hetero.pipelines.embed_graph import service_graph
+from hetero.pipelines.embed_service import EmbeddingService
+from hetero.pipelines.embed_shapes import (length_bucket, length_buckets, pack_tokens, packed_tokens, row_bucket,
+                                           service_examples, service_shapes, token_bucket)
+from hetero.pipelines.embed_tokens import LOOP_TOKENIZE_MAX, TokenGroups, token_ids
 from hetero.pipelines.minilm import Model, load_model
 from hetero.pipelines.testing import write_random_model
 
@@ -93,20 +97,20 @@ async def test_the_padded_graph_and_small_packed_batches_ask_for_the_small_split
         return spy
 
     for name in ("matmul", "matmul_layernorm"):  # the linear layers: two of four end in a layernorm
-        monkeypatch.setattr(embed_mod.ops, name, spying(getattr(embed_mod.ops, name)))
+        monkeypatch.setattr(graph_mod.ops, name, spying(getattr(graph_mod.ops, name)))
     # and the Q/K/V projection, whose partial products attention may sum
-    monkeypatch.setattr(embed_mod, "matmul_partials", spying(embed_mod.matmul_partials))
+    monkeypatch.setattr(graph_mod, "matmul_partials", spying(graph_mod.matmul_partials))
     async with hetero.Runtime(placement="gpu", capture=False) as rt:
         await aembed([TEXTS[0]], model=tiny, runtime=rt)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
         seen.clear()
         one = [ids_of(tiny, TEXTS[0])]
-        assert token_bucket(len(one[0])) <= embed_mod.PACKED_SPLIT_MAX_TOKENS
+        assert token_bucket(len(one[0])) <= graph_mod.PACKED_SPLIT_MAX_TOKENS
         await rt.run(service_graph(tiny, cpu=False), ids=one)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {True}
         seen.clear()
         many = [ids_of(tiny, t) for t in TEXTS[:5]]
-        assert sum(map(len, many)) > embed_mod.PACKED_SPLIT_MAX_TOKENS
+        assert sum(map(len, many)) > graph_mod.PACKED_SPLIT_MAX_TOKENS
         await rt.run(service_graph(tiny, cpu=False), ids=many)
         assert len(seen) == 4 * tiny.config.num_hidden_layers and set(seen) == {None}
 
@@ -133,7 +137,7 @@ async def test_packed_int8_and_past_the_budget(tiny: Model, shared_rt: hetero.Ru
 
 @pytest.mark.anyio
 async def test_packed_pooling_matches_numpy(shared_rt: hetero.Runtime) -> None:
-    from hetero.pipelines.embed import mean_pool_l2_packed, mean_pool_l2_packed_cpu
+    from hetero.pipelines.embed_graph import mean_pool_l2_packed, mean_pool_l2_packed_cpu
 
     x = np.random.default_rng(1).standard_normal((1, 23, 40)).astype(np.float32)
     bounds = np.array([[0, 5], [5, 6], [6, 20], [20, 20], [20, 20]], np.int32)  # two empty rows: zeros
@@ -241,13 +245,13 @@ async def test_concurrent_callers_are_tokenized_together(tiny: Model, monkeypatc
     requests = [[i % len(TEXTS)] if i % 3 else [i % len(TEXTS), (i + 1) % len(TEXTS)] for i in range(30)]
     got: dict[int, list[np.ndarray]] = {}
     threads: set[str] = set()
-    real = embed_mod.token_ids
+    real = tokens_mod.token_ids
 
     def spy(model: Model, texts: Any) -> list[np.ndarray]:
         threads.add(threading.current_thread().name)
         return real(model, texts)
 
-    monkeypatch.setattr(embed_mod, "token_ids", spy)
+    monkeypatch.setattr(tokens_mod, "token_ids", spy)
 
     async def one(k: int) -> None:
         got[k] = await groups([TEXTS[i] for i in requests[k]])
@@ -285,7 +289,7 @@ async def test_concurrent_callers_are_tokenized_together(tiny: Model, monkeypatc
             raise RuntimeError("joint call failed")
         return real(model, texts)
 
-    monkeypatch.setattr(embed_mod, "token_ids", fails_jointly)
+    monkeypatch.setattr(tokens_mod, "token_ids", fails_jointly)
     got.clear()
     async with anyio.create_task_group() as tg:
         for k in (1, 2, 4):
@@ -1198,8 +1202,6 @@ async def test_a_failed_warm_up_reaches_the_fronts(tiny: Model, shared_rt: heter
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's warm-up fails (the service's warm-up raises what a kernel that does not compile
     would): the front learns why and never turns ready."""
-    from hetero.pipelines.embed import EmbeddingService
-
     async def failing_warmup(self: EmbeddingService, precapture: bool = True) -> int:
         raise hetero.HeteroError("stage 'layer0' failed to compile: out of registers")
 
@@ -1236,14 +1238,15 @@ def test_the_http_floor_serves_from_several_processes_on_one_port() -> None:
 
 _FRONT_TOKENIZE = """
 import os, sys
-from hetero.pipelines.embed import _encode, get_model
+from hetero.pipelines.embed_tokens import encodings
+from hetero.pipelines.embed_weights import get_model
 from hetero.pipelines.serve_procs import front_environment
 
 front_environment()
 model = get_model(sys.argv[1])
 before = len(os.listdir("/proc/self/task"))
 for _ in range(20):
-    _encode(model, ["The quick brown fox.", "jumps over", "the lazy dog", "again and again"])
+    encodings(model, ["The quick brown fox.", "jumps over", "the lazy dog", "again and again"])
 print(os.environ["TOKENIZERS_PARALLELISM"], before, len(os.listdir("/proc/self/task")))
 """
 

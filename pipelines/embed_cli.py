@@ -2,7 +2,7 @@
 
 Wiring (in ``hetero._cli``)::
 
-    from hetero.pipelines import cli as embed_cli
+    from hetero.pipelines import embed_cli
     embed_cli.add_parser(sub)          # registers 'embed' with func=embed_cli.run
 """
 
@@ -186,8 +186,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero embed`` with parsed ``args``; print one summary line; return the exit status."""
     import hetero
 
-    from .embed import embed, get_model
-
+    from .embed import embed
+    from .embed_placement import offers_cpu
+    from .embed_weights import get_model
     from .encoder import resolve_model
 
     to_stdout = str(args.output) == STDIO
@@ -214,9 +215,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     else:
         rt = hetero.Runtime(trace=args.trace, placement=getattr(args, "placement", "auto"))
         with _closed_at_end(rt):
+            # The graph follows --placement: with the CPU twins under cpu, or under auto where the
+            # adapter is CPU-emulated or missing (offers_cpu); decided here, once, for the run.
             emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
                         progress=getattr(args, "progress", None),
-                        max_batch_tokens=getattr(args, "max_batch_tokens", MAX_BATCH_TOKENS))
+                        max_batch_tokens=getattr(args, "max_batch_tokens", MAX_BATCH_TOKENS), cpu=offers_cpu(rt))
             adapter = rt.device().summary["summary"]
             if texts:
                 stages = [st for st in rt.stats().stages if st.placement is not None]
