@@ -13,8 +13,12 @@ Declare a DAG of CPU stages (Python functions on a thread pool) and GPU stages
 #     _dask       DaskRuntime, HeteroPlugin: chunks of runs on a dask cluster, a Runtime per worker
 #     _runtime    Runtime: worker pools, the device, the run/map entry points
 #     _batcher    Batcher: single requests gathered into batched runs
-#     _scheduler  executes a Plan from the event loop over worker threads
+#     _scheduler  Scheduler: routes ready stages to the executors; the active runs, memory parking
 #     _run        Run: one execution of a plan, its state and the transitions that change it
+#     _exec_cpu   CpuExecutor: CPU thread stages, workers walking the graph, abandoned threads
+#     _exec_process
+#                 ProcessExecutor: process stages handed to the process pool (_process)
+#     _exec_gpu   GpuExecutor: GPU stages recorded, committed to the queue, completed by fences
 #     _workers    WorkerPool: worker threads serving a priority queue of jobs
 #     _process    process stages: the worker-process pool, shared memory for large arrays
 #     _graph      Graph: declaration only   _dot  pictures of a graph (DOT, networkx, files)

@@ -30,21 +30,21 @@ Transitions
 Only a Run changes its state, and every change that needs the run's lock takes it
 inside the transition (nobody else takes ``Run.lock``). The executors call them:
 
-==========================================  ==========================================
-``place(i, p, variant)``                    a mixed stage's placement decision
-``begin_timed`` / ``end_timed``             a timed stage starts / its function returned
-``begin_recording`` / ``recording_done``    a GPU stage's recording starts / ends
-``add_job`` / ``job_done``                  a process stage was handed off / came back
-``hold`` / ``drop_hold`` / ``keep_upload``  device blocks kept for a value / let go
-``set_value``                               a value arrives (host side, device side)
-``release``                                 consumers lose a dependency: those now ready
-``complete``                                a stage's value stored, consumers released, counted done
-``stage_done``                              a stage counted done (its value stored before)
-``fail_stage``                              a stage raised: stop watching it, fail the run
-``fail`` / ``fail_timeout`` / ``fail_lost`` the run fails naming a stage
-``fail_with``                               the run fails with an error made elsewhere
-``stop`` / ``forget_values``                the caller is gone / has what it needs
-==========================================  ==========================================
+===========================================  ========================================================
+``place`` / ``end_placement``                a mixed stage is placed / its placed run ended
+``begin_timed`` / ``end_timed``              a timed stage starts / its function returned
+``begin_recording`` / ``recording_done``     a GPU stage's recording starts / ends
+``add_job`` / ``job_done``                   a process stage was handed off / came back
+``hold`` / ``drop_hold`` / ``keep_upload``   device blocks kept for a value / let go
+``set_value``                                a value arrives (host side, device side)
+``release``                                  consumers lose a dependency: those now ready
+``complete``                                 a stage's value stored, consumers released, counted done
+``stage_done``                               a stage counted done (its value stored before)
+``fail_stage``                               a stage raised: stop watching it, fail the run
+``fail`` / ``fail_timeout`` / ``fail_lost``  the run fails naming a stage
+``fail_with``                                the run fails with an error made elsewhere
+``stop`` / ``forget_values``                 the caller is gone / has what it needs
+===========================================  ========================================================
 
 A transition returns what its caller routes (the stages now ready); the few effects a
 run has outside itself go through its :class:`RunHost` (the scheduler): routing its

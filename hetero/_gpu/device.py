@@ -324,8 +324,9 @@ class Device:
         """Call ``callback(reason)`` once if the device is lost (at once if it already is)."""
         self.loss.on_lost(callback)
 
-    def _probe_lost(self) -> None:
-        self.loss.probe()
+    def lost_after(self, exc: BaseException) -> str | None:
+        """See :meth:`LossWatch.lost_after`."""
+        return self.loss.lost_after(exc)
 
     def share_encoders(self, recorder: OpenEncoder) -> None:
         """See :meth:`Submission.share_encoders`."""

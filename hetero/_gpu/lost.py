@@ -14,9 +14,18 @@ from typing import Any, Callable
 
 from ..errors import DeviceLostError
 
-__all__ = ["LossWatch"]
+__all__ = ["LossWatch", "reports_loss"]
 
 log = logging.getLogger("hetero")
+
+
+def reports_loss(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a call on a device, says that the device may be lost.
+
+    hetero raises :class:`~hetero.DeviceLostError`; wgpu 0.32 raises no type of its own
+    for a lost parent device, only an error whose message says so ("Parent device is lost").
+    """
+    return isinstance(exc, DeviceLostError) or "device is lost" in str(exc).lower()
 
 
 class LossWatch:
@@ -47,6 +56,13 @@ class LossWatch:
                 self._callbacks.append(callback)
                 return
         callback(reason)
+
+    def lost_after(self, exc: BaseException) -> str | None:
+        """A call on this device raised ``exc``: why the device was lost, or None while it is
+        not (probed first when ``exc`` reports a loss: a loss found runs the callbacks)."""
+        if self.lost is None and reports_loss(exc):
+            self.probe()
+        return self.lost
 
     def probe(self) -> None:
         """wgpu reported that *a* device was lost: find out whether it was this one."""
