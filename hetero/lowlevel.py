@@ -14,7 +14,9 @@ Recording work (inside a GPU stage, or a context of your own):
   (a tuner, weights kept across runs), ``GPUContext(device, label)`` records into a
   context of your own: submit ``ctx.encoder.finish()`` with ``device.submit``, wait
   with ``device.wait``, then ``ctx.settle(ran=True)``; ``ctx.release_blocks()`` gives
-  its pool blocks back.
+  its pool blocks back. ``recorder``, ``noting``, ``block_requests``, ``take_blocks`` and
+  ``write_uploads`` are the runtime's capture interface (what replaying a captured stage
+  uses); stage functions have no need of them.
 - :class:`Kernel`: a compiled pipeline (``kernel.pipeline``; ``kernel.grid`` is true when
   the WGSL uses ``hetero_workgroup_id`` and so takes the grid uniform at group 1).
 - :class:`Tensor`: a typed view of a GPU buffer (``buffer``, ``offset``, ``shape``, ``dtype``).

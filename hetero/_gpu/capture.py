@@ -54,8 +54,9 @@ import struct
 import threading
 import warnings
 from collections import OrderedDict
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -64,10 +65,9 @@ from .grid import grid_uniform
 from .tensor import Tensor, map_values, tensor_of
 
 if TYPE_CHECKING:
-    from .device import Kernel
-    from .context import GPUContext
+    from .device import Device, Kernel
 
-__all__ = ["CaptureCache", "DEFAULT_CACHE_ENTRIES", "run_captured"]
+__all__ = ["CaptureCache", "CaptureTarget", "DEFAULT_CACHE_ENTRIES", "run_captured"]
 
 DEFAULT_CACHE_ENTRIES = 1024
 
@@ -80,6 +80,44 @@ ARG, TEMP, CONST = 0, 1, 2
 Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
 # Bind groups an op keeps for the buffers of recent replays (see Capture._op_groups).
 _OP_GROUPS = 32
+
+
+class CaptureTarget(Protocol):
+    """What capturing and replaying need of the context a stage records into: the whole interface.
+
+    :class:`~hetero._gpu.context.GPUContext` is the one implementation (its "capture interface"
+    section); nothing else of it is reached from here.
+    """
+
+    stage: str  # the stage's name, for errors and warnings
+    limits: dict[str, int]  # the device's limits
+    workgroups: int  # dispatched so far; a replay adds its own
+
+    @property
+    def runtime_device(self) -> Device:
+        """The hetero Device: its bind cache (``binds``), cost model (``cost``) and ``dispatch_timing``."""
+        ...
+
+    @property
+    def recorder(self) -> Any:
+        """The recorder whose open compute pass a replay issues into."""
+        ...
+
+    def noting(self, capturing: Capturing) -> AbstractContextManager[None]:
+        """While the block runs, the context's allocations, uploads and dispatches are noted to ``capturing``."""
+        ...
+
+    def block_requests(self, sizes: list[int]) -> list[tuple[int, int, bool]]:
+        """The pool requests for temporaries of ``sizes`` bytes (made once per capture, then reused)."""
+        ...
+
+    def take_blocks(self, requests: list[tuple[int, int, bool]], prefer: list[Any] | None) -> list[Any]:
+        """The blocks of ``requests``, in one step, each in the buffer of ``prefer`` where it is free."""
+        ...
+
+    def write_uploads(self, items: list[tuple[np.ndarray, Any, int]]) -> None:
+        """Record uploads of ``(array, buffer, offset)``, ordered before the dispatches issued next."""
+        ...
 
 
 class _Unreplayable:
@@ -302,10 +340,11 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], stage: str) -> tupl
 
 # -- capturing ------------------------------------------------------------------------------------
 class Capturing:
-    """What a :class:`GPUContext` notes while a capturing stage function runs."""
+    """What a :class:`CaptureTarget` notes while a capturing stage function runs (``binds``: the
+    device's bind cache, which says which buffers hetero keeps alive)."""
 
-    def __init__(self, ctx: GPUContext, flat: list[Tensor]) -> None:
-        self._ctx = ctx
+    def __init__(self, binds: Any, flat: list[Tensor]) -> None:
+        self._binds = binds
         self._flat = flat
         self._by_buffer: dict[int, list[int]] = {}
         for i, t in enumerate(flat):
@@ -346,7 +385,7 @@ class Capturing:
         if t.block is not None:
             self.refuse(f"it binds a pooled tensor {t!r} that is neither its argument nor made by it")
             return None
-        if not self._ctx._dev.binds.is_stable(t.buffer):
+        if not self._binds.is_stable(t.buffer):
             self.refuse(f"it binds a tensor {t!r} over a buffer hetero does not manage")
             return None
         self._consts[id(t.buffer)] = t.buffer
@@ -391,20 +430,20 @@ class Capturing:
 
 
 # -- replaying ------------------------------------------------------------------------------------
-def replay(ctx: GPUContext, cap: Capture, flat: list[Tensor]) -> Any:
+def replay(ctx: CaptureTarget, cap: Capture, flat: list[Tensor]) -> Any:
     """Issue ``cap``'s work into ``ctx``'s recorder against this run's buffers; return its result."""
     requests = cap._requests
     if requests is None:
-        requests = cap._requests = ctx._pool_requests(cap.block_bytes)
+        requests = cap._requests = ctx.block_requests(cap.block_bytes)
     # Every block in one step, each in the buffer the previous replay had where it is free
     # (then the bind groups below are that replay's); the captured uploads are written together.
-    blocks = ctx._take_many(requests, cap._prefer) if requests else []
+    blocks = ctx.take_blocks(requests, cap._prefer) if requests else []
     cap._prefer = [b.buffer for b in blocks]
     # A temporary is its block's start (no Tensor is made for it unless the result holds it).
     block_of = cap.block_of
     if cap.uploads:
-        ctx._write([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
-    handles, alive = _bind_groups(ctx._dev.binds, cap, flat, blocks)
+        ctx.write_uploads([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
+    handles, alive = _bind_groups(ctx.runtime_device.binds, cap, flat, blocks)
     _issue(ctx, cap, handles)
     del alive
     ctx.workgroups += cap.workgroups
@@ -476,14 +515,14 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
     return handles, groups
 
 
-def _issue(ctx: GPUContext, cap: Capture, groups: list[passcmd.Handle]) -> None:
+def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle]) -> None:
     """The dispatches, through the C functions, into the recorder's open compute pass.
 
     The recording thread holds the recorder (its lock, or a recorder of its own), so the
     pass only changes where this loop ends it: a split for the GPU-time budget.
     """
-    dev = ctx._dev
-    rec = ctx._recorder
+    dev = ctx.runtime_device
+    rec = ctx.recorder
     cost = dev.cost
     tracing = dev.dispatch_timing
     budget = dev.cost.budget_ns
@@ -585,7 +624,7 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle]
 
 
 # -- the stage ------------------------------------------------------------------------------------
-def run_captured(ctx: GPUContext, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+def run_captured(ctx: CaptureTarget, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  cache: CaptureCache) -> tuple[Any, str]:
     """Run a capturing stage: replay its capture, or call ``fn`` and capture.
 
@@ -601,13 +640,10 @@ def run_captured(ctx: GPUContext, fn: Callable[..., Any], args: tuple[Any, ...],
         return result, "replayed"
     if isinstance(entry, _Unreplayable):
         return fn(ctx, *args, **kwargs), "fallback"
-    capturing = Capturing(ctx, flat)
-    ctx._capture = capturing
-    try:
+    capturing = Capturing(ctx.runtime_device.binds, flat)
+    with ctx.noting(capturing):
         result = fn(ctx, *args, **kwargs)
         made = capturing.finish(result)
-    finally:
-        ctx._capture = None
     cache.put(key, made)
     if isinstance(made, _Unreplayable):
         cache.warn_once(fn, ctx.stage, made.reason)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import numpy as np
@@ -109,37 +111,13 @@ class GPUContext:
             self._capture.on_empty(t)
         return t
 
-    def _take(self, shape: tuple[int, ...], dt: np.dtype[Any], nbytes: int, size: int) -> Tensor:
-        """``empty`` for a replay: ``shape``, ``dt`` and ``nbytes`` were checked when it was captured."""
-        try:
-            block = self._dev.pool.acquire(nbytes, _STORAGE, stage=self.stage, overcommit=self._overcommit)
-        except MemoryWait as w:
-            raise _Park(w) from None
-        self.blocks.append(block)
-        return tensor_of(block.buffer, shape, dt, block.offset, block, size, nbytes)
-
-    def _pool_requests(self, sizes: list[int]) -> list[tuple[int, int, bool]]:
-        """What :meth:`_take_many` asks the pool for tensors of ``sizes`` bytes (each checked here)."""
-        placement = self._dev.pool.placement
-        return [(n, *placement(n, _STORAGE)) for n in sizes]
-
-    def _take_many(self, requests: list[tuple[int, int, bool]], prefer: list[Any] | None) -> list[Block]:
-        """Blocks for a replay's temporaries in one step (``BufferPool.acquire_many``); appended to ``blocks``."""
-        start = len(self.blocks)
-        try:
-            self._dev.pool.acquire_many(requests, _STORAGE, self.blocks, prefer=prefer, stage=self.stage,
-                                        overcommit=self._overcommit)
-        except MemoryWait as w:
-            raise _Park(w) from None
-        return self.blocks[start:]
-
     def upload(self, array: Any) -> Tensor:
         """Copy a host array to a new Tensor (through the staging ring, ordered before this stage's work)."""
         a = native(np.asarray(array))
         _check_uploadable(a)
         t = self.empty(a.shape, a.dtype)
         if a.nbytes:
-            self._write([(a, t.buffer, t.offset)])
+            self.write_uploads([(a, t.buffer, t.offset)])
         if self._capture is not None:
             self._capture.on_upload(t, a)
         return t
@@ -160,7 +138,7 @@ class GPUContext:
             total += pad4(a.nbytes)
         if total > ring.chunk_bytes:
             return [self.upload(a) for a in arrays]
-        blocks = self._take_many(self._pool_requests([a.nbytes for a in arrays]), prefer)
+        blocks = self.take_blocks(self.block_requests([a.nbytes for a in arrays]), prefer)
         out: list[Tensor] = []
         items: list[tuple[np.ndarray, Any, int]] = []
         for a, b in zip(arrays, blocks):
@@ -172,28 +150,8 @@ class GPUContext:
                 self._capture.on_empty(t)
                 self._capture.on_upload(t, a)
         if items:
-            self._write(items, total)
+            self.write_uploads(items, total)
         return out
-
-    def _write(self, items: list[tuple[np.ndarray, Any, int]], staged: int | None = None) -> None:
-        """Record uploads of ``(array, buffer, offset)``: written through the queue where they are
-        small and the recorder allows it (:meth:`SharedRecorder.write_now`), else through one
-        staging buffer where they fit one (``staged``: their bytes, each rounded up to 4, where
-        the caller counted them), else a staging upload each."""
-        ring = self._dev.ring
-        t0 = time.perf_counter_ns()
-        if staged is None:
-            staged = sum(pad4(a.nbytes) for a, _, _ in items)
-        if staged > QUEUE_WRITE_MAX or not self._recorder.write_now(items):
-            if len(items) == 1 or staged > ring.chunk_bytes:
-                for a, buffer, offset in items:
-                    self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
-            else:
-                self.uploads.append(ring.upload_many(self._recorder.encoder, items))
-        tracer = self._dev.tracer
-        if tracer is not None:
-            tracer.span("upload", "transfer", t0, time.perf_counter_ns(),
-                        args={"bytes": sum(a.nbytes for a, _, _ in items), "arrays": len(items)})
 
     def resident(self, array: Any) -> Tensor:
         """A Tensor holding ``array`` for as long as the device lives (model weights, tables).
@@ -366,6 +324,60 @@ class GPUContext:
         for ticket, t in self.downloads:
             out[id(t)] = ticket.read(t.shape, t.dtype) if ticket is not None else np.empty(t.shape, t.dtype)
         return out
+
+    # -- the capture interface ----------------------------------------------------------
+    # What hetero._gpu.capture uses to capture a stage into this context and to replay one
+    # (its CaptureTarget protocol): with runtime_device, stage, limits and workgroups, nothing else
+    # of the context is reached from there. Stage functions have no need of these.
+    @property
+    def recorder(self) -> Any:
+        """The recorder this context's commands go into (its own, or one shared with neighbouring
+        stages): a replay reserves GPU time and issues its dispatches into its open compute pass."""
+        return self._recorder
+
+    @contextmanager
+    def noting(self, capturing: Capturing) -> Iterator[None]:
+        """While the block runs, every ``empty``, ``upload`` and ``dispatch`` is also noted to ``capturing``."""
+        self._capture = capturing
+        try:
+            yield
+        finally:
+            self._capture = None
+
+    def block_requests(self, sizes: list[int]) -> list[tuple[int, int, bool]]:
+        """What :meth:`take_blocks` asks the pool for tensors of ``sizes`` bytes (each checked here)."""
+        placement = self._dev.pool.placement
+        return [(n, *placement(n, _STORAGE)) for n in sizes]
+
+    def take_blocks(self, requests: list[tuple[int, int, bool]], prefer: list[Any] | None) -> list[Block]:
+        """Blocks for a replay's temporaries in one step (``BufferPool.acquire_many``); appended to ``blocks``."""
+        start = len(self.blocks)
+        try:
+            self._dev.pool.acquire_many(requests, _STORAGE, self.blocks, prefer=prefer, stage=self.stage,
+                                        overcommit=self._overcommit)
+        except MemoryWait as w:
+            raise _Park(w) from None
+        return self.blocks[start:]
+
+    def write_uploads(self, items: list[tuple[np.ndarray, Any, int]], staged: int | None = None) -> None:
+        """Record uploads of ``(array, buffer, offset)``: written through the queue where they are
+        small and the recorder allows it (:meth:`SharedRecorder.write_now`), else through one
+        staging buffer where they fit one (``staged``: their bytes, each rounded up to 4, where
+        the caller counted them), else a staging upload each."""
+        ring = self._dev.ring
+        t0 = time.perf_counter_ns()
+        if staged is None:
+            staged = sum(pad4(a.nbytes) for a, _, _ in items)
+        if staged > QUEUE_WRITE_MAX or not self._recorder.write_now(items):
+            if len(items) == 1 or staged > ring.chunk_bytes:
+                for a, buffer, offset in items:
+                    self.uploads.append(ring.upload(self._recorder.encoder, a, buffer, offset))
+            else:
+                self.uploads.append(ring.upload_many(self._recorder.encoder, items))
+        tracer = self._dev.tracer
+        if tracer is not None:
+            tracer.span("upload", "transfer", t0, time.perf_counter_ns(),
+                        args={"bytes": sum(a.nbytes for a, _, _ in items), "arrays": len(items)})
 
 
 _UNIFORM_DATA = (np.ndarray, np.generic, bytes, bytearray, memoryview)
