@@ -31,6 +31,8 @@ op                                  what (and what it fuses)
 ``v_cache, block_tables,``          dispatch (online softmax), or split along the keys with a
 ``query_seq, query_pos, scale)``    combine pass (flash-decoding) when there are few queries
 ``embedding(table, ids)``           rows of a (quantized) table, dequantized
+``gather_rows(x, rows)``            rows of a float32 [T, H] tensor (the last token of each
+                                    sequence, before the output head)
 ``sample(logits, params)``          a token id a row: greedy, or temperature / top-k / top-p and
                                     a seeded Gumbel-max; ``sampling_params(...)`` builds params
 ==================================  ============================================================
@@ -111,8 +113,8 @@ from hetero.kernels import decoder_wgsl as W
 from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
 
-__all__ = ["GPUWeight", "add_rmsnorm", "embedding", "kv_cache", "kv_write", "linear", "linear_swiglu",
-           "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul",
+__all__ = ["GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear",
+           "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul",
            "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------
@@ -736,6 +738,43 @@ def embedding(gpu: GPUContext, table: PackedWeight | GPUWeight, ids: Tensor | np
     gpu.dispatch(kern, _groups(t * units, 64), _dev(gpu, ids), *_weight_tensors(gpu, table), out,
                  struct.pack("<8I", t, h, units, blocks, v, 0, 0, 0))
     return out
+
+
+def gather_rows(gpu: GPUContext, x: Tensor | np.ndarray, rows: Tensor | np.ndarray) -> Tensor:
+    """Rows ``rows`` (int32 [R]) of x (float32 [T, H]) -> float32 [R, H].
+
+    Row ids outside [0, T) give rows of zeros on the GPU; ids given as a numpy array are
+    checked on the host, and out-of-range ones raise.
+    """
+    t, h = _arr("gather_rows", "x", x, _F32, 2)
+    (r,) = _arr("gather_rows", "rows", rows, _I32, 1)
+    if isinstance(rows, np.ndarray) and r and (int(rows.min()) < 0 or int(rows.max()) >= t):
+        raise ValueError(f"gather_rows: rows must be in [0, {t}) (the rows of x), got [{int(rows.min())}, "
+                         f"{int(rows.max())}]")
+    _fits(gpu, "gather_rows", "the result", (r, h))
+    out = gpu.empty((r, h), np.float32)
+    if r * h == 0:
+        return out
+    kern = gpu.kernel(_GATHER_ROWS, "main", label="decoder.gather_rows")
+    gpu.dispatch(kern, _groups(r * h, 256), _dev(gpu, x), _dev(gpu, rows), out, struct.pack("<4I", t, h, r, 0))
+    return out
+
+
+_GATHER_ROWS = """
+struct Params { t: u32, h: u32, r: u32, pad0: u32 }
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> rows: array<i32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<uniform> p: Params;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = hetero_workgroup_id(wid).x * 256u + li;
+    if (i >= p.r * p.h) { return; }
+    let src = rows[i / p.h];
+    if (src < 0 || u32(src) >= p.t) { y[i] = 0.0; return; }
+    y[i] = x[u32(src) * p.h + i % p.h];
+}
+"""
 
 
 # -- sampling -------------------------------------------------------------------------------------

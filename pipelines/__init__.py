@@ -1,14 +1,16 @@
 """Ready-made graphs, shipped as ``hetero.pipelines``.
 
 ``hetero.pipelines.Encoder`` (sentence embeddings, used like sentence-transformers'
-``SentenceTransformer``) is imported on first use, so ``import hetero`` stays light.
+``SentenceTransformer``) and ``hetero.pipelines.LLM`` (text generation with Llama-family
+decoders; its results are ``Completion`` and ``StreamPiece``) are imported on first use, so
+``import hetero`` stays light.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Encoder"]
+__all__ = ["LLM", "Completion", "Encoder", "StreamPiece"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from .encoder import Encoder
 
         return Encoder
+    if name in ("LLM", "Completion", "StreamPiece"):
+        from . import llm
+
+        return getattr(llm, name)
     raise AttributeError(f"module 'hetero.pipelines' has no attribute {name!r}")
