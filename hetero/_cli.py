@@ -1,10 +1,11 @@
-"""The ``hetero`` command line: ``hetero info [--check]``, ``hetero demo``, ``embed``, ``serve`` and ``graph``.
+"""The ``hetero`` command line: ``info [--check]``, ``demo``, ``embed``, ``generate``, ``serve`` and ``graph``.
 
 ``info`` shows what the GPU side of hetero will run on; ``info --check`` is the
 one-line probe setup scripts use to decide whether to install a software Vulkan
 driver; ``demo`` runs a small hybrid CPU/GPU graph and checks it against numpy.
-``embed`` (``hetero.pipelines.embed_cli``), ``serve`` (``hetero.pipelines.serve``) and ``graph``
-(``hetero.pipelines.picture``) come from the pipelines.
+``embed`` (``hetero.pipelines.embed_cli``), ``generate`` (``hetero.pipelines.generate_cli``),
+``serve`` (``hetero.pipelines.serve``) and ``graph`` (``hetero.pipelines.picture``) come from
+the pipelines.
 Errors hetero raises are printed as ``hetero: error: <message>`` (exit status 1),
 not as tracebacks. Files a command will write (``--trace``, ``--output``) are checked
 before any work starts, so a bad path costs nothing; Ctrl-C ends any command with
@@ -180,6 +181,10 @@ def _parser() -> argparse.ArgumentParser:
     from hetero.pipelines import embed_cli
 
     embed_cli.add_parser(sub)
+
+    from hetero.pipelines import generate_cli
+
+    generate_cli.add_parser(sub)
 
     from hetero.pipelines import serve as serve_cli
 

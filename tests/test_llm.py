@@ -307,3 +307,31 @@ def test_smollm2_answers_paris(shared_rt):
         ids = llm.model.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
         assert c.token_ids == reference_greedy(llm.model, ids, 8, stop_at_eos=True)[:len(c.token_ids)]
         assert "Paris" in c.text
+
+
+def test_generate_command_streams_text_and_summarises(files, capsys, tmp_path):
+    from hetero._cli import main
+
+    with LLM(files["llama"], kv_cache_bytes=KV) as llm:
+        want = llm.generate(PROMPTS[1], max_tokens=9)
+    assert main(["generate", "--model", str(files["llama"]), "--prompt", PROMPTS[1], "--max-tokens", "9"]) == 0
+    got = capsys.readouterr()
+    assert got.out == want.text + "\n"
+    assert f"generated {len(want.token_ids)} tokens ({want.finish_reason})" in got.err
+    assert "adapter:" in got.err
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPTS[1] + "\n", encoding="utf-8")
+    assert main(["generate", "--model", str(files["llama"]), "--input", str(prompt), "--max-tokens", "9"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+
+
+def test_generate_command_errors(files, capsys):
+    from hetero._cli import main
+
+    assert main(["generate", "--model", "/no/such/model.gguf", "--prompt", "x"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--model", str(files["llama"]), "--prompt", "x", "--top-p", "0"]) == 1
+    assert "--top-p" in capsys.readouterr().err
+    assert main(["generate", "--model", str(files["llama"]), "--prompt", "x", "--temperature", "-1"]) == 2
+    assert main(["generate", "--model", str(files["llama"]), "--input", "/no/such/file"]) == 1
+    assert "cannot read" in capsys.readouterr().err
