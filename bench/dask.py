@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from distributed import Client
 
     import hetero
-    from hetero._gpu.device import adapter_labels, list_adapters
+    from hetero.lowlevel import adapter_labels, list_adapters
     from hetero.dask import DaskRuntime, HeteroPlugin, LocalWGPUCluster
     from hetero.pipelines.embed import embed, get_model
 

@@ -4,8 +4,8 @@
 
 * fence: record an empty command buffer, then submit it and await its ``Fence`` from
   asyncio; the figure is submit -> coroutine resumed, with the recording cost printed
-  beside it: as ``Fence.wait()`` does it by default (the loop watches for
-  ``LOOP_POLL_US`` first), with the fence thread alone waking the loop (``spin_s=0``),
+  beside it: as ``Fence.wait()`` does it by default (the loop watches for a
+  while first), with the fence thread alone waking the loop (``spin_s=0``),
   and under trio. The reference is torch launch + synchronize of a tiny kernel when
   torch with CUDA is importable.
 * coalesce: a chain of N tiny GPU stages run with ``submit_batch=1`` (one submission
@@ -30,7 +30,6 @@ import anyio
 import numpy as np
 
 import hetero
-from hetero._gpu.fence import LOOP_POLL_US
 from bench._common import emitter
 
 TINY = """
@@ -45,10 +44,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 emit = emitter("gpu_runtime")
 
 
-async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float) -> tuple[list[float], list[float]]:
+async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float | None) -> tuple[list[float], list[float]]:
     """(fence, encode) times: submit of a recorded empty command buffer until the coroutine
     awaiting its ``Fence`` resumes, and the recording (create_command_encoder + finish)
-    before it. ``spin_s``: how long the loop watches (0: the fence thread wakes it)."""
+    before it. ``spin_s``: how long the loop watches (0: the fence thread wakes it; None:
+    ``Fence.wait``'s default)."""
     dev = await anyio.to_thread.run_sync(rt.device)
     fences, encodes = [], []
     for _ in range(n):
@@ -56,7 +56,8 @@ async def fence_round_trip(rt: hetero.Runtime, n: int, spin_s: float) -> tuple[l
         cb = dev.device.create_command_encoder().finish()
         t1 = time.perf_counter()
         dev.enqueue(cb, flush=True)
-        await dev.fence().wait(spin_s)
+        fence = dev.fence()
+        await (fence.wait() if spin_s is None else fence.wait(spin_s))
         fences.append(time.perf_counter() - t1)
         encodes.append(t1 - t0)
     return fences, encodes
@@ -238,9 +239,9 @@ def main() -> None:
 
     with hetero.Runtime() as rt:
         emit(adapter=rt.device().summary["summary"])
-        for backend, spin_s, impl in (("asyncio", LOOP_POLL_US / 1e6, "hetero"),
+        for backend, spin_s, impl in (("asyncio", None, "hetero"),
                                       ("asyncio", 0.0, "hetero, fence thread wakes the loop"),
-                                      ("trio", LOOP_POLL_US / 1e6, "hetero")):
+                                      ("trio", None, "hetero")):
             if backend == "trio" and importlib.util.find_spec("trio") is None:
                 emit(figure="fence_round_trip_trio", skipped="trio is not installed")
                 continue
@@ -248,7 +249,7 @@ def main() -> None:
             times, encodes = fences[a.fences // 10:], encodes[a.fences // 10:]
             m = statistics.median(times) * 1e6
             enc = statistics.median(encodes) * 1e6
-            if (backend, spin_s) == ("asyncio", LOOP_POLL_US / 1e6):
+            if (backend, spin_s) == ("asyncio", None):
                 med = m
             emit(figure=f"fence_round_trip_{backend}", impl=impl, what="submit -> awaiting coroutine resumed",
                  median_us=round(m, 1), p90_us=round(float(np.percentile(times, 90)) * 1e6, 1),

@@ -73,7 +73,7 @@ import numpy as np
 
 import hetero
 import hetero.kernels.matmul as mm
-from hetero._gpu.device import Device
+from hetero.lowlevel import Device
 from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, replay_timed, run_once
 
 # MiniLM's linear layers: name -> (N, K, bias) of x [M, K] @ W.T (+ b), W [N, K]. The intermediate

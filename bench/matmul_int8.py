@@ -38,7 +38,7 @@ import hetero
 import hetero.kernels.matmul as mm
 import hetero.kernels.matmul_int8 as q8
 from bench.matmul import empty_round_trip, parse_shape, upload
-from hetero._gpu.device import Device
+from hetero.lowlevel import Device
 from bench._common import adapter_fields, emitter, replay_timed, run_once
 
 TARGET = (4096, 1.5)

@@ -61,7 +61,7 @@ import numpy as np
 
 import hetero
 import hetero.kernels.nn as nn
-from hetero._gpu.device import Device
+from hetero.lowlevel import Device
 from bench._common import adapter_fields, cuda_seconds, emitter, empty_round_trip, run_once, submit_timed, torch_cuda
 
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 384, 12, 32, 1536, 30522

@@ -46,7 +46,7 @@ from bench._common import (Spy, adapter_fields, cuda_seconds, emitter, empty_rou
                            submit_timed, torch_cuda)
 import hetero.kernels.reduce as reduce_kernels
 import hetero.ops
-from hetero._gpu.device import Device
+from hetero.lowlevel import Device
 
 emit = emitter("reduce")
 

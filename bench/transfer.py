@@ -37,8 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import wgpu
 
-from hetero._gpu.device import Device
-from hetero._gpu.transfer import StagingRing
+from hetero.lowlevel import Device, StagingRing
 from bench._common import best_of, emitter, human, parse_size
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from ._argtypes import check_positive_int
 from .errors import GraphError
 
 if TYPE_CHECKING:
@@ -77,8 +78,7 @@ class StageOptions:
         if self.inline and (self.process or self.timeout is not None):
             raise GraphError("inline=True runs the stage on the thread that makes it ready; it cannot also take "
                              "process=True or a timeout")
-        if not isinstance(self.retries, int) or isinstance(self.retries, bool) or self.retries < 0:
-            raise GraphError(f"retries must be an integer >= 0, got {self.retries!r}")
+        check_positive_int("retries", self.retries, minimum=0, error=GraphError)
         retry_on = self.retry_on
         if isinstance(retry_on, type):
             retry_on = (retry_on,)

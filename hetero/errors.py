@@ -8,7 +8,7 @@
     ├── StageError              a stage failed; names the stage, __cause__ is the original error
     ├── GPUError                the GPU side cannot do what was asked
     │   ├── NoAdapterError      no WebGPU adapter matches (says what to install or set)
-    │   ├── OutOfMemoryError    a buffer can never fit the memory budget, or the device refused it
+    │   ├── OutOfMemoryError    a buffer can never fit the memory budget, or the device refused it (also a MemoryError)
     │   └── DeviceLostError     the device was lost; runs fail fast instead of aborting
     ├── RuntimeClosedError      the runtime was used after close()
     ├── OverloadedError         a batcher's queue is full; retry later
@@ -103,8 +103,11 @@ class NoAdapterError(GPUError):
     """No WebGPU adapter was found, or none matches ``HETERO_ADAPTER``."""
 
 
-class OutOfMemoryError(GPUError):
-    """A buffer can never fit in the memory budget (or the device refused to allocate it)."""
+class OutOfMemoryError(GPUError, MemoryError):
+    """A buffer can never fit in the memory budget (or the device refused to allocate it).
+
+    Also a :class:`MemoryError`: code that handles running out of memory catches it too.
+    """
 
 
 class DeviceLostError(GPUError):

@@ -30,6 +30,12 @@ Devices and caches:
   ``wgpu.GPUDevice``; its ``adapter_info`` names the adapter), ``limits``, ``summary``,
   ``kernel(wgsl, ...)``, ``submit(command_buffers)`` (returns a submission index) and
   ``wait(index)``.
+- :func:`list_adapters`: every adapter wgpu can see, on every backend; :func:`adapter_labels`
+  names each by the ``HETERO_ADAPTER`` value that selects exactly it (``backend#k``), as
+  ``hetero info`` lists them.
+- :class:`StagingRing`: host<->device copies through pooled, mapped staging buffers (the one
+  a Device moves data through); a ring of your own over a ``wgpu.GPUDevice`` takes its copy
+  threads, chunk size and pool cap as arguments.
 - :func:`default_runtime`: the shared Runtime behind ``hetero.run``.
 - :func:`running_loop`: the event loop running in this thread (``"asyncio"``, ``"trio"``
   or None); a synchronous entry point refuses to start inside one, as ``hetero.run`` does.
@@ -38,34 +44,41 @@ Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
 written with :func:`atomic_write_text` (:func:`atomic_write` for bytes); :func:`check_writable` checks, before any work,
 that an output file can be written. :func:`positive_int` is the ``argparse`` type of a
-count option (``--workers N``), as hetero's own command line reads it.
+count option (``--workers N``), as hetero's own command line reads it, and
+:func:`check_positive_int` the check of an integer option passed in Python (bounds,
+multiple, the error type and the words of its message are the caller's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._gpu.device import Device, Kernel
-from ._argtypes import positive_int
+from ._gpu.device import Device, Kernel, adapter_labels, list_adapters
+from ._argtypes import check_positive_int, positive_int
 from ._files import atomic_write, atomic_write_text, check_writable
 from ._gpu.context import GPUContext
 from ._bridge import running_loop as _running_loop
 from ._runtime import Runtime, _default_runtime
 from ._gpu.grid import DispatchInfo, grid_uniform
 from ._gpu.tensor import Tensor
+from ._gpu.transfer import StagingRing
 
 __all__ = [
     "Device",
     "DispatchInfo",
     "GPUContext",
     "Kernel",
+    "StagingRing",
     "Tensor",
+    "adapter_labels",
     "atomic_write",
     "atomic_write_text",
+    "check_positive_int",
     "check_writable",
     "default_runtime",
     "device_of",
     "grid_uniform",
+    "list_adapters",
     "positive_int",
     "running_loop",
 ]

@@ -112,7 +112,7 @@ from hetero.kernels.cpu import check_spans
 from hetero.kernels.matmul import MatmulConfig, matmul
 from hetero.kernels.matmul.op import shape_spec, matmul_partials, problem
 from hetero.kernels.nn_wgsl import WORKGROUP
-from hetero.lowlevel import GPUContext, Kernel, Tensor
+from hetero.lowlevel import GPUContext, Kernel, Tensor, check_positive_int
 
 __all__ = ["add", "add_bias", "attention", "attention_packed", "attention_varlen", "embedding", "embedding_layernorm",
            "erf", "gelu", "layernorm", "matmul_layernorm", "softmax", "transpose"]
@@ -756,8 +756,7 @@ def attention_packed(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, *,
     summing pass.
     """
     full = _f32("attention_packed", "qkv", qkv)
-    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
-        raise ValueError(f"attention_packed: heads must be an integer >= 1, got {heads!r}")
+    heads = check_positive_int("attention_packed: heads", heads, numpy_ints=True)
     qs, parts = _qkv_sum("attention_packed", full, 3, bias)
     if len(qs) != 3 or qs[2] % (3 * heads):
         raise ValueError(f"attention_packed: qkv must be [B, S, 3*H*D] (or [P, B, S, 3*H*D]) with H = {heads} "
@@ -803,8 +802,7 @@ def attention_varlen(gpu: GPUContext, qkv: Tensor | np.ndarray, heads: int, span
     (see :func:`attention_packed`).
     """
     full = _f32("attention_varlen", "qkv", qkv)
-    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
-        raise ValueError(f"attention_varlen: heads must be an integer >= 1, got {heads!r}")
+    heads = check_positive_int("attention_varlen: heads", heads, numpy_ints=True)
     qs, parts = _qkv_sum("attention_varlen", full, 2, bias)
     if len(qs) != 2 or qs[1] % (3 * heads) or qs[1] < 3 * heads:
         raise ValueError(f"attention_varlen: qkv must be [T, 3*H*D] (or [P, T, 3*H*D]) with H = {heads} heads "

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 import hetero
-from hetero.lowlevel import default_runtime, running_loop
+from hetero.lowlevel import check_positive_int, default_runtime, running_loop
 
 from .embed_graph import embedding_graph
 from .embed_placement import aoffers_cpu
@@ -93,8 +93,7 @@ def _order(texts: list[str]) -> np.ndarray:
 def _check_sizes(batch_size: int, max_in_flight: int, max_batch_tokens: int | None = None) -> None:
     for name, v in (("batch_size", batch_size), ("max_in_flight", max_in_flight),
                     ("max_batch_tokens", 1 if max_batch_tokens is None else max_batch_tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"embed: {name} must be an integer >= 1, got {v!r}")
+        check_positive_int(f"embed: {name}", v)
 
 
 def batch_chunks(texts: Sequence[str], batch_size: int, max_batch_tokens: int | None,

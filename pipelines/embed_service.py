@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import hetero
+from hetero.lowlevel import check_positive_int
 
 from .embed_graph import service_graph
 from .embed_placement import offers_cpu
@@ -55,10 +56,8 @@ class EmbeddingService:
         self.model = get_model(model)
         self.int8 = bool(int8)
         longest = self.model.config.max_seq_length
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < longest:
-            raise ValueError(f"max_batch_tokens must be an integer >= the model's max_seq_length ({longest}), "
-                             f"got {max_batch_tokens!r}")
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = check_positive_int("max_batch_tokens", max_batch_tokens, minimum=longest,
+                                                   rule=f"an integer >= the model's max_seq_length ({longest})")
         self.max_batch_size = max_batch_size or max(1, max_batch_tokens // 2)
         self.runtime = runtime
         if cpu is None:  # the runtime's answer: this opens its device (once, at start-up)

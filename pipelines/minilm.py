@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.lowlevel import check_positive_int
 
 __all__ = [
     "MINILM_PACKAGE",
@@ -243,28 +244,20 @@ def _read_config(d: Path) -> BertConfig:
     ints: dict[str, int] = {}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings", "type_vocab_size"):
-        v = c.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ModelConfigError(f"config.json: {key} must be a positive integer, got {v!r}")
-        ints[key] = v
+        ints[key] = check_positive_int(f"config.json: {key}", c.get(key), error=ModelConfigError)
     eps = c.get("layer_norm_eps", 1e-12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ModelConfigError(f"config.json: layer_norm_eps must be a positive number, got {eps!r}")
     pad = c.get("pad_token_id", 0)
-    pad = 0 if pad is None else pad
-    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
-        raise ModelConfigError(f"config.json: pad_token_id must be an integer >= 0, got {pad!r}")
+    pad = check_positive_int("config.json: pad_token_id", 0 if pad is None else pad, minimum=0, error=ModelConfigError)
 
     max_len = min(DEFAULT_MAX_SEQ_LENGTH, ints["max_position_embeddings"])
     sb = "sentence_bert_config.json"
     if (d / sb).is_file():
-        m = _read_json(d, sb).get("max_seq_length", max_len)
-        if isinstance(m, bool) or not isinstance(m, int):
-            raise ModelConfigError(f"{sb}: max_seq_length must be an integer, got {m!r}")
-        if not 2 <= m <= ints["max_position_embeddings"]:
-            raise ModelConfigError(f"{sb}: max_seq_length {m} must lie in [2, config.json's "
-                                   f"max_position_embeddings={ints['max_position_embeddings']}]")
-        max_len = m
+        most = ints["max_position_embeddings"]
+        max_len = check_positive_int(f"{sb}: max_seq_length", _read_json(d, sb).get("max_seq_length", max_len),
+                                     minimum=2, maximum=most, error=ModelConfigError,
+                                     rule=f"an integer from 2 to config.json's max_position_embeddings ({most})")
     pooling = "1_Pooling/config.json"
     if (d / pooling).is_file():
         pc = _read_json(d, pooling)

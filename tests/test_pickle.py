@@ -125,3 +125,12 @@ def test_a_graph_of_module_level_functions_survives_pickle(shared_rt: hetero.Run
     # The unpickled graph is still a graph one can change: its plan follows.
     back.nodes[2].after(back.nodes[0])
     assert anyio.run(lambda: shared_rt.run(back, n=10)) == pytest.approx(float(np.sum(prepare(10)) * 4 + 0.5))
+
+
+def test_out_of_memory_is_also_a_memory_error() -> None:
+    """Code that handles running out of memory (``except MemoryError``) catches hetero's too, pickled or not."""
+    err = errors.OutOfMemoryError("a buffer of 8 GiB can never fit the memory budget of 1 GiB")
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, MemoryError) and isinstance(back, errors.GPUError) and str(back) == str(err)
+    with pytest.raises(MemoryError):
+        raise back

@@ -96,6 +96,7 @@ from typing import Any, Callable, Iterable
 
 import wgpu
 
+from .._argtypes import check_positive_int
 from ..errors import OutOfMemoryError, RuntimeClosedError
 
 __all__ = [
@@ -314,12 +315,9 @@ class BufferPool:
         self.min_class = _pow2_ceil(max(MIN_CLASS, align))
         if budget_bytes is None:
             budget_bytes = default_budget(lim)
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ValueError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = check_positive_int("the memory budget", budget_bytes, rule="a positive number of bytes")
         for name, v in (("small_max_bytes", small_max_bytes), ("slab_bytes", slab_bytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative number of bytes, got {v!r}")
+            check_positive_int(name, v, minimum=0, rule="a non-negative number of bytes")
         self.small_max = small_max_bytes
         # A slab never takes more than 1/8 of the budget or more than max-buffer-size.
         self.slab_bytes = min(_pow2_floor(slab_bytes), _pow2_floor(budget_bytes // 8),
@@ -369,8 +367,7 @@ class BufferPool:
         ``overcommit`` is False), :class:`OutOfMemoryError` when ``nbytes`` exceeds the
         whole budget, :class:`ValueError` above the device's max-buffer-size.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"a buffer size must be a non-negative number of bytes, got {nbytes!r}")
+        check_positive_int("a buffer size", nbytes, minimum=0, rule="a non-negative number of bytes")
         usage = int(usage)
         cls, use_slab = self._placement(nbytes, usage)
         self._check_budget(nbytes, stage)

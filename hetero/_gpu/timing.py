@@ -81,6 +81,7 @@ import numpy as np
 import wgpu
 from wgpu.backends.wgpu_native.extras import write_timestamp
 
+from .._argtypes import check_positive_int
 from . import passcmd
 from .passcmd import copy_buffer_to_buffer as _copy
 from .bufmap import request_map
@@ -352,8 +353,8 @@ class GPUTimer:
     """
 
     def __init__(self, device: Any, capacity: int = MAX_QUERIES) -> None:
-        if not isinstance(capacity, int) or not CHUNK <= capacity <= MAX_QUERIES:
-            raise ValueError(f"timer capacity must be an int from {CHUNK} to {MAX_QUERIES}, got {capacity!r}")
+        check_positive_int("timer capacity", capacity, minimum=CHUNK, maximum=MAX_QUERIES,
+                           rule=f"an int from {CHUNK} to {MAX_QUERIES}")
         self.device = device
         features = frozenset(getattr(device, "features", ()) or ())
         self.available = FEATURE in features

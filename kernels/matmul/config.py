@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from hetero.lowlevel import check_positive_int
+
 __all__ = ["CANDIDATES", "MIN_SPLIT_K", "MatmulConfig", "PAD", "SMALL_M_CANDIDATES", "SMALL_SPLIT_ENV",
            "SMALL_SPLIT_MAX", "SMALL_SPLIT_MIN", "SMALL_SPLIT_WORKGROUPS", "SKINNY_M", "default_config",
            "small_output_config"]
@@ -38,18 +40,14 @@ class MatmulConfig:
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk", "tm", "tn"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 4:
-                raise ValueError(f"matmul config: {name} must be a positive multiple of 4, got {v!r}")
+            check_positive_int(f"matmul config: {name}", getattr(self, name), multiple_of=4,
+                               rule="a positive multiple of 4")
         if self.bm % self.tm or self.bn % self.tn:
             raise ValueError(f"matmul config {self.name}: bm must be a multiple of tm and bn of tn")
         if self.tm * self.tn > 128:
             raise ValueError(f"matmul config {self.name}: tm * tn must be at most 128 accumulators per thread")
-        if not isinstance(self.split_k, int) or isinstance(self.split_k, bool) or not 1 <= self.split_k <= 64:
-            raise ValueError(f"matmul config: split_k must be an int from 1 to 64, got {self.split_k!r}")
-        if (not isinstance(self.split_min, int) or isinstance(self.split_min, bool) or self.split_min <= 0
-                or self.split_min % 4):
-            raise ValueError(f"matmul config: split_min must be a positive multiple of 4, got {self.split_min!r}")
+        check_positive_int("matmul config: split_k", self.split_k, maximum=64, rule="an int from 1 to 64")
+        check_positive_int("matmul config: split_min", self.split_min, multiple_of=4, rule="a positive multiple of 4")
         if self.threads > 1024:
             raise ValueError(f"matmul config {self.name}: {self.threads} threads per workgroup, more than 1024")
 
