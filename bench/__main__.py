@@ -31,6 +31,7 @@ BENCHES = {
     "serve": "hetero serve under open-loop Poisson load (1, 16, 256 clients) beside in-process embed()",
     "placement": "a mixed workload (many small products, a few large) placed auto against all-CPU and all-GPU",
     "embed_cpu": "hetero embed with placement on a CPU machine beside sentence-transformers on torch CPU",
+    "generate": "LLM text generation (decode, prefill, batched) beside transformers on the same random weights",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200). A benchmark missing here is
 # not part of `all` (multigpu needs a machine with several GPUs; run it alone).
