@@ -87,7 +87,7 @@ class Runtime:
     younger runs wait for memory while the oldest one proceeds (default: the smaller of
     8 GiB and 4 times the adapter's ``max-buffer-size``); ``gpu_budget_ms`` is the GPU
     time one submission may hold before work is split across submissions (see "Large
-    grids and long kernels" in the README; drivers reset a device whose submission runs
+    grids and long kernels" in docs/gpu.md; drivers reset a device whose submission runs
     for seconds). ``trace`` is a path: one
     Chrome/Perfetto trace-event JSON file with CPU worker spans, GPU recording spans,
     GPU stage and dispatch spans (timestamps aligned to the wall clock), fence waits,
@@ -101,7 +101,7 @@ class Runtime:
     without them.
     ``zero_copy_outputs``: a GPU-produced graph output of 16 MiB or more may arrive as
     an array on pooled mapped staging memory instead of a copy, when that reuses memory
-    (an earlier such array was dropped; see "Transfers" in the README); False always
+    (an earlier such array was dropped; see "Transfers" in docs/memory.md); False always
     copies.
     ``adapter``: a wgpu adapter, or what ``HETERO_ADAPTER`` takes: part of an adapter's
     name, backend or type, optionally with ``#k`` for the k-th match (``"vulkan#1"``), or
@@ -111,7 +111,7 @@ class Runtime:
     (default: ``os.cpu_count() - 1``); the pool starts with the first such stage and
     stops at close.
     ``capture``: replay GPU stages declared with ``g.gpu(..., capture=True)`` (see
-    "Captured stages" in the README); False calls every stage function every run.
+    "Captured stages" in docs/gpu.md); False calls every stage function every run.
     ``capture_cache`` bounds the captures kept per device (least recently used go first).
     ``placement`` places the stages declared with both a CPU and a GPU implementation
     (``Graph.stage``): ``"auto"`` runs each execution where a calibrated performance

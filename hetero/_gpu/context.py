@@ -210,7 +210,7 @@ class GPUContext:
         storage buffer; a numpy array or bytes is uploaded as a uniform buffer.
 
         Kernels that use hetero's grid helpers (``hetero_workgroup_id``; see "Large grids
-        and long kernels" in the README) may have any number of workgroups along x: the dispatch is
+        and long kernels" in docs/gpu.md) may have any number of workgroups along x: the dispatch is
         split into sub-dispatches and, past the GPU-time budget, into several
         submissions. Other kernels get at most the adapter's per-dimension limit.
         """
