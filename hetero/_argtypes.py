@@ -7,7 +7,7 @@ import argparse
 
 import numpy as np
 
-__all__ = ["check_positive_int", "positive_int"]
+__all__ = ["check_positive_int", "non_negative_int", "positive_int"]
 
 
 def check_positive_int(name: str, v: object, *, minimum: int = 1, maximum: int | None = None, multiple_of: int = 1,
@@ -31,12 +31,21 @@ def check_positive_int(name: str, v: object, *, minimum: int = 1, maximum: int |
     raise error(f"{name} must be {rule}, got {v!r}")
 
 
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: an integer >= 1."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 0."""
+    return _int_at_least(text, 0)

@@ -44,7 +44,8 @@ Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
 written with :func:`atomic_write_text` (:func:`atomic_write` for bytes); :func:`check_writable` checks, before any work,
 that an output file can be written. :func:`positive_int` is the ``argparse`` type of a
-count option (``--workers N``), as hetero's own command line reads it, and
+count option (``--workers N``), as hetero's own command line reads it (:func:`non_negative_int`
+where 0 is allowed), and
 :func:`check_positive_int` the check of an integer option passed in Python (bounds,
 multiple, the error type and the words of its message are the caller's).
 """
@@ -54,7 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._gpu.device import Device, Kernel, adapter_labels, list_adapters
-from ._argtypes import check_positive_int, positive_int
+from ._argtypes import check_positive_int, non_negative_int, positive_int
 from ._files import atomic_write, atomic_write_text, check_writable
 from ._gpu.context import GPUContext
 from ._bridge import running_loop as _running_loop
@@ -79,6 +80,7 @@ __all__ = [
     "device_of",
     "grid_uniform",
     "list_adapters",
+    "non_negative_int",
     "positive_int",
     "running_loop",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hetero.errors import HeteroError
-from hetero.lowlevel import positive_int
+from hetero.lowlevel import non_negative_int, positive_int
 
 __all__ = ["add_parser", "read_prompt", "run"]
 
@@ -33,16 +33,6 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not v >= 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return v
 
 
@@ -71,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_non_negative_float, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with this much probability "
                    "(default: %(default)s, off)")
-    p.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K",
+    p.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
                    help="keep the K most likely tokens (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -122,35 +112,34 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
                 [{"role": "user", "content": text}]
-            prompt: str | list[int] = llm.model.chat_ids(messages)
+            ids = llm.model.chat_ids(messages)
         else:
-            prompt = text
-        n_prompt = len(prompt) if isinstance(prompt, list) else len(llm.encode(prompt))
-        stats: dict[str, Any] = {"tokens": 0, "first": None, "last": None, "finish": None}
+            ids = llm.encode(text)
+        times: list[float] = []  # when each token came
+        finish = None
 
-        async def main() -> None:
+        async def main() -> float:
+            nonlocal finish
             t0 = time.perf_counter()
-            stats["t0"] = t0
-            async for piece in llm.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            async for piece in llm.stream(ids, max_tokens=args.max_tokens, temperature=args.temperature,
                                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop):
-                now = time.perf_counter()
                 if piece.token_id is not None:
-                    stats["tokens"] += 1
-                    stats["first"] = stats["first"] or now
-                    stats["last"] = now
+                    times.append(time.perf_counter())
                 if piece.text:
                     out.write(piece.text)
                     out.flush()
-                if piece.finish_reason is not None:
-                    stats["finish"] = piece.finish_reason
+                finish = piece.finish_reason or finish
+            return t0
 
-        anyio.run(main)
+        t0 = anyio.run(main)
         out.write("\n")
         out.flush()
         adapter = device_of(llm.runtime).summary.get("summary", "?")
-    n, first, last = stats["tokens"], stats["first"], stats["last"]
-    ttft = f"{(first - stats['t0']) * 1e3:.0f} ms" if first is not None else "-"
-    rate = f"{(n - 1) / (last - first):.1f} tokens/s" if n > 1 and last > first else "-"
-    print(f"prompt {n_prompt} tokens, generated {n} tokens ({stats['finish']}), time to first token {ttft}, "
+    n = len(times)
+    first, last = (times[0], times[-1]) if times else (None, None)
+    ttft = f"{(first - t0) * 1e3:.0f} ms" if first is not None else "-"
+    rate = f"{(n - 1) / (last - first):.1f} tokens/s" if first is not None and last is not None and last > first \
+        else "-"
+    print(f"prompt {len(ids)} tokens, generated {n} tokens ({finish}), time to first token {ttft}, "
           f"decode {rate}, adapter: {adapter}", file=err)
     return 0

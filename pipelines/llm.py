@@ -54,9 +54,9 @@ import numpy as np
 
 import hetero
 from hetero.errors import InputError, RuntimeClosedError
-from hetero.lowlevel import running_loop
+from hetero.lowlevel import check_positive_int, running_loop
 
-from .kv_cache import DEFAULT_BLOCK_SIZE
+from .kv_cache import DEFAULT_BLOCK_SIZE, KVCacheFullError
 from .llm_engine import DEFAULT_MAX_BATCH_TOKENS, DecoderEngine, StepRow, default_num_blocks, pack_decoder
 from .llm_model import LlamaConfig, LoadedModel, load_model
 
@@ -146,16 +146,15 @@ def _number(name: str, v: Any) -> float:
 
 
 def _sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any, stop: Any) -> _Sampling:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    check_positive_int("max_tokens", max_tokens, numpy_ints=True, error=InputError)
     t = _number("temperature", temperature)
     if t < 0:
         raise InputError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
     p = _number("top_p", top_p)
     if not 0 < p <= 1:
         raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise InputError(f"top_k must be an integer >= 0 (0: no top-k filter), got {top_k!r}")
+    check_positive_int("top_k", top_k, minimum=0, numpy_ints=True, rule="an integer >= 0 (0: no top-k filter)",
+                       error=InputError)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise InputError(f"seed must be an integer or None, got {seed!r}")
     if stop is None:
@@ -169,6 +168,20 @@ def _sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: A
     if any(not s for s in stops):
         raise InputError("stop strings must not be empty")
     return _Sampling(int(max_tokens), t, p, int(top_k), None if seed is None else int(seed), stops)
+
+
+def _cut_at_stop(s: _Seq) -> bool:
+    """End ``s``'s text before the first stop string in it (``finish = "stop"``); whether one was there.
+
+    Only the text not yet streamed is searched (from a stop string's length before it): earlier
+    text was released because no stop string could start in it.
+    """
+    hits = [i for i in (s.text.find(x, max(0, s.emitted - len(x))) for x in s.sampling.stop) if i >= 0]
+    if not hits:
+        return False
+    s.text = s.text[:min(hits)]
+    s.finish = "stop"
+    return True
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -202,15 +215,12 @@ class LLM:
                  runtime: hetero.Runtime | None = None, weights: str = "auto", max_seq_len: int | None = None,
                  kv_cache_bytes: int | None = None, kv_cache_dtype: str = "f32",
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        for name, v in (("max_batch_tokens", max_batch_tokens), ("block_size", block_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LLM: {name} must be an integer >= 1, got {v!r}")
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
-                                        or max_seq_len < 2):
-            raise ValueError(f"LLM: max_seq_len must be an integer >= 2 or None, got {max_seq_len!r}")
-        if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int)
-                                           or kv_cache_bytes < 1):
-            raise ValueError(f"LLM: kv_cache_bytes must be a positive integer or None, got {kv_cache_bytes!r}")
+        check_positive_int("LLM: max_batch_tokens", max_batch_tokens)
+        check_positive_int("LLM: block_size", block_size)
+        if max_seq_len is not None:
+            check_positive_int("LLM: max_seq_len", max_seq_len, minimum=2, rule="an integer >= 2 or None")
+        if kv_cache_bytes is not None:
+            check_positive_int("LLM: kv_cache_bytes", kv_cache_bytes, rule="a positive integer or None")
         if kv_cache_dtype not in ("f32", "f16"):
             raise ValueError(f"LLM: kv_cache_dtype must be 'f32' or 'f16', got {kv_cache_dtype!r}")
         self.model: LoadedModel = model if isinstance(model, LoadedModel) else load_model(model, weights=weights)
@@ -227,8 +237,6 @@ class LLM:
             if max_seq_len is None:
                 max_seq_len = min(c.max_position_embeddings, cap)
             elif max_seq_len > cap:
-                from .kv_cache import KVCacheFullError
-
                 raise KVCacheFullError(
                     f"LLM: max_seq_len {max_seq_len} is more than the KV cache holds ({cap} tokens in "
                     f"{self.engine.num_blocks} blocks of {block_size}); raise kv_cache_bytes or lower max_seq_len",
@@ -317,17 +325,15 @@ class LLM:
             ids = self._prompt_ids(p, f"prompt {n}" if len(prompts) > 1 else "the prompt")
             budget = min(len(ids) + sampling.max_tokens, self.max_seq_len)
             self.engine.check_fits(budget)
-            seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
-            seqs.append(_Seq(n, ids, sampling, seed + n if sampling.seed is not None else seed, budget,
-                             self.model.tokenizer.detokenizer(), ids=list(ids)))
+            seed = sampling.seed + n if sampling.seed is not None else secrets.randbits(32)
+            seqs.append(_Seq(n, ids, sampling, seed, budget, self.model.tokenizer.detokenizer(), ids=list(ids)))
         return seqs
 
     # -- the generation loop --------------------------------------------------------------------
     async def _events(self, seqs: list[_Seq]) -> AsyncIterator[tuple[_Seq, StreamPiece]]:
         """Run ``seqs`` to their end; yield each sequence's pieces as they come."""
         engine = self.engine
-        cfg = self.config
-        eos = set(cfg.eos_token_ids)
+        eos = set(self.config.eos_token_ids)
         timing = bool(self.runtime.options.gpu_timing)
         waiting = deque(seqs)
         running: list[_Seq] = []
@@ -403,20 +409,11 @@ class LLM:
             return [StreamPiece(self._release_text(s, final=True), None, "stop")]
         s.ids.append(tok)
         s.text += s.detok.push(tok)
-        if sp.stop:
-            hit = [i for i in (s.text.find(x, max(0, s.emitted - len(x))) for x in sp.stop) if i >= 0]
-            if hit:
-                s.text = s.text[:min(hit)]
-                s.finish = "stop"
-                return [StreamPiece(self._release_text(s, final=True), tok, "stop")]
+        if _cut_at_stop(s):
+            return [StreamPiece(self._release_text(s, final=True), tok, "stop")]
         if len(s.generated) >= sp.max_tokens or len(s.ids) >= self.max_seq_len:
             s.text += s.detok.flush()
-            s.finish = "length"
-            if sp.stop:  # the flushed tail may hold a stop string
-                hit = [i for i in (s.text.find(x, max(0, s.emitted - len(x))) for x in sp.stop) if i >= 0]
-                if hit:
-                    s.text = s.text[:min(hit)]
-                    s.finish = "stop"
+            s.finish = "stop" if _cut_at_stop(s) else "length"  # the flushed tail may hold a stop string
             return [StreamPiece(self._release_text(s, final=True), tok, s.finish)]
         return [StreamPiece(self._release_text(s, final=False), tok)]
 
@@ -480,8 +477,7 @@ class LLM:
         ``contextlib.aclosing`` to do it at once, as trio advises for async generators).
         """
         self._check_open()
-        if not isinstance(prompt, str) and isinstance(prompt, Sequence) and prompt and \
-                not isinstance(prompt[0], (int, np.integer)):
+        if not self._prompts(prompt)[0]:
             raise InputError("stream() takes one prompt (a str or a list of token ids); use agenerate() for a list")
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, stop)
         seqs = self._seqs([prompt], sampling)

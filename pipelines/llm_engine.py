@@ -404,7 +404,11 @@ class DecoderEngine:
 
 def default_num_blocks(config: LlamaConfig, runtime: hetero.Runtime, kv_cache_bytes: int | None, *,
                        block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "f32") -> int:
-    """How many KV blocks ``kv_cache_bytes`` holds (default: a share of the runtime's memory budget)."""
+    """How many KV blocks ``kv_cache_bytes`` holds (default: a share of the runtime's memory budget).
+
+    Fewer when one layer's K (or V) tensor of that many blocks would pass the adapter's
+    ``max-storage-buffer-binding-size``: each is one buffer bound whole.
+    """
     dtype_bytes = 2 if kv_dtype == "f16" else 4
     dev = device_of(runtime)
     per_layer_limit = int(dev.limits["max-storage-buffer-binding-size"])
