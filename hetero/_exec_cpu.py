@@ -13,8 +13,10 @@ Policy
   (:mod:`hetero._exec_process`) by the worker, which then moves on.
 * A mixed stage placed on the CPU downloads the device values it reads first, on its
   worker, after the GPU work producing them (submitted first: the queue runs in order).
-* A thread cannot be killed. When a CPU thread stage times out, the pool gives up
-  on the worker running it (*abandons* it) and starts a replacement, so
+* A thread cannot be killed. When a CPU thread stage times out, or its run stops
+  (fails for another reason, or is cancelled) while a stage with a ``timeout`` is still
+  in its function, the pool gives up on the worker running it (*abandons* it) and
+  starts a replacement, so
   ``cpu_threads`` workers keep serving the queue; the abandoned thread ends once its
   function returns. While ``ABANDONED_PER_THREAD`` x ``cpu_threads`` abandoned threads
   are still running, a timed CPU thread stage fails at once instead of starting: each
@@ -75,10 +77,12 @@ class CpuExecutor:
         return self.pool.abandoned
 
     def abandon(self, st: StagePlan, worker: Worker) -> None:
-        """Timed CPU thread stage ``st`` overran while its function still runs: replace its worker."""
+        """Timed CPU thread stage ``st`` is given up on while its function still runs (it timed
+        out, or its run stopped): replace its worker."""
         n = self.pool.abandon(worker)
-        log.warning("cpu stage %r timed out after %g s and its thread cannot be killed: the thread is abandoned "
-                    "and a new worker replaces it (%d abandoned threads still running)", st.name, st.timeout, n)
+        log.warning("cpu stage %r (timeout %g s) is still running as its run ends, and a thread cannot be killed: "
+                    "its thread is abandoned and a new worker replaces it (%d abandoned threads still running)",
+                    st.name, st.timeout, n)
 
     def _limit_blas(self) -> None:
         """Before the CPU workers start: numpy's BLAS gets ``cpu_count // workers`` threads per call.
@@ -131,7 +135,8 @@ class CpuExecutor:
                             if abandoned >= cap:
                                 run.fail_with(_abandoned_cap(st, abandoned, cap))
                                 return
-                        run.begin_timed(st, worker)
+                        if not run.begin_timed(st, worker):
+                            return  # the run stopped: its worker is not given to a stage of it
                     if st.mixed:  # placed on the CPU: device values come to the host first
                         try:
                             host_args = self._host_args(run, st)

@@ -9,8 +9,10 @@ Policy
 * A stage's ``timeout`` covers all its attempts. The waiter on the event loop
   watches started timed stages; a worker also checks on completion, so a run
   never completes past a stage's timeout. Whoever takes a timed CPU thread
-  stage's worker from the run, the finishing worker or the timeout, decides whether
-  that worker is abandoned (:mod:`hetero._exec_cpu`).
+  stage's worker from the run, the finishing worker, the timeout or the run stopping
+  (failed for another reason, or cancelled), decides whether that worker is abandoned
+  (:mod:`hetero._exec_cpu`): a timed stage may hang, so one still in its function
+  when its run stops is given up on as a timed-out one is, and does not keep a worker.
 * Once the run's caller has its outputs (or its error, or was cancelled) the run
   forgets its values: stages of it that complete later store nothing, and the Run
   kept for ``Runtime.stats()`` holds only timings.
@@ -167,7 +169,7 @@ class Run:
             tracer.name_thread("event loop")
             tracer.instant(f"run {self.seq} of {self.plan.name!r} starts", "run")
         if not self.plan.stages:
-            self._finish()
+            self._end(None)  # nothing to run: completed
             return
         self.host.dispatch(self, list(self.plan.roots))
 
@@ -254,11 +256,7 @@ class Run:
             assert st.timeout is not None
             left = t0 + st.timeout - now
             if left <= 0:
-                with self.lock:
-                    worker = self.timed_workers.pop(i, None)
-                if worker is not None:  # still in its function: its thread is lost to the pool
-                    self.host.abandon_worker(st, worker)
-                self.fail_timeout(st)
+                self.fail_timeout(st)  # its worker, still in its function, is abandoned as the run ends
                 return 0.0
             nearest = min(nearest, left)
         return nearest
@@ -279,9 +277,25 @@ class Run:
         with self.lock:
             self.stopped = True
             clean = self.recording == 0
+            hung = self._take_timed_workers()
+        self._abandon(hung)
         self._cancel_processes()
         if clean:
             self.cleanup()
+
+    def _take_timed_workers(self) -> list[tuple[int, Worker]]:
+        """The run stops (the lock held): the workers of its timed CPU thread stages still in
+        their function, taken from the run, so that a stage returning later stores nothing."""
+        if not self.timed_workers:
+            return []
+        hung, self.timed_workers = list(self.timed_workers.items()), {}
+        return hung
+
+    def _abandon(self, hung: list[tuple[int, Worker]]) -> None:
+        """Timed stages still running as the run stops are given up on as a timed-out one is:
+        the function may hang, and its thread must not be lost to the pool."""
+        for i, worker in hung:
+            self.host.abandon_worker(self.stages[i], worker)
 
     def _cancel_processes(self) -> None:
         """The run stopped: its queued process stages never run, running ones lose their worker."""
@@ -371,17 +385,23 @@ class Run:
         return self.open_placements.pop(i, None)
 
     # -- timed stages -----------------------------------------------------------------
-    def begin_timed(self, st: StagePlan, worker: Worker | None = None) -> None:
-        """Timed stage ``st`` starts (a CPU thread stage: on ``worker``, which the timeout
-        abandons should the stage overrun). A stage started again (after waiting for
-        memory, or a retry) keeps its first start: its timeout covers all its attempts."""
+    def begin_timed(self, st: StagePlan, worker: Worker | None = None) -> bool:
+        """Timed stage ``st`` starts (a CPU thread stage: on ``worker``, which the run abandons
+        should the stage overrun, or still run when the run stops). A stage started again
+        (after waiting for memory, or a retry) keeps its first start: its timeout covers all
+        its attempts. False (nothing watched) once the run stopped: start nothing."""
         i = st.index
-        if worker is not None:
-            self.timed_workers[i] = worker
-        if i in self.timed_started:
-            return
-        self.timed_started[i] = time.monotonic()
-        self._wake()  # the waiter arms a deadline for it
+        with self.lock:
+            if self.stopped:
+                return False
+            if worker is not None:
+                self.timed_workers[i] = worker
+            first = i not in self.timed_started
+            if first:
+                self.timed_started[i] = time.monotonic()
+        if first:
+            self._wake()  # the waiter arms a deadline for it
+        return True
 
     def end_timed(self, st: StagePlan, worker: bool = False) -> bool:
         """Timed stage ``st`` finished: stop watching it. False (and the run failed) when it
@@ -515,7 +535,7 @@ class Run:
             self.unfinished -= 1
             last = self.unfinished == 0
         if last:
-            self._finish()
+            self._end(None)  # the last stage: the run completed
         return ready_gpu, ready_cpu
 
     def stage_done(self) -> None:
@@ -523,20 +543,7 @@ class Run:
             self.unfinished -= 1
             last = self.unfinished == 0
         if last:
-            self._finish()
-
-    def _finish(self) -> None:
-        with self.lock:
-            if self.stopped:
-                return
-            self.stopped = True
-            self.done = True
-            clean = self.recording == 0
-        self.tl.end = time.perf_counter_ns()
-        if clean:
-            self.cleanup()  # wakes the waiter
-        else:
-            self._wake()
+            self._end(None)  # the last stage: the run completed
 
     # -- failures -----------------------------------------------------------------------
     def fail_stage(self, st: StagePlan, exc: BaseException, attempts: int = 1, worker: bool = False) -> None:
@@ -571,13 +578,27 @@ class Run:
 
     def fail_with(self, err: BaseException) -> None:
         """Stop the run with ``err`` as its error (the first error wins; later ones are dropped)."""
+        self._end(err)
+
+    def _end(self, err: BaseException | None) -> None:
+        """The run ends: completed (``err`` None) or failed with ``err``, unless it stopped before.
+
+        A failed run gives up on its timed CPU thread stages still running (a completed one has
+        none), and on its process jobs.
+        """
         with self.lock:
             if self.stopped:
                 return
             self.stopped = True
+            self.done = err is None
             self.error = err
             clean = self.recording == 0
-        self._cancel_processes()
+            hung = self._take_timed_workers()
+        if err is None:
+            self.tl.end = time.perf_counter_ns()
+        else:
+            self._cancel_processes()
+        self._abandon(hung)
         if clean:
             self.cleanup()  # wakes the waiter
         else:

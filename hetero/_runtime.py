@@ -214,9 +214,10 @@ class Runtime:
 
     @property
     def abandoned_threads(self) -> int:
-        """CPU worker threads given up on when their stage timed out, and still running its function.
+        """CPU worker threads given up on when their stage timed out (or its run stopped while the
+        stage, which has a ``timeout``, still ran), and still running its function.
 
-        A thread cannot be killed: a timed-out CPU stage's thread is replaced by a new worker
+        A thread cannot be killed: such a CPU stage's thread is replaced by a new worker
         (the pool keeps ``cpu_threads`` live ones) and ends when its function returns. While
         4 x ``cpu_threads`` of them are still running, a CPU stage with a ``timeout`` fails
         at once; code that may hang belongs in a process stage (``process=True``).

@@ -168,23 +168,26 @@ def timed_graph() -> hetero.Graph:
     return g
 
 
-def test_a_timed_stage_within_its_timeout(clock: Clock) -> None:
+def started_timed(clock: Clock) -> tuple[Run, Host, StagePlan, Worker]:
+    """The timed graph's run with 'slow' started on a worker of its own."""
     run, host, plan, st = make(timed_graph(), x=-1)
-    slow = st["slow"]
-    worker = Worker()
-    run.begin_timed(slow, worker)
+    slow, worker = st["slow"], Worker()
+    assert run.begin_timed(slow, worker)
+    return run, host, slow, worker
+
+
+def test_a_timed_stage_within_its_timeout(clock: Clock) -> None:
+    run, host, slow, worker = started_timed(clock)
     clock.now += 0.5
-    run.begin_timed(slow)  # started again (after waiting for memory): its timeout runs from the first start
+    assert run.begin_timed(slow)  # started again (after waiting for memory): its timeout runs from the first start
     assert run.check_timeouts() == pytest.approx(0.5)
     assert run.end_timed(slow, worker=True)
     assert run.timed_started == {} and run.timed_workers == {} and not run.stopped
+    assert host.abandoned == []
 
 
 def test_an_overdue_stage_fails_the_run_and_its_worker_is_abandoned(clock: Clock) -> None:
-    run, host, plan, st = make(timed_graph(), x=-1)
-    slow = st["slow"]
-    worker = Worker()
-    run.begin_timed(slow, worker)
+    run, host, slow, worker = started_timed(clock)
     clock.now += 1.5
     assert run.check_timeouts() == 0.0
     assert host.abandoned == [("slow", worker)]
@@ -193,24 +196,61 @@ def test_an_overdue_stage_fails_the_run_and_its_worker_is_abandoned(clock: Clock
     assert not run.end_timed(slow, worker=True)
     run.fail_stage(slow, ValueError("late"), worker=True)
     assert str(run.error) == "cpu stage 'slow' timed out after 1 s"
+    assert host.abandoned == [("slow", worker)]  # once
+
+
+def timed_beside_graph() -> hetero.Graph:
+    """
+    ::
+
+        x -> slow (cpu, timeout 1 s)
+          -> other (cpu)
+    """
+    g = hetero.Graph("timed_beside")
+    x = g.input("x")
+    g.output(g.cpu(abs, x, name="slow", timeout=1.0), g.cpu(abs, x, name="other"))
+    return g
+
+
+def test_a_run_failing_elsewhere_abandons_its_running_timed_stages(clock: Clock) -> None:
+    run, host, plan, st = make(timed_beside_graph(), x=-1)
+    slow, worker = st["slow"], Worker()
+    assert run.begin_timed(slow, worker)
+    run.fail_stage(st["other"], ValueError("boom"))
+    assert str(run.error) == "cpu stage 'other' failed: ValueError: boom"
+    assert host.abandoned == [("slow", worker)]  # within its timeout, but it may hang: given up on
+    assert run.timed_workers == {}
+    assert not run.end_timed(slow, worker=True)  # it returns later: its worker was taken
+    assert not run.begin_timed(slow, Worker())  # a stopped run starts nothing
+    assert host.abandoned == [("slow", worker)] and run.timed_workers == {}
+
+
+def test_a_cancelled_run_abandons_its_running_timed_stages(clock: Clock) -> None:
+    run, host, slow, worker = started_timed(clock)
+    run.stop()
+    assert host.abandoned == [("slow", worker)]
+    run.stop()  # again (a map stopping runs behind a failure): nothing more
+    assert host.abandoned == [("slow", worker)]
+    run.fail_stage(slow, ValueError("late"), worker=True)
+    assert run.error is None  # the caller is gone; the late failure is dropped
 
 
 def test_a_stage_that_returns_past_its_timeout_fails_the_run(clock: Clock) -> None:
     run, host, plan, st = make(timed_graph(), x=-1)
     slow = st["slow"]
-    run.begin_timed(slow)  # no worker: e.g. a process or GPU stage
+    assert run.begin_timed(slow)  # no worker: e.g. a process or GPU stage
     clock.now += 2.0
     assert not run.end_timed(slow)
     assert str(run.error) == "cpu stage 'slow' timed out after 1 s"
+    assert host.abandoned == []
 
 
 def test_a_failing_timed_stage_is_no_longer_watched(clock: Clock) -> None:
-    run, host, plan, st = make(timed_graph(), x=-1)
-    slow = st["slow"]
-    run.begin_timed(slow, Worker())
+    run, host, slow, worker = started_timed(clock)
     run.fail_stage(slow, ValueError("boom"), worker=True)
     assert run.timed_started == {}
     assert str(run.error) == "cpu stage 'slow' failed: ValueError: boom"
+    assert host.abandoned == []  # its function returned: its worker goes on serving
 
 
 def test_retries_wait_their_backoff_and_stop_with_the_run(clock: Clock) -> None:

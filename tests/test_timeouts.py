@@ -115,8 +115,8 @@ async def test_timeout_logs_a_warning_naming_the_stage(release: threading.Event,
             await rt.run(hanging_graph(release, name="stuck_fetch"))
         warnings = [r for r in caplog.records if r.name == "hetero" and r.levelno == logging.WARNING]
         assert [r.getMessage() for r in warnings] == [
-            "cpu stage 'stuck_fetch' timed out after 0.05 s and its thread cannot be killed: the thread is "
-            "abandoned and a new worker replaces it (1 abandoned threads still running)"]
+            "cpu stage 'stuck_fetch' (timeout 0.05 s) is still running as its run ends, and a thread cannot be "
+            "killed: its thread is abandoned and a new worker replaces it (1 abandoned threads still running)"]
         release.set()
         await wait_abandoned(rt, 0)
 
@@ -148,3 +148,105 @@ def test_sync_run_after_hung_stages(release: threading.Event) -> None:
                 anyio.run(lambda: rt.run(g))
         assert rt.abandoned_threads == 3
         assert anyio.run(lambda: rt.run(adding_graph(), x=1)) == 12
+
+
+def failing_beside_hung_graph(release: threading.Event, started: threading.Event) -> hetero.Graph:
+    """A timed stage that hangs (its timeout far off) beside one that fails once it started.
+
+    ::
+
+        hang (timeout 60 s)    boom (raises once hang runs)
+    """
+    def hang() -> int:
+        started.set()
+        release.wait(WAIT)
+        return 1
+
+    def boom() -> int:
+        started.wait(WAIT)
+        raise ValueError("boom")
+
+    g = hetero.Graph("fails")
+    g.output(g.cpu(hang, name="hang", timeout=60), g.cpu(boom, name="boom"))
+    return g
+
+
+def pair_graph() -> hetero.Graph:
+    """Two stages that each wait for the other: the run finishes only on two live workers.
+
+    ::
+
+        left   right   (a barrier of two)
+    """
+    barrier = threading.Barrier(2, timeout=WAIT)
+
+    def meet(side: str) -> str:
+        barrier.wait()
+        return side
+
+    g = hetero.Graph("pair")
+    g.output(g.cpu(meet, "l", name="left"), g.cpu(meet, "r", name="right"))
+    return g
+
+
+async def test_a_hung_timed_stage_of_a_failed_run_gives_back_its_worker(release: threading.Event) -> None:
+    started = threading.Event()
+    with hetero.Runtime(cpu_threads=2) as rt:
+        with anyio.fail_after(WAIT), pytest.raises(StageError) as e:
+            await rt.run(failing_beside_hung_graph(release, started))
+        assert str(e.value) == "cpu stage 'boom' failed: ValueError: boom"
+        assert rt.abandoned_threads == 1  # 'hang' is still in its function, its thread given up on
+        with anyio.fail_after(WAIT):  # both workers serve: the stuck one was replaced
+            assert await rt.run(pair_graph()) == ("l", "r")
+        release.set()
+        await wait_abandoned(rt, 0)
+        with anyio.fail_after(WAIT):
+            assert await rt.run(pair_graph()) == ("l", "r")
+
+
+async def test_a_hung_timed_stage_of_a_cancelled_run_gives_back_its_worker(release: threading.Event) -> None:
+    started = threading.Event()
+
+    def hang() -> int:
+        started.set()
+        release.wait(WAIT)
+        return 1
+
+    g = hetero.Graph("cancelled")
+    g.output(g.cpu(hang, name="hang", timeout=60))
+    with hetero.Runtime(cpu_threads=1) as rt:
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rt.run, g)
+                while not started.is_set():
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        assert rt.abandoned_threads == 1
+        with anyio.fail_after(WAIT):  # the one worker is a new one: the stuck thread no longer holds the pool
+            assert await rt.run(adding_graph(), x=1) == 12
+        release.set()
+        await wait_abandoned(rt, 0)
+
+
+async def test_an_untimed_stage_of_a_failed_run_keeps_its_worker(release: threading.Event) -> None:
+    """Only stages with a timeout are given up on: a stage without one is trusted to return."""
+    started = threading.Event()
+
+    def slow() -> int:
+        started.set()
+        release.wait(WAIT)
+        return 1
+
+    def boom() -> int:
+        started.wait(WAIT)
+        raise ValueError("boom")
+
+    g = hetero.Graph("untimed")
+    g.output(g.cpu(slow, name="slow"), g.cpu(boom, name="boom"))
+    with hetero.Runtime(cpu_threads=2) as rt:
+        with anyio.fail_after(WAIT), pytest.raises(StageError):
+            await rt.run(g)
+        assert rt.abandoned_threads == 0
+        release.set()
+        with anyio.fail_after(WAIT):
+            assert await rt.run(pair_graph()) == ("l", "r")
