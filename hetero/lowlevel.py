@@ -39,6 +39,9 @@ Devices and caches:
 - :func:`default_runtime`: the shared Runtime behind ``hetero.run``.
 - :func:`running_loop`: the event loop running in this thread (``"asyncio"``, ``"trio"``
   or None); a synchronous entry point refuses to start inside one, as ``hetero.run`` does.
+- :func:`loop_caller`: ``call = loop_caller()`` inside an event loop gives ``call(fn)``, which
+  any thread may use to run ``fn()`` on that loop without blocking (how a worker thread hands
+  results to a coroutine; calls after the loop closed are dropped).
 
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
 :func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
@@ -58,6 +61,7 @@ from ._gpu.device import Device, Kernel, adapter_labels, list_adapters
 from ._argtypes import check_positive_int, non_negative_int, positive_int
 from ._files import atomic_write, atomic_write_text, check_writable
 from ._gpu.context import GPUContext
+from ._bridge import loop_caller
 from ._bridge import running_loop as _running_loop
 from ._runtime import Runtime, _default_runtime
 from ._gpu.grid import DispatchInfo, grid_uniform
@@ -80,6 +84,7 @@ __all__ = [
     "device_of",
     "grid_uniform",
     "list_adapters",
+    "loop_caller",
     "non_negative_int",
     "positive_int",
     "running_loop",

@@ -2,7 +2,8 @@
 
 ``hetero.pipelines.Encoder`` (sentence embeddings, used like sentence-transformers'
 ``SentenceTransformer``) and ``hetero.pipelines.LLM`` (text generation with Llama-family
-decoders; its results are ``Completion`` and ``StreamPiece``) are imported on first use, so
+decoders; its results are ``Completion`` and ``StreamPiece``, its ``stats()`` a
+``GenerationStats``) are imported on first use, so
 ``import hetero`` stays light.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "Completion", "Encoder", "StreamPiece"]
+__all__ = ["LLM", "Completion", "Encoder", "GenerationStats", "StreamPiece"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,7 +19,7 @@ def __getattr__(name: str) -> Any:
         from .encoder import Encoder
 
         return Encoder
-    if name in ("LLM", "Completion", "StreamPiece"):
+    if name in ("LLM", "Completion", "GenerationStats", "StreamPiece"):
         from . import llm
 
         return getattr(llm, name)

@@ -13,10 +13,12 @@
     async for piece in llm.stream("Tell me a story", max_tokens=64):   # asyncio or trio
         print(piece.text, end="", flush=True)
 
-The prompt is tokenized on the CPU; the prompt tokens enter the KV cache in one pass (long
-prompts in chunks of ``max_batch_tokens``), then every step decodes one token for every
-sequence of the call, all of them in one captured GPU stage that samples on the GPU (see
-:mod:`hetero.pipelines.llm_engine`). Only the sampled ids come back to the host.
+The prompt is tokenized on the CPU; the prompt tokens enter the KV cache in chunks, then every
+step decodes one token for every running sequence, all of them in one captured GPU stage that
+samples on the GPU (see :mod:`hetero.pipelines.llm_engine`). Only the sampled ids come back to
+the host. **Every call shares the steps** (continuous batching): one engine thread of the LLM
+runs them, sequences of any caller join between steps and leave as they finish, from any
+thread and any event loop (:mod:`hetero.pipelines.llm_batch` states the rules).
 
 **Generation ends** on an end-of-sequence token (``finish_reason="stop"``; the token is not
 part of the result), on a ``stop`` string (``"stop"``; the text ends before it), or after
@@ -29,7 +31,7 @@ tokens, whatever else shares the step. ``seed=None`` draws a fresh seed per prom
 
 **The KV cache** is paged (:mod:`hetero.pipelines.kv_cache`): each prompt reserves room for
 its prompt plus ``max_tokens`` before it starts, and takes blocks as its tokens enter the
-cache. Prompts of one call that do not all fit at once start as earlier ones finish. A
+cache. Prompts that do not fit now wait, in turn, and start as running ones finish. A
 prompt that could never fit raises :class:`~hetero.pipelines.kv_cache.KVCacheFullError`.
 
 **Timing** (:class:`Completion`): ``ttft_s`` is the wall time from the call to the first
@@ -42,11 +44,9 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -57,10 +57,12 @@ from hetero.errors import InputError, RuntimeClosedError
 from hetero.lowlevel import check_positive_int, running_loop
 
 from .kv_cache import DEFAULT_BLOCK_SIZE, KVCacheFullError
-from .llm_engine import DEFAULT_MAX_BATCH_TOKENS, DecoderEngine, StepRow, default_num_blocks, pack_decoder
+from .llm_batch import (DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, GenerationLoop, GenerationStats, Sampling, SeqState,
+                        StreamPiece, Ticket, new_seed, wait_released)
+from .llm_engine import DEFAULT_MAX_BATCH_TOKENS, DecoderEngine, default_num_blocks, pack_decoder
 from .llm_model import LlamaConfig, LoadedModel, load_model
 
-__all__ = ["LLM", "Completion", "StreamPiece"]
+__all__ = ["LLM", "Completion", "GenerationStats", "StreamPiece"]
 
 FINISH_REASONS = ("stop", "length")
 
@@ -91,61 +93,13 @@ class Completion:
         return len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class StreamPiece:
-    """One step of a stream: the text it completes (often one token's, sometimes ``""`` while a
-    multi-byte character or a possible stop string is held back) and the token id. The last
-    piece has ``finish_reason`` set, and ``token_id`` ``None`` when it carries no new token (an
-    end-of-sequence token, or the held-back text)."""
-
-    text: str
-    token_id: int | None
-    finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class _Sampling:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One prompt's state through a call."""
-
-    index: int
-    prompt: list[int]
-    sampling: _Sampling
-    seed: int
-    budget: int  # positions reserved in the KV cache
-    detok: Any
-    key: Any = None  # the KV pool's key, while it runs
-    ids: list[int] = field(default_factory=list)  # prompt + generated
-    fed: int = 0  # positions in the cache
-    text: str = ""  # generated text so far (stop strings cut)
-    emitted: int = 0  # characters of text already streamed
-    finish: str | None = None
-    reserved: bool = False
-    first_at: float | None = None
-    last_at: float | None = None
-    gpu_ms: float = 0.0
-
-    @property
-    def generated(self) -> list[int]:
-        return self.ids[len(self.prompt):]
-
-
 def _number(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
         raise InputError(f"{name} must be a finite number, got {v!r}")
     return float(v)
 
 
-def _sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any, stop: Any) -> _Sampling:
+def _sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any, stop: Any) -> Sampling:
     check_positive_int("max_tokens", max_tokens, numpy_ints=True, error=InputError)
     t = _number("temperature", temperature)
     if t < 0:
@@ -167,32 +121,8 @@ def _sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: A
         raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
     if any(not s for s in stops):
         raise InputError("stop strings must not be empty")
-    return _Sampling(int(max_tokens), t, p, int(top_k), None if seed is None else int(seed), stops)
+    return Sampling(int(max_tokens), t, p, int(top_k), None if seed is None else int(seed), stops)
 
-
-def _cut_at_stop(s: _Seq) -> bool:
-    """End ``s``'s text before the first stop string in it (``finish = "stop"``); whether one was there.
-
-    Only the text not yet streamed is searched (from a stop string's length before it): earlier
-    text was released because no stop string could start in it.
-    """
-    hits = [i for i in (s.text.find(x, max(0, s.emitted - len(x))) for x in s.sampling.stop) if i >= 0]
-    if not hits:
-        return False
-    s.text = s.text[:min(hits)]
-    s.finish = "stop"
-    return True
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of ``text`` that could be the start of a stop string."""
-    most = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), most, -1):
-            if text.endswith(s[:n]):
-                most = n
-                break
-    return most
 
 
 class LLM:
@@ -209,13 +139,24 @@ class LLM:
     size (default: a quarter of the runtime's memory budget, within the adapter's buffer
     limits; 256 MiB on a CPU adapter). ``kv_cache_dtype``: ``"f32"`` or ``"f16"``.
     ``max_batch_tokens``: most rows of one step (prompt chunks and decode tokens).
+
+    Concurrent calls share steps (continuous batching, :mod:`~hetero.pipelines.llm_batch`):
+    ``max_running`` sequences decode at once, a step takes at most ``prefill_chunk`` prompt
+    rows while some sequence decodes, and ``max_waiting`` sequences may wait to start (past
+    it a call raises :class:`~hetero.errors.OverloadedError`; ``None``: no limit).
     """
 
     def __init__(self, model: LoadedModel | str | os.PathLike[str] = "smollm2", *,
                  runtime: hetero.Runtime | None = None, weights: str = "auto", max_seq_len: int | None = None,
                  kv_cache_bytes: int | None = None, kv_cache_dtype: str = "f32",
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
+                 max_running: int = DEFAULT_MAX_RUNNING, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_waiting: int | None = None) -> None:
         check_positive_int("LLM: max_batch_tokens", max_batch_tokens)
+        check_positive_int("LLM: max_running", max_running)
+        check_positive_int("LLM: prefill_chunk", prefill_chunk)
+        if max_waiting is not None:
+            check_positive_int("LLM: max_waiting", max_waiting, minimum=0, rule="an integer >= 0 or None")
         check_positive_int("LLM: block_size", block_size)
         if max_seq_len is not None:
             check_positive_int("LLM: max_seq_len", max_seq_len, minimum=2, rule="an integer >= 2 or None")
@@ -247,7 +188,10 @@ class LLM:
             raise
         self.max_seq_len: int = int(max_seq_len)
         self.max_batch_tokens = max_batch_tokens
-        self._keys = 0
+        self._loop = GenerationLoop(self.engine, eos=self.config.eos_token_ids, max_seq_len=self.max_seq_len,
+                                    max_batch_tokens=max_batch_tokens, max_running=max_running,
+                                    prefill_chunk=prefill_chunk, max_waiting=max_waiting,
+                                    timing=bool(self.runtime.options.gpu_timing), gpu_ms=self._last_gpu_ms)
 
     # -- the model ------------------------------------------------------------------------------
     @property
@@ -278,6 +222,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        self._loop.close()
         if self._own_runtime:
             self.runtime.close()
 
@@ -319,76 +264,40 @@ class LLM:
                              "shorten it, or make the LLM with a larger max_seq_len")
         return ids
 
-    def _seqs(self, prompts: Sequence[Any], sampling: _Sampling) -> list[_Seq]:
+    def _seqs(self, prompts: Sequence[Any], sampling: Sampling) -> list[SeqState]:
         seqs = []
         for n, p in enumerate(prompts):
             ids = self._prompt_ids(p, f"prompt {n}" if len(prompts) > 1 else "the prompt")
             budget = min(len(ids) + sampling.max_tokens, self.max_seq_len)
             self.engine.check_fits(budget)
-            seed = sampling.seed + n if sampling.seed is not None else secrets.randbits(32)
-            seqs.append(_Seq(n, ids, sampling, seed, budget, self.model.tokenizer.detokenizer(), ids=list(ids)))
+            seed = sampling.seed + n if sampling.seed is not None else new_seed()
+            seqs.append(SeqState(n, ids, sampling, seed, budget, self.model.tokenizer.detokenizer(), ids=list(ids)))
         return seqs
 
-    # -- the generation loop --------------------------------------------------------------------
-    async def _events(self, seqs: list[_Seq]) -> AsyncIterator[tuple[_Seq, StreamPiece]]:
-        """Run ``seqs`` to their end; yield each sequence's pieces as they come."""
-        engine = self.engine
-        eos = set(self.config.eos_token_ids)
-        timing = bool(self.runtime.options.gpu_timing)
-        waiting = deque(seqs)
-        running: list[_Seq] = []
+    # -- generation: the loop's pieces ----------------------------------------------------------
+    async def _events(self, seqs: list[SeqState]) -> AsyncIterator[tuple[SeqState, StreamPiece]]:
+        """Hand ``seqs`` to the generation loop; yield each sequence's pieces as they come.
+
+        Leaving early (an exception, a cancellation, a closed stream) cancels what has not
+        finished and returns once the loop has freed its KV blocks.
+        """
+        ticket = Ticket(seqs)
+        self._loop.submit(ticket)
+        left = len(seqs)
         try:
-            while waiting or running:
-                while waiting and engine.reserve(waiting[0].budget):
-                    s = waiting.popleft()
-                    s.reserved = True
-                    s.key = ("hetero.llm", id(self), self._next_key())
-                    running.append(s)
-                if not running:  # the cache is held by other calls' sequences: wait for room
-                    await anyio.sleep(0.005)
-                    continue
-                rows, takers = self._plan_step(running)
-                out = await engine.step(rows)
-                now = time.perf_counter()
-                gpu_ms = self._last_gpu_ms() if timing else 0.0
-                for (s, row), tok in zip(zip(takers, rows), out):
-                    s.fed += len(row.tokens)
-                    s.gpu_ms += gpu_ms
-                    if s.fed < len(s.ids):  # a prompt chunk: no token yet
-                        continue
-                    for piece in self._accept(s, int(tok), eos, now):
-                        yield s, piece
-                for s in [s for s in running if s.finish is not None]:
-                    running.remove(s)
-                    engine.release(s.key, s.budget)
-                    s.reserved = False
+            while left:
+                await ticket.next_batch()
+                while ticket.pieces:
+                    s, piece = ticket.pieces.popleft()
+                    if piece.finish_reason is not None:
+                        left -= 1
+                    yield s, piece
+                if ticket.error is not None:
+                    raise ticket.error
         finally:
-            for s in running:
-                if s.reserved:
-                    engine.release(s.key, s.budget)
-                    s.reserved = False
-
-    def _next_key(self) -> int:
-        self._keys += 1
-        return self._keys
-
-    def _plan_step(self, running: list[_Seq]) -> tuple[list[StepRow], list[_Seq]]:
-        """This step's rows: every decoding sequence's one token, then prompt chunks within the budget."""
-        budget = self.max_batch_tokens
-        rows: list[StepRow] = []
-        takers: list[_Seq] = []
-        order = sorted(running, key=lambda s: len(s.ids) - s.fed > 1)  # decoders first
-        for s in order:
-            pending = len(s.ids) - s.fed
-            n = min(pending, budget)
-            if n < 1:
-                break
-            sp = s.sampling
-            rows.append(StepRow(s.key, s.ids[s.fed:s.fed + n], s.fed, sp.temperature, sp.top_k, sp.top_p, s.seed,
-                                len(s.generated)))
-            takers.append(s)
-            budget -= n
-        return rows, takers
+            if left:
+                self._loop.cancel(ticket)
+                await wait_released(ticket)
 
     def _last_gpu_ms(self) -> float:
         try:
@@ -397,35 +306,11 @@ class LLM:
             return 0.0
         return float(st.gpu_ms or 0.0)
 
-    def _accept(self, s: _Seq, tok: int, eos: set[int], now: float) -> list[StreamPiece]:
-        """Take sequence ``s``'s new token; the pieces it releases (the last with the finish reason)."""
-        if s.first_at is None:
-            s.first_at = now
-        s.last_at = now
-        sp = s.sampling
-        if tok in eos:
-            s.text += s.detok.flush()
-            s.finish = "stop"
-            return [StreamPiece(self._release_text(s, final=True), None, "stop")]
-        s.ids.append(tok)
-        s.text += s.detok.push(tok)
-        if _cut_at_stop(s):
-            return [StreamPiece(self._release_text(s, final=True), tok, "stop")]
-        if len(s.generated) >= sp.max_tokens or len(s.ids) >= self.max_seq_len:
-            s.text += s.detok.flush()
-            s.finish = "stop" if _cut_at_stop(s) else "length"  # the flushed tail may hold a stop string
-            return [StreamPiece(self._release_text(s, final=True), tok, s.finish)]
-        return [StreamPiece(self._release_text(s, final=False), tok)]
+    def stats(self) -> GenerationStats:
+        """Running and waiting sequences, KV blocks in use, and the totals since this LLM was made."""
+        return self._loop.stats()
 
-    @staticmethod
-    def _release_text(s: _Seq, final: bool) -> str:
-        safe = len(s.text) if final else len(s.text) - _held_back(s.text, s.sampling.stop)
-        safe = max(safe, s.emitted)
-        piece = s.text[s.emitted:safe]
-        s.emitted = safe
-        return piece
-
-    def _completion(self, s: _Seq, start: float) -> Completion:
+    def _completion(self, s: SeqState, start: float) -> Completion:
         gen = s.generated
         rate = None
         if s.first_at is not None and s.last_at is not None and len(gen) > 1 and s.last_at > s.first_at:
@@ -505,15 +390,15 @@ class LLM:
         self._check_open()
         ids = self._prompt_ids(ids, "ids")
         engine = self.engine
-        key = ("hetero.llm.logits", id(self), self._next_key())
-        while not engine.reserve(len(ids)):
-            await anyio.sleep(0.005)
-        try:
+        engine.check_fits(len(ids))
+
+        async def passes(key: Any) -> np.ndarray:
             per = engine.rows_for_logits()
             parts = [await engine.logits(key, ids[i:i + per], i) for i in range(0, len(ids), per)]
-        finally:
-            engine.release(key, len(ids))
-        return np.concatenate(parts).astype(np.float32, copy=False)
+            return np.concatenate(parts).astype(np.float32, copy=False)
+
+        out: np.ndarray = await self._loop.run_job(passes, len(ids))
+        return out
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits at every position of ``ids`` (float32 ``[len(ids), vocab]``), for checks."""

@@ -1,0 +1,230 @@
+"""Continuous batching (hetero.pipelines.llm_batch): concurrent callers share the engine's steps."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import sys
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from llm_fixtures import write_tiny_gguf  # noqa: E402
+
+from hetero.errors import OverloadedError, RuntimeClosedError  # noqa: E402
+from hetero.pipelines import LLM  # noqa: E402
+from hetero.pipelines.kv_cache import kv_block_bytes  # noqa: E402
+from hetero.pipelines.llm_model import load_model  # noqa: E402
+
+KV = 1 << 20  # 128 blocks of 16 tokens for the tiny model
+PROMPTS = ["The quick brown fox", "What is the capital of France?", "def f(x):\n    return", "A",
+           "Return the number of items in a container.", "Open file and return a stream.",
+           "Split the string at the first occurrence of sep.", "The sum of a sequence of numbers."]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny llama with no end-of-sequence token, so that every generation runs its full length."""
+    m = load_model(write_tiny_gguf(tmp_path_factory.mktemp("batch") / "llama.gguf", "llama", "f32"))
+    m.config = dataclasses.replace(m.config, eos_token_ids=())
+    return m
+
+
+@pytest.fixture(scope="module")
+def llm(model, shared_rt):
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt's greedy tokens, run by itself."""
+    return [llm.generate(p, max_tokens=12).token_ids for p in PROMPTS]
+
+
+def idle(llm: LLM) -> bool:
+    s = llm.stats()
+    return s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0 and llm.engine.reserved_blocks == 0
+
+
+@pytest.mark.anyio
+async def test_callers_arriving_at_random_times_get_their_tokens_alone(llm, alone):
+    rng = random.Random(7)
+    delays = [rng.uniform(0, 0.05) for _ in PROMPTS]
+    got: dict[int, list[int]] = {}
+
+    async def caller(i: int) -> None:
+        await anyio.sleep(delays[i])
+        if i % 2:
+            c = await llm.agenerate(PROMPTS[i], max_tokens=12)
+            got[i] = c.token_ids
+        else:
+            got[i] = [p.token_id async for p in llm.stream(PROMPTS[i], max_tokens=12) if p.token_id is not None]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(caller, i)
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+    assert idle(llm)
+
+
+@pytest.mark.anyio
+async def test_a_stream_joins_the_running_steps(llm, alone):
+    """B starts while A decodes: both run in the same steps, and each gets its tokens alone."""
+    steps0 = llm.stats().steps
+    a_tokens: list[int] = []
+    b_tokens: list[int] = []
+    running_seen = []
+    async with contextlib.aclosing(llm.stream(PROMPTS[0], max_tokens=200)) as a:
+        async for piece in a:
+            a_tokens.append(piece.token_id)
+            if len(a_tokens) == 1:
+                async for q in llm.stream(PROMPTS[1], max_tokens=12):
+                    running_seen.append(llm.stats().running)
+                    b_tokens.append(q.token_id)
+            if len(a_tokens) == 20:
+                break
+    assert b_tokens == alone[1]
+    assert a_tokens[:12] == alone[0]
+    assert 2 in running_seen  # B's tokens came while A was running
+    steps = llm.stats().steps - steps0
+    assert steps < 200  # A was cancelled, not run to its end
+    assert idle(llm)
+
+
+@pytest.mark.anyio
+async def test_a_long_prompt_enters_in_chunks_while_a_stream_decodes(model, shared_rt):
+    """With prefill_chunk 16, a 160-token prompt takes 10 steps; the running stream gets a token each."""
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV, prefill_chunk=16) as llm:
+        long_ids = (llm.encode(" ".join(PROMPTS)) * 8)[:160]
+        want_long = (await llm.agenerate(long_ids, max_tokens=4)).token_ids
+        a_count = 0
+        a_at_b_first = None
+        b_tokens: list[int] = []
+        async with contextlib.aclosing(llm.stream(PROMPTS[0], max_tokens=200)) as a:
+            async with anyio.create_task_group() as tg:
+                async def b() -> None:
+                    nonlocal a_at_b_first
+                    async for q in llm.stream(long_ids, max_tokens=4):
+                        if a_at_b_first is None:
+                            a_at_b_first = a_count
+                        b_tokens.append(q.token_id)
+
+                async for _ in a:
+                    a_count += 1
+                    if a_count == 1:
+                        tg.start_soon(b)
+                    if b_tokens and len(b_tokens) == 4:
+                        break
+        assert b_tokens == want_long
+        assert a_at_b_first is not None and a_at_b_first - 1 >= 160 // 16 - 1  # A decoded while B's prompt went in
+        assert idle(llm)
+
+
+@pytest.mark.anyio
+async def test_leaving_or_cancelling_frees_the_blocks_at_once(llm):
+    async with contextlib.aclosing(llm.stream(PROMPTS[2], max_tokens=150)) as stream:
+        async for _ in stream:
+            assert llm.stats().kv_blocks_used > 0
+            break
+    assert idle(llm)  # aclose returned after the loop freed them
+    with anyio.move_on_after(0.2):
+        await llm.agenerate(PROMPTS * 2, max_tokens=200)
+    assert idle(llm)
+
+
+@pytest.mark.anyio
+async def test_a_tiny_cache_runs_every_caller_in_turn_and_loses_nothing(model, shared_rt, alone):
+    kv = 4 * kv_block_bytes(model.config, 16, 4)  # 3 blocks and the scratch block: one or two sequences at a time
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=kv) as llm:
+        assert llm.engine.num_blocks == 3
+        got: dict[int, list[int]] = {}
+
+        async def caller(i: int) -> None:
+            c = await llm.agenerate(PROMPTS[i], max_tokens=12)
+            got[i] = c.token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(caller, i)
+        assert [got[i] for i in range(len(PROMPTS))] == alone
+        assert idle(llm)
+        assert llm.stats().requests_finished == len(PROMPTS)
+
+
+@pytest.mark.anyio
+async def test_past_max_waiting_a_call_is_refused_at_once(model, shared_rt, alone):
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV, max_running=1, max_waiting=1) as llm:
+        async with contextlib.aclosing(llm.stream(PROMPTS[0], max_tokens=200)) as a:
+            await a.__anext__()  # A runs: the one running place is taken
+            async with anyio.create_task_group() as tg:
+                done: list[list[int]] = []
+
+                async def b() -> None:
+                    done.append((await llm.agenerate(PROMPTS[1], max_tokens=12)).token_ids)
+
+                tg.start_soon(b)
+                while llm.stats().waiting < 1:
+                    await anyio.sleep(0.001)
+                with pytest.raises(OverloadedError, match="max_waiting is 1"):
+                    await llm.agenerate(PROMPTS[2], max_tokens=4)
+                with pytest.raises(OverloadedError):
+                    await llm.stream(PROMPTS[2], max_tokens=4).__anext__()
+                await a.aclose()  # B starts now
+        assert done == [alone[1]]
+        assert idle(llm)
+
+
+@pytest.mark.anyio
+async def test_logits_between_steps_equal_logits_alone(llm):
+    ids = llm.encode(PROMPTS[4])
+    want = await llm.alogits(ids)
+    async with contextlib.aclosing(llm.stream(PROMPTS[0], max_tokens=100)) as a:
+        await a.__anext__()
+        got = await llm.alogits(ids)
+    np.testing.assert_array_equal(got, want)
+    assert idle(llm)
+
+
+def test_sync_callers_in_threads_share_the_loop(llm, alone):
+    got: dict[int, list[int]] = {}
+
+    def caller(i: int) -> None:
+        got[i] = llm.generate(PROMPTS[i], max_tokens=12).token_ids
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(4)] == alone[:4]
+    assert idle(llm)
+
+
+def test_stats_count_tokens_and_requests(model, shared_rt):
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV) as llm:
+        s0 = llm.stats()
+        assert (s0.running, s0.waiting, s0.tokens_generated, s0.requests_finished, s0.steps) == (0, 0, 0, 0, 0)
+        assert s0.kv_blocks_total == llm.engine.num_blocks
+        cs = llm.generate(PROMPTS[:3], max_tokens=5)
+        s = llm.stats()
+        assert s.tokens_generated == 15 and s.requests_finished == 3
+        assert s.prompt_tokens == sum(c.prompt_tokens for c in cs)
+        assert 5 <= s.steps < 15  # the three decoded together
+
+
+@pytest.mark.anyio
+async def test_closing_the_llm_fails_a_running_stream(model, shared_rt):
+    llm = LLM(model, runtime=shared_rt, kv_cache_bytes=KV)
+    with pytest.raises(RuntimeClosedError):
+        async with contextlib.aclosing(llm.stream(PROMPTS[0], max_tokens=200)) as a:
+            async for _ in a:
+                await anyio.to_thread.run_sync(llm.close)
+    with pytest.raises(RuntimeClosedError):
+        await llm.agenerate(PROMPTS[0], max_tokens=2)
