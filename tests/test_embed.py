@@ -64,8 +64,8 @@ def _ln(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
 _erf = np.vectorize(math.erf)
 
 
-def reference(m: Model, texts: list[str]) -> np.ndarray:
-    """HF BertModel + mean pooling + normalisation in float64 numpy."""
+def reference(m: Model, texts: list[str], normalize: bool = True) -> np.ndarray:
+    """HF BertModel + mean pooling (+ normalisation, with ``normalize``) in float64 numpy."""
     ids, types, pos, mask = tokenize(texts, m)
     w = {k: v.astype(np.float64) for k, v in m.weights.items()}
     c = m.config
@@ -95,6 +95,8 @@ def reference(m: Model, texts: list[str]) -> np.ndarray:
                 c.layer_norm_eps)
     mf = mask[..., None].astype(np.float64)
     pooled = (x * mf).sum(1) / np.maximum(mf.sum(1), 1e-9)
+    if not normalize:
+        return pooled
     return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
 
