@@ -38,12 +38,21 @@ op                                  what (and what it fuses)
 ==================================  ============================================================
 
 Linear layers (``linear``, ``linear_swiglu``). ``x`` is float32 ``[M, K]``, the weight
-``[N, K]`` (y = x @ W.T). Weights are read as u32 words, 8 weights (a "unit") at a time,
-and dequantized in registers. For M <= :data:`GEMV_MAX_M` (decode) a GEMV kernel: a
-workgroup of :data:`GEMV_THREADS` threads computes a few output rows for all M activation
-rows; thread t takes units t, t + 64, ... of each row (consecutive threads, consecutive
-words), and the partial sums meet through ``subgroupAdd`` where the device has the
-``subgroup`` feature (:data:`USE_SUBGROUPS`) or a workgroup-memory tree. For larger M
+``[N, K]`` (y = x @ W.T). Weights are read as u32 words and dequantized in registers. For
+M <= :data:`GEMV_MAX_M` (decode) the *lanes* GEMV: a workgroup of
+:data:`GEMV_LANES_THREADS` threads is a few slots of ``lanes`` threads, and a slot computes
+one output row (:data:`GEMV_SLOT_ROWS`) for all M activation rows, so a large GPU gets a
+subgroup's worth of threads per few rows and thousands of them per product. Lane l takes
+chunks l, l + lanes, ... of the row (a chunk: a quantization block of 32 weights, read as
+16-byte vectors: one for Q4, two for Q8_0; or 8 weights of a float kind), several at once
+(:data:`GEMV_UNROLL`, loads first), and dequantizes them in registers (a Q4_1 block's dot
+product is ``d * sum(q x) + m * sum(x)``). Lanes are sized for about
+:data:`GEMV_LANE_CHUNKS` chunks each; their partial sums meet by ``subgroupShuffleXor``
+where the device has the ``subgroup`` feature (:data:`USE_SUBGROUPS`; a slot then lies in
+one subgroup, so lanes are at most its smallest size) or by a workgroup-memory tree.
+:data:`GEMV_IMPL` ``"units"`` selects the earlier GEMV (a workgroup of
+:data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
+64, ... of each row), kept so that the bench and the tests compare the two. For larger M
 (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
 dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
 when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
@@ -95,6 +104,8 @@ the row's place in the batch. NaN logits count as -inf. Only the int32 ids need 
 back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
+:data:`GEMV_IMPL`, :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`,
+:data:`GEMV_LANES_THREADS`, :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`,
 :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
@@ -127,9 +138,27 @@ multiple of 4): the row is read from memory once, the 16-20 passes walk register
 GEMV_MAX_M = 8
 """Most activation rows ``linear`` multiplies with the GEMV kernel; more take the tiled kernel."""
 GEMV_THREADS = 64
-"""Threads of a GEMV workgroup (a power of two)."""
+"""Threads of a workgroup of the ``units`` GEMV (a power of two)."""
 GEMV_ROWS = 4
-"""Output rows a GEMV workgroup computes at M = 1 (fewer for larger M: registers)."""
+"""Output rows a GEMV workgroup of the ``units`` kernel computes at M = 1 (fewer for larger M: registers)."""
+GEMV_IMPL = "lanes"
+"""The GEMV kernel: ``"lanes"`` (a few lanes a row, 16-byte weight loads, subgroup shuffles) or
+``"units"`` (the earlier kernel: a workgroup of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows,
+one word a thread a row). ``"units"`` is kept for the bench and the tests to compare against."""
+GEMV_LANES = 0
+"""Lanes (threads) a row of the lanes GEMV; 0 chooses (see ``_lanes_shape``)."""
+GEMV_LANE_CHUNKS = 2
+"""Chunks (blocks of 32 quantized weights, or 8 float weights) a lane of the lanes GEMV takes, about:
+it sizes the lanes a row. Few: a short serial walk a lane, all its loads in flight at once."""
+GEMV_MAX_LANES = 32
+"""Most lanes a row of the lanes GEMV where its partial sums meet in workgroup memory."""
+GEMV_LANES_THREADS = 64
+"""Threads of a lanes-GEMV workgroup (a power of two)."""
+GEMV_SLOT_ROWS = 1
+"""Output rows a slot of the lanes GEMV computes at M = 1 (its lanes read the activations once for
+them all); at most 8 // M."""
+GEMV_UNROLL = 2
+"""Chunks a lane of the lanes GEMV loads before it computes (an unrolled loop: loads in flight together)."""
 TILED_MIN_GROUPS = 128
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams)."""
@@ -299,6 +328,24 @@ def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, An
     return m, k, n, kinds[0][1]
 
 
+def _lanes_shape(chunks: int, sg: int) -> tuple[int, int, int]:
+    """(lanes a row, threads a workgroup, rows a slot) of the lanes GEMV over rows of ``chunks`` chunks.
+
+    Lanes: enough for about :data:`GEMV_LANE_CHUNKS` chunks a lane (a power of two), at most
+    the smallest subgroup size ``sg`` where the subgroup path is taken (a slot lies within one
+    subgroup), else :data:`GEMV_MAX_LANES`; :data:`GEMV_LANES` overrides.
+    """
+    threads = int(GEMV_LANES_THREADS)
+    if threads < 1 or threads & (threads - 1):
+        raise ValueError(f"GEMV_LANES_THREADS must be a power of two, got {threads}")
+    cap = min(threads, sg if sg else int(GEMV_MAX_LANES))
+    want = int(GEMV_LANES) or _groups(chunks, max(1, int(GEMV_LANE_CHUNKS)))
+    lanes = 1
+    while lanes < want and lanes * 2 <= cap:
+        lanes *= 2
+    return lanes, threads, max(1, int(GEMV_SLOT_ROWS))
+
+
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
                 kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
     swiglu = len(ws) == 2
@@ -310,6 +357,8 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     if path not in ("auto", "gemv", "tiled"):
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
+    if gemv and GEMV_IMPL not in ("lanes", "units"):
+        raise ValueError(f"{op}: GEMV_IMPL must be 'lanes' or 'units', got {GEMV_IMPL!r}")
     xt = _dev(gpu, x)
     inputs: list[Any] = [xt]  # x, the weights' arrays, the norm weight: what the products read
     for w in ws:
@@ -323,6 +372,21 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         extras.append(_dev(gpu, residual))
     flags = (swiglu, norm is not None, bias is not None, residual is not None)
     tag = "".join(t for t, f in zip((".swiglu", ".norm", ".bias", ".res"), flags) if f)
+    if gemv and GEMV_IMPL == "lanes":
+        sg = _subgroups(gpu)
+        chunks = blocks if kind not in _FLOAT_KINDS else units
+        lanes, threads, slot_rows = _lanes_shape(chunks, sg)
+        unroll = max(1, int(GEMV_UNROLL))
+        for m0 in range(0, m, GEMV_MAX_M):
+            mr = min(GEMV_MAX_M, m - m0)
+            rows = max(1, min(slot_rows, 8 // mr))
+            src = W.linear_gemv_lanes(kind, mr, rows, lanes, threads, unroll, vec, swiglu, norm is not None,
+                                      bias is not None, residual is not None, bool(sg))
+            kern = gpu.kernel(src, "main", label=f"decoder.linear.lanes.{kind}.m{mr}.r{rows}.l{lanes}.t{threads}"
+                              f".u{unroll}{tag}{'.sg' if sg else ''}")
+            params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
+            gpu.dispatch(kern, _groups(n, threads // lanes * rows), *inputs, *extras, out, params)
+        return out
     if gemv:
         sg = _subgroups(gpu)
         # GEMV_MAX_M rows of x at a time (registers); the params say which

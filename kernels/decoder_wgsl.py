@@ -10,9 +10,10 @@ arrays indexed in loops): drivers keep them in registers.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
-__all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_tiled", "rmsnorm",
-           "rope_kv", "sample"]
+__all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_gemv_lanes",
+           "linear_tiled", "rmsnorm", "rope_kv", "sample"]
 
 # -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
 # A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
@@ -98,16 +99,18 @@ fn gv(k: u32) -> vec4<f32> { return vec4<f32>(gs1(k), gs1(k + 1u), gs1(k + 2u), 
 """
 
 
-def _io_decls(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
-    """Bindings of a linear kernel: x, the weight(s), [g], [bias], [residual], y, params."""
+def _io_decls(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool,
+              decls: Callable[[str, int, str], tuple[str, int]] = weight_decls) -> str:
+    """Bindings of a linear kernel: x, the weight(s) (as ``decls`` declares them), [g], [bias], [residual],
+    y, params."""
     xt = "vec4<f32>" if vec else "f32"
     src = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
     b = 1
-    decl, used = weight_decls(kind, b, "0")
+    decl, used = decls(kind, b, "0")
     src += decl
     b += used
     if swiglu:
-        decl, used = weight_decls(kind, b, "1")
+        decl, used = decls(kind, b, "1")
         src += decl
         b += used
     if norm:
@@ -247,6 +250,212 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }}
 """)
     return src
+
+
+# -- the lanes GEMV (decode): a few lanes a row, 16-byte weight loads, dequantized in registers ----
+def lane_weight_decls(kind: str, first: int, tag: str) -> tuple[str, int]:
+    """Declarations of a weight's arrays for :func:`linear_gemv_lanes`: the same buffers as
+    :func:`weight_decls`, the values read as 16-byte vectors (vec4<u32>; vec4<f32> for f32)."""
+    if kind == "f32":
+        return f"@group(0) @binding({first}) var<storage, read> w{tag}: array<vec4<f32>>;\n", 1
+    if kind == "f16":
+        return f"@group(0) @binding({first}) var<storage, read> w{tag}: array<vec4<u32>>;\n", 1
+    src = (f"@group(0) @binding({first}) var<storage, read> qs{tag}: array<vec4<u32>>;\n"
+           f"@group(0) @binding({first + 1}) var<storage, read> d{tag}: array<f32>;\n")
+    if kind == "q4_1":
+        return src + f"@group(0) @binding({first + 2}) var<storage, read> m{tag}: array<f32>;\n", 3
+    return src, 2
+
+
+def _lane_chunk(kind: str, j: int, nw: int, rows: int, mrows: int, norm: bool) -> list[str]:
+    """WGSL adding chunk ``c + j * L`` of the slot's rows to the accumulators ``a{w}_{r}_{m}`` (and the
+    sums of squares ``ss_{m}``). A chunk is one quantization block of 32 weights (q8_0: two
+    16-byte loads, q4: one) or 8 weights of a float kind (f16: one 16-byte load, f32: two). A
+    chunk past the row (the unrolled tail) reads chunk 0 and counts for nothing (factor 0)."""
+    quant = kind not in ("f32", "f16")
+    nch = "p.blocks" if quant else "p.units"
+    L: list[str] = []
+    L.append(f"        let c{j} = c + {j}u * L;")
+    L.append(f"        let f{j} = select(0.0, 1.0, c{j} < {nch});")
+    L.append(f"        let k{j} = select(0u, c{j}, c{j} < {nch});")
+    L.append(f"        let kb{j} = k{j} * {32 if quant else 8}u;")
+    ws = [(w, r) for w in range(nw) for r in range(rows)]
+    # every load of the chunk first (the rows' weights and scales), then the arithmetic
+    for w, r in ws:
+        if kind == "f32":
+            L.append(f"        let wa{w}_{r}_{j} = w{w}[(rr{r} * p.units + k{j}) * 2u];")
+            L.append(f"        let wb{w}_{r}_{j} = w{w}[(rr{r} * p.units + k{j}) * 2u + 1u];")
+        elif kind == "f16":
+            L.append(f"        let wv{w}_{r}_{j} = w{w}[rr{r} * p.units + k{j}];")
+        elif kind == "q8_0":
+            L.append(f"        let qa{w}_{r}_{j} = qs{w}[(rr{r} * p.blocks + k{j}) * 2u];")
+            L.append(f"        let qb{w}_{r}_{j} = qs{w}[(rr{r} * p.blocks + k{j}) * 2u + 1u];")
+        else:
+            L.append(f"        let qa{w}_{r}_{j} = qs{w}[rr{r} * p.blocks + k{j}];")
+        if quant:
+            L.append(f"        let s{w}_{r}_{j} = d{w}[rr{r} * p.blocks + k{j}] * f{j};")
+        if kind == "q4_1":
+            L.append(f"        let o{w}_{r}_{j} = m{w}[rr{r} * p.blocks + k{j}] * f{j};")
+    for m in range(mrows):
+        for w, r in ws:
+            L.append(f"        var t{w}_{r}_{m}_{j} = 0.0;")
+        if kind in ("q4_0", "q4_1"):
+            L.append(f"        var sx{m}_{j} = vec4<f32>(0.0);")
+        if norm:
+            L.append(f"        var cs{m}_{j} = 0.0;")
+    comp = "xyzw"
+    # steps of the chunk: (x offsets in the chunk, WGSL of each (w, r)'s weights as vec4s)
+    steps: list[tuple[list[int], dict[tuple[int, int], list[str]]]] = []
+    if kind == "f32":
+        steps.append(([0, 4], {(w, r): [f"wa{w}_{r}_{j}", f"wb{w}_{r}_{j}"] for w, r in ws}))
+    elif kind == "f16":
+        steps.append(([0, 4], {(w, r): [
+            f"vec4<f32>(unpack2x16float(wv{w}_{r}_{j}.x), unpack2x16float(wv{w}_{r}_{j}.y))",
+            f"vec4<f32>(unpack2x16float(wv{w}_{r}_{j}.z), unpack2x16float(wv{w}_{r}_{j}.w))"] for w, r in ws}))
+    elif kind == "q8_0":
+        for i in range(8):
+            src = "qa" if i < 4 else "qb"
+            steps.append(([4 * i], {(w, r): [f"i8x4({src}{w}_{r}_{j}.{comp[i % 4]})"] for w, r in ws}))
+    else:
+        for i in range(4):
+            steps.append(([4 * i, 16 + 4 * i], {(w, r): [
+                f"vec4<f32>((vec4<u32>(qa{w}_{r}_{j}.{comp[i]}) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u))",
+                f"vec4<f32>((vec4<u32>(qa{w}_{r}_{j}.{comp[i]}) >> vec4<u32>(4u, 12u, 20u, 28u)) & vec4<u32>(15u))"]
+                for w, r in ws}))
+    for i, (offs, wv) in enumerate(steps):
+        L.append("        {")
+        if norm:
+            for e, off in enumerate(offs):
+                L.append(f"            let g{e} = gv(kb{j} + {off}u);")
+        for (w, r), exprs in wv.items():
+            for e, ex in enumerate(exprs):
+                L.append(f"            let q{w}_{r}_{e} = {ex};")
+        for m in range(mrows):
+            for e, off in enumerate(offs):
+                L.append(f"            let x{m}_{e}r = xv(p.m0 + {m}u, kb{j} + {off}u);")
+                if norm:
+                    L.append(f"            cs{m}_{j} += dot(x{m}_{e}r, x{m}_{e}r);")
+                    L.append(f"            let x{m}_{e} = x{m}_{e}r * g{e};")
+                else:
+                    L.append(f"            let x{m}_{e} = x{m}_{e}r;")
+            if kind in ("q4_0", "q4_1"):
+                L.append(f"            sx{m}_{j} += x{m}_0 + x{m}_1;")
+            for w, r in ws:
+                terms = " + ".join(f"dot(q{w}_{r}_{e}, x{m}_{e})" for e in range(len(offs)))
+                L.append(f"            t{w}_{r}_{m}_{j} += {terms};")
+        L.append("        }")
+    for m in range(mrows):
+        if kind in ("q4_0", "q4_1"):
+            L.append(f"        let sxs{m}_{j} = dot(sx{m}_{j}, vec4<f32>(1.0));")
+        for w, r in ws:
+            t = f"t{w}_{r}_{m}_{j}"
+            if kind == "q4_1":
+                L.append(f"        a{w}_{r}_{m} += s{w}_{r}_{j} * {t} + o{w}_{r}_{j} * sxs{m}_{j};")
+            elif kind == "q4_0":
+                L.append(f"        a{w}_{r}_{m} += s{w}_{r}_{j} * ({t} - 8.0 * sxs{m}_{j});")
+            elif kind == "q8_0":
+                L.append(f"        a{w}_{r}_{m} += s{w}_{r}_{j} * {t};")
+            else:
+                L.append(f"        a{w}_{r}_{m} += f{j} * {t};")
+        if norm:
+            L.append(f"        ss_{m} += f{j} * cs{m}_{j};")
+    return L
+
+
+@lru_cache(maxsize=None)
+def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int, unroll: int, vec: bool,
+                      swiglu: bool, norm: bool, bias: bool, residual: bool, subgroups: bool) -> str:
+    """y[M, N] = x[M, K] @ W.T for small M (decode): ``lanes`` threads a row.
+
+    A workgroup of ``threads`` holds ``threads / lanes`` slots of ``lanes`` threads; a slot
+    computes ``rows`` output rows for all ``mrows`` activation rows. Lane l of a slot takes
+    chunks l, l + lanes, ... of its rows (a chunk: one quantization block of 32 weights, or 8
+    weights of a float kind), ``unroll`` chunks an iteration with every load issued first: its
+    rows' 16-byte weight vectors and scales, then the activations (shared by the rows), then
+    the dequantization and dot products in registers. A Q4 block's dot product is
+    ``d * sum(q x) + m * sum(x)`` (Q4_0: ``m = -8 d``), one multiply by each scale a block.
+    The lanes' partial sums meet by ``subgroupShuffleXor`` in log2(lanes) steps (``subgroups``:
+    a slot is ``lanes`` consecutive invocations of one subgroup, found from the subgroup
+    builtins, so lanes must be at most the device's smallest subgroup size; no workgroup memory
+    and no barrier), or else by a tree in workgroup memory. ``norm`` folds the RMSNorm of x in
+    as :func:`linear_gemv` does (the slot's lanes cover K once between them, so each slot has
+    the whole sum of squares). Rows past N read row N - 1 and are not stored.
+    """
+    if lanes < 1 or lanes & (lanes - 1) or threads % lanes or unroll < 1:
+        raise ValueError(f"linear_gemv_lanes: lanes ({lanes}) must be a power of two dividing threads ({threads}), "
+                         f"unroll ({unroll}) >= 1")
+    nw = 2 if swiglu else 1
+    vals = [f"a{w}_{r}_{m}" for w in range(nw) for r in range(rows) for m in range(mrows)]
+    if norm:
+        vals += [f"ss_{m}" for m in range(mrows)]
+    nv = len(vals)
+    L: list[str] = []
+    if subgroups:
+        L.append("    let slot = sid * (sgs / L) + sl / L;")
+        L.append("    let lane = sl % L;")
+    else:
+        L.append("    let slot = li / L;")
+        L.append("    let lane = li % L;")
+    L.append("    let n0 = (hetero_workgroup_id(wid).x * S + slot) * RS;")
+    for r in range(rows):
+        L.append(f"    let rr{r} = min(n0 + {r}u, p.n - 1u);")
+    for v in vals:
+        L.append(f"    var {v} = 0.0;")
+    nch = "p.units" if kind in ("f32", "f16") else "p.blocks"
+    L.append(f"    for (var c = lane; c < {nch}; c += L * {unroll}u) {{")
+    for j in range(unroll):
+        L += _lane_chunk(kind, j, nw, rows, mrows, norm)
+    L.append("    }")
+    red = ""
+    if lanes > 1 and subgroups:
+        s = 1
+        while s < lanes:
+            for v in vals:
+                L.append(f"    {v} += subgroupShuffleXor({v}, {s}u);")
+            s *= 2
+    elif lanes > 1:
+        if threads * nv > 4096:
+            raise ValueError(f"linear_gemv_lanes: {threads} threads x {nv} sums pass 16 KiB of workgroup memory")
+        red = f"var<workgroup> red: array<f32, {threads * nv}>;\n"
+        for j, v in enumerate(vals):
+            L.append(f"    red[{j}u * WG + li] = {v};")
+        L.append("    workgroupBarrier();")
+        L.append("    for (var s = L / 2u; s > 0u; s >>= 1u) {")
+        L.append("        if (lane < s) {")
+        for j in range(nv):
+            L.append(f"            red[{j}u * WG + li] += red[{j}u * WG + li + s];")
+        L.append("        }")
+        L.append("        workgroupBarrier();")
+        L.append("    }")
+        for j, v in enumerate(vals):
+            L.append(f"    {v} = red[{j}u * WG + li];")
+    L.append("    if (lane == 0u && slot < S) {")
+    for m in range(mrows):
+        sc = f"inverseSqrt(ss_{m} / f32(p.k) + p.eps)" if norm else "1.0"
+        L.append(f"        let sc{m} = {sc};")
+    for r in range(rows):
+        L.append(f"        if (n0 + {r}u < p.n) {{")
+        for m in range(mrows):
+            a1 = f"a1_{r}_{m}" if swiglu else "0.0"
+            L.append(f"            store(p.m0 + {m}u, n0 + {r}u, a0_{r}_{m}, {a1}, sc{m});")
+        L.append("        }")
+    L.append("    }")
+    body = "\n".join(L)
+    args = (", @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_id) sid: u32, "
+            "@builtin(subgroup_size) sgs: u32") if subgroups else ""
+    return (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual, lane_weight_decls)
+            + _x_reader(vec) + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+            + f"""
+const WG: u32 = {threads}u;
+const L: u32 = {lanes}u;
+const S: u32 = {threads // lanes}u;
+const RS: u32 = {rows}u;
+{red}
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32{args}) {{
+{body}
+}}
+""")
 
 
 @lru_cache(maxsize=None)

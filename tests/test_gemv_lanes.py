@@ -1,0 +1,166 @@
+"""The lanes GEMV (``hetero.kernels.decoder.linear`` for M <= GEMV_MAX_M) against numpy, on tiny shapes.
+
+Each weight kind, M = 1, 3 and 8, the epilogues (folded RMSNorm, bias, residual) and the fused
+gate/up SwiGLU, with the partial sums meeting by subgroup shuffles (where the adapter has
+subgroups) and through workgroup memory (forced by ``USE_SUBGROUPS = False``); the layout
+knobs (lanes a row, rows a slot, unroll, threads) at their edges; the earlier ``units`` kernel,
+kept for comparison, still right; which kernel each M takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hetero
+import hetero.kernels.decoder as D
+from hetero.kernels.quant import unpack
+
+from tests.test_decoder_kernels import ASYNCIO_ONLY, Spy, call, close, linear_ref, make_weight, rand, subgroup_modes
+
+pytestmark = pytest.mark.anyio
+
+
+def swiglu_ref(x: np.ndarray, wg: np.ndarray, wu: np.ndarray, g: Any) -> tuple[np.ndarray, np.ndarray]:
+    a, sa = linear_ref(x, wg, norm=g)
+    b, sb = linear_ref(x, wu, norm=g)
+    sig = 1.0 / (1.0 + np.exp(-a))
+    return a * sig * b, sa * np.abs(b) + sb * np.abs(a * sig)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+async def test_lanes_gemv_every_m_both_reductions(shared_rt: hetero.Runtime, kind: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 256 (8 blocks, 32 f16 chunks), N = 37 (no multiple of a workgroup's rows); M = 1 with the
+    RMSNorm folded in and a bias (QKV), M = 3 with a residual (output projection), M = 8 with the
+    norm (the MLP's input). The workgroup-memory reduction runs with 8 lanes a row (a tree of
+    three steps), the subgroup one with as many as the smallest subgroup holds."""
+    k, n = 256, 37
+    pw = make_weight(kind, rand((n, k), 1, scale=0.5))
+    dq = unpack(pw)
+    g = rand((k,), 2) + 1.0
+    bias = rand((n,), 3)
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        monkeypatch.setattr(D, "GEMV_LANES", 0 if sg else 8)
+        for m, use_norm, use_bias, use_res in [(1, True, True, False), (3, False, False, True),
+                                               (8, True, False, False)]:
+            x = rand((m, k), 10 + m, scale=2.0)
+            res = rand((m, n), 20 + m)
+            inputs: dict[str, Any] = {"x": x, "g": g, "b": bias, "r": res}
+            spy: list[Spy] = []
+
+            def stage(gpu: Any, x: Any, g: Any, b: Any, r: Any) -> Any:
+                spy.append(Spy(gpu))
+                return D.linear(spy[-1], x, D.upload_weight(gpu, pw), bias=b if use_bias else None,
+                                residual=r if use_res else None, norm=g if use_norm else None, eps=1e-5)
+            got = await call(shared_rt, stage, **inputs)
+            assert len(spy[0].labels) == 1 and spy[0].labels[0].startswith(f"decoder.linear.lanes.{kind}.m{m}.")
+            assert spy[0].labels[0].endswith(".sg") == sg
+            want, scale = linear_ref(x, dq, bias if use_bias else None, res if use_res else None,
+                                     norm=g if use_norm else None, eps=1e-5)
+            close(f"lanes {kind} M={m} subgroups={sg}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+async def test_lanes_gemv_swiglu(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gate and up in one dispatch, SiLU-mul in the epilogue, the RMSNorm folded in; M = 1, 3, 8."""
+    k, f = 128, 24
+    wg, wu = make_weight(kind, rand((f, k), 30, scale=0.5)), make_weight(kind, rand((f, k), 31, scale=0.5))
+    g = rand((k,), 32) + 1.0
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        monkeypatch.setattr(D, "GEMV_LANES", 0 if sg else 4)
+        for m in (1, 3, 8):
+            x = rand((m, k), 40 + m)
+            got = await call(shared_rt, lambda gpu, x, g: D.linear_swiglu(gpu, x, wg, wu, norm=g), x=x, g=g)
+            want, scale = swiglu_ref(x, unpack(wg), unpack(wu), g)
+            close(f"lanes swiglu {kind} M={m} subgroups={sg}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_0", "f32"])
+async def test_lanes_gemv_other_kinds(shared_rt: hetero.Runtime, kind: str) -> None:
+    """Q4_0 (``d * (sum(q x) - 8 sum(x))``) and f32, at K = 37 for f32 (a ragged last chunk of x)."""
+    k = 64 if kind == "q4_0" else 37
+    pw = make_weight(kind, rand((19, k), 50))
+    for m in (1, 3):
+        x = rand((m, k), 51 + m)
+        got = await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=x)
+        want, scale = linear_ref(x, unpack(pw))
+        close(f"lanes {kind} M={m}", got, want, scale)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("sg", [True, False])
+async def test_lanes_gemv_layouts(shared_rt: hetero.Runtime, sg: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout knobs at their edges, M = 1, Q4_1 with the norm and a residual: more lanes than a row has
+    chunks (idle lanes), one lane a row (no reduction), unrolls of 1 and 3 (a tail chunk counted for
+    nothing), two and four rows a slot (N = 45 leaves a slot half full), 32 and 128 threads."""
+    if sg and "subgroup" not in hetero.lowlevel.device_of(shared_rt).features:
+        pytest.skip("the adapter has no subgroups")
+    monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+    k, n = 160, 45  # 5 blocks a row
+    pw = make_weight("q4_1", rand((n, k), 60))
+    g, x, res = rand((k,), 61) + 1.0, rand((1, k), 62), rand((1, n), 63)
+    want, scale = linear_ref(x, unpack(pw), None, res, norm=g)
+    for lanes, unroll, rows, threads in [(16, 2, 1, 64), (1, 1, 1, 64), (2, 3, 2, 32), (4, 1, 4, 128)]:
+        for name, v in (("GEMV_LANES", lanes), ("GEMV_UNROLL", unroll), ("GEMV_SLOT_ROWS", rows),
+                        ("GEMV_LANES_THREADS", threads)):
+            monkeypatch.setattr(D, name, v)
+        got = await call(shared_rt, lambda gpu, x, g, r: D.linear(gpu, x, pw, residual=r, norm=g), x=x, g=g, r=res)
+        close(f"lanes layout lanes={lanes} unroll={unroll} rows={rows} threads={threads} subgroups={sg}",
+              got, want, scale)
+
+
+def test_lanes_shape_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lanes a row: about GEMV_LANE_CHUNKS chunks a lane, a power of two, capped by the subgroup size (or
+    GEMV_MAX_LANES without subgroups) and the workgroup."""
+    assert D._lanes_shape(18, 32) == (16, 64, 1)  # SmolLM2's K = 576 in Q4_1: 18 blocks
+    assert D._lanes_shape(64, 32) == (32, 64, 1)
+    assert D._lanes_shape(64, 4) == (4, 64, 1)  # lanes stay within the smallest subgroup
+    assert D._lanes_shape(1000, 0) == (32, 64, 1)
+    assert D._lanes_shape(2, 32) == (1, 64, 1)
+    monkeypatch.setattr(D, "GEMV_LANES_THREADS", 16)
+    assert D._lanes_shape(1000, 0) == (16, 16, 1)
+    monkeypatch.setattr(D, "GEMV_LANES_THREADS", 48)
+    with pytest.raises(ValueError, match="GEMV_LANES_THREADS must be a power of two, got 48"):
+        D._lanes_shape(8, 0)
+
+
+@ASYNCIO_ONLY
+async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """M <= 8: one lanes dispatch; M = 9 on path "gemv": two (8 rows, then 1); M = 9 (auto): the tiled kernel;
+    GEMV_IMPL = "units": the earlier GEMV, still right; an unknown GEMV_IMPL is refused."""
+    k, n = 64, 20
+    pw = make_weight("q8_0", rand((n, k), 70))
+    seen: list[list[str]] = []
+    path = "auto"
+
+    def stage(gpu: Any, x: Any) -> Any:
+        spy = Spy(gpu)
+        y = D.linear(spy, x, pw, path=path)
+        seen.append(spy.labels)
+        return y
+    for m, path in [(1, "auto"), (8, "auto"), (9, "gemv"), (9, "auto")]:
+        x = rand((m, k), 71 + m)
+        got = await call(shared_rt, stage, x=x)
+        close(f"linear M={m}", got, *linear_ref(x, unpack(pw)))
+    assert [[lb.split(".")[2] for lb in labels] for labels in seen] == [["lanes"], ["lanes"], ["lanes", "lanes"],
+                                                                         ["tiled"]]
+    assert ".m8." in seen[2][0] and ".m1." in seen[2][1]
+    monkeypatch.setattr(D, "GEMV_IMPL", "units")
+    seen.clear()
+    path = "auto"
+    for m in (1, 3):
+        x = rand((m, k), 80 + m)
+        got = await call(shared_rt, stage, x=x)
+        close(f"units GEMV M={m}", got, *linear_ref(x, unpack(pw)))
+    assert [labels[0].split(".")[2] for labels in seen] == ["gemv", "gemv"]
+    monkeypatch.setattr(D, "GEMV_IMPL", "fast")
+    with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'lanes' or 'units', got 'fast'"):
+        await call(shared_rt, stage, x=rand((1, k), 90))
