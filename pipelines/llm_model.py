@@ -27,6 +27,10 @@ weights and biases are always ``f32``. ``weights="auto"`` keeps the file's types
 nothing dequantized); ``"f32"`` and ``"f16"`` force float; ``"q8_0"`` quantizes every 2-D
 tensor (linear weights and the embedding table) per block of 32 as llama.cpp does.
 
+**Tokenizers** (:mod:`~hetero.pipelines.llm_tokenizer`): a GGUF file's metadata gives
+byte-level BPE (``tokenizer.ggml.model`` ``"gpt2"``) or SentencePiece BPE (``"llama"``) tokenizers;
+a Hugging Face directory its ``tokenizer.json``.
+
 **Errors.** A file that cannot be used fails here, before any GPU work, with one
 :class:`~hetero.pipelines.minilm.ModelError` subclass naming the file and what is wrong
 (truncated, unknown architecture, missing tensor, shape mismatch, unsupported type).
@@ -44,8 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero.errors import InputError
-
+from .llm_tokenizer import IncrementalDetokenizer, TextTokenizer, gguf_tokenizer, hf_tokenizer
 from .minilm import ModelConfigError, ModelError, ModelNotFoundError, ModelWeightsError, packaged_model
 
 __all__ = [
@@ -376,245 +379,6 @@ def _unpermute_rows(a: np.ndarray, n_head: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer and chat template
-
-
-class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` with the model's special tokens and chat template.
-
-    ``encode(text, add_special_tokens=True)`` adds what the model's tokenizer adds (a BOS
-    where the model asks for it); text rendered by :meth:`apply_chat_template` carries its
-    own special tokens, so encode it with ``add_special_tokens=False`` (:meth:`chat_ids`
-    does), as transformers does.
-    """
-
-    def __init__(self, tokenizer: Any, *, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, source: str) -> None:
-        self.tokenizer = tokenizer
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.chat_template = chat_template
-        self.source = source  # the file the template came from, for error messages
-        self._template: Any = None
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids the tokenizer knows, added tokens included."""
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
-
-    def token_to_id(self, token: str) -> int | None:
-        """The id of one token string, or None."""
-        i = self.tokenizer.token_to_id(token)
-        return None if i is None else int(i)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode: text must be str, got {type(text).__name__}")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``ids`` (special tokens left out unless ``skip_special_tokens=False``)."""
-        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        """``messages`` rendered with the model's chat template, as Hugging Face renders it.
-
-        jinja2's sandbox with ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception`` and
-        ``strftime_now`` as globals, a ``tojson`` filter, and the variables ``messages``,
-        ``add_generation_prompt``, ``bos_token``, ``eos_token`` (plus ``extra``).
-        """
-        if self.chat_template is None:
-            raise InputError(f"{self.source}: the model has no chat template; pass a plain prompt instead")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise TypeError("apply_chat_template: messages must be a list of {'role': ..., 'content': ...} dicts")
-        for n, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise TypeError(f"apply_chat_template: messages[{n}] must be a dict with 'role' and 'content', "
-                                f"got {m!r}")
-        import jinja2
-
-        template = self._compiled()
-        try:
-            return str(template.render(messages=[dict(m) for m in messages],
-                                       add_generation_prompt=add_generation_prompt,
-                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra))
-        except jinja2.TemplateError as e:
-            raise InputError(f"{self.source}: the chat template refused the messages: {e}") from e
-
-    def chat_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat (its special tokens come from the template, none added)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        """A fresh :class:`IncrementalDetokenizer` for streaming one generation."""
-        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
-
-    def _compiled(self) -> Any:
-        if self._template is None:
-            import jinja2
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise jinja2.TemplateError(message)
-
-            def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-                       separators: Any = None, sort_keys: bool = False) -> str:
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
-
-            def strftime_now(fmt: str) -> str:
-                import datetime
-
-                return datetime.datetime.now().strftime(fmt)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = strftime_now
-            assert self.chat_template is not None
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise ModelConfigError(f"{self.source}: the chat template does not compile: {e}") from e
-        return self._template
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing list of token ids, for streaming.
-
-    :meth:`push` takes the next id and returns the text it completes (often ``""``): text
-    is only emitted once it is final, so a multi-byte UTF-8 character split over several
-    byte-level tokens comes out whole, and a word the tokenizer's decoder would still change
-    is not split. It decodes a small window of ids (from the last emitted boundary), never
-    the whole sequence. :meth:`flush` returns what is left at the end.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # window start: ids before it are done
-        self._read = 0  # ids in [prefix, read) are already emitted
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        """Add one token id; the newly completed text."""
-        self.ids.append(int(token_id))
-        done = self._text(self.ids[self._prefix:self._read])
-        text = self._text(self.ids[self._prefix:])
-        if len(text) > len(done) and not text.endswith("\ufffd"):
-            delta = text[len(done):]
-            self._prefix, self._read = self._read, len(self.ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """The text not yet emitted (an incomplete character decodes as U+FFFD)."""
-        done = self._text(self.ids[self._prefix:self._read])
-        text = self._text(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
-        return text[len(done):]
-
-
-# Pre-tokenizer split rules for byte-level BPE vocabularies, by GGUF ``tokenizer.ggml.pre``.
-# A vocabulary's merges were learned on chunks cut by its own rule, so the rule must match.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")}
-_PRE_SPLITS.update({name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen")})
-# StarCoder-style vocabularies (SmolLM's): every digit on its own, then GPT-2's split.
-_PRE_DIGITS = ("smollm", "starcoder", "refact")
-
-
-def _gguf_tokenizer(meta: Mapping[str, Any], source: str, vocab_size: int) -> TextTokenizer:
-    """The byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) a GGUF file describes.
-
-    Built as transformers builds it for such files (a BPE over the file's tokens and merges,
-    GPT-2 byte-level pre-tokenizer and decoder, control tokens (type 3) added as special
-    tokens so ``<|im_start|>`` is one id, a BOS template when ``add_bos_token``), with the
-    split rule ``tokenizer.ggml.pre`` names. For ``smollm`` that rule splits digits one by
-    one, as SmolLM's own ``tokenizer.json`` and llama.cpp do (transformers falls back to
-    GPT-2's split there). Unknown ``pre`` names get GPT-2's split.
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import BPE
-
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelConfigError(f"{source}: tokenizer model {model!r} is not supported; only byte-level BPE "
-                               "('gpt2', as Llama 3, Qwen2 and SmolLM use) is")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ModelConfigError(f"{source}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
-    if len(tokens) > vocab_size:
-        raise ModelConfigError(f"{source}: the tokenizer has {len(tokens)} tokens, more than the vocab_size "
-                               f"{vocab_size} of the embedding table")
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    spelling = _bytes_to_unicode()
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):  # a token whose bytes llama.cpp wrote raw is respelled as the merges spell it
-        vocab.setdefault(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")), i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="",
-                        fuse_unk=False))
-    pre = meta.get("tokenizer.ggml.pre")
-    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
-    if pre in _PRE_SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
-        if pre in ("qwen2", "deepseek-r1-qwen"):
-            tok.normalizer = normalizers.NFC()
-    elif pre in _PRE_DIGITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
-               if kind == 3 and set(t) <= alphabet]
-    if control:
-        tok.add_special_tokens(control)
-
-    def token(key: str) -> str | None:
-        i = meta.get(key)
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
-
-    bos = token("tokenizer.ggml.bos_token_id")
-    eos = token("tokenizer.ggml.eos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = int(meta["tokenizer.ggml.bos_token_id"])
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, bos_id)])
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return TextTokenizer(tok, bos_token=bos, eos_token=eos, chat_template=meta.get("tokenizer.chat_template"),
-                         source=source)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (bytes that print stand for themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out = {b: chr(b) for b in printable}
-    n = 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # The loaded model
 
 
@@ -770,7 +534,7 @@ def _load_gguf(p: Path) -> LoadedModel:
                                     f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size}")
         tensors[t.name] = t
     config = _gguf_config(meta, tensors, src)
-    tokenizer = _gguf_tokenizer(meta, src, config.vocab_size)
+    tokenizer = gguf_tokenizer(meta, src, config.vocab_size)
     weights: dict[str, WeightTensor] = {}
     for name, shape in config.tensor_shapes().items():
         gname = _gguf_name(name)
@@ -848,12 +612,13 @@ def _gguf_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], src: str) 
             raise ModelWeightsError(f"{src}: tensor 'rope_freqs.weight' has type {freqs.tensor_type.name}, "
                                     "expected F32")
         scaling = RopeScaling("factors", factors=tuple(float(x) for x in np.asarray(freqs.data).ravel()))
+    spm = meta.get("tokenizer.ggml.model") == "llama"  # SentencePiece files default to BOS 1, EOS 2 (llama.cpp)
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = meta.get(key)
+        v = meta.get(key, 2 if spm and key == "tokenizer.ggml.eos_token_id" else None)
         if isinstance(v, int) and v not in eos:
             eos.append(v)
-    bos = meta.get("tokenizer.ggml.bos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
     try:
         return LlamaConfig(
             arch=str(arch), vocab_size=int(vocab), hidden_size=hidden,
@@ -1015,54 +780,11 @@ def _hf_weights(d: Path, config: LlamaConfig) -> dict[str, WeightTensor]:
     return out
 
 
-def _hf_tokenizer(d: Path, config: LlamaConfig) -> TextTokenizer:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as e:  # pragma: no cover - a dependency
-        raise ModelError("the tokenizer needs the 'tokenizers' package: pip install tokenizers") from e
-    p = d / "tokenizer.json"
-    if not p.is_file():
-        raise ModelNotFoundError(f"model directory {str(d)!r} has no tokenizer.json")
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as e:
-        raise ModelConfigError(f"{p}: cannot load it with the tokenizers package ({e})") from e
-    tok.no_padding()
-    tok.no_truncation()
-    if tok.get_vocab_size(with_added_tokens=True) > config.vocab_size:
-        largest = max(tok.get_vocab(with_added_tokens=True).values())
-        if largest >= config.vocab_size:
-            raise ModelConfigError(f"{p}: token id {largest} is out of range for config.json's vocab_size "
-                                   f"{config.vocab_size}; use the tokenizer that belongs to this model")
-    tc = _read_json(d, "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
-
-    def token(key: str) -> str | None:
-        v = tc.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        return v if isinstance(v, str) else None
-
-    template: Any = None
-    source = d / "tokenizer_config.json"
-    if (d / "chat_template.jinja").is_file():
-        source = d / "chat_template.jinja"
-        template = source.read_text(encoding="utf-8")
-    else:
-        template = tc.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        if not isinstance(template, str):
-            template = None
-    return TextTokenizer(tok, bos_token=token("bos_token"), eos_token=token("eos_token"), chat_template=template,
-                         source=str(source))
-
-
 def _load_hf(d: Path) -> LoadedModel:
     if not (d / "config.json").is_file():
         raise ModelNotFoundError(f"model directory {str(d)!r} has no config.json; a Hugging Face model directory "
                                  "needs config.json, model.safetensors (or shards) and tokenizer.json")
     config = _hf_config(d)
     weights = _hf_weights(d, config)
-    tokenizer = _hf_tokenizer(d, config)
+    tokenizer = hf_tokenizer(d, config.vocab_size)
     return LoadedModel(d, "hf", config, weights, tokenizer)

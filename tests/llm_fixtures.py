@@ -11,6 +11,10 @@ A plain module (no pytest fixtures): tests import it as ``from llm_fixtures impo
   ``tokenizer.json``, ``tokenizer_config.json`` with a chatml template;
 * :func:`expected_weights` is what loading a file written with ``wtype`` must give back:
   the Hugging Face weights through that type's rounding (quantized, then dequantized).
+* :func:`spm_vocab` is a SentencePiece-BPE-style vocabulary (Llama 2's layout: ``<unk>``,
+  ``<s>``, ``</s>``, the 256 ``<0xNN>`` byte tokens, then pieces by score) learned from
+  standard-library docstrings (:func:`stdlib_docs`); :func:`add_spm_tokenizer` writes it as
+  GGUF metadata (``write_tiny_gguf(..., tokenizer=...)``).
 
 Dimensions are multiples of 32 so every 2-D tensor can be quantized per block of 32.
 """
@@ -22,7 +26,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,10 +35,16 @@ __all__ = [
     "CORPUS",
     "SHAPES",
     "SPECIAL_TOKENS",
+    "SPM_SPECIALS",
+    "SPM_TRAINING_MODULES",
+    "SpmVocab",
+    "add_spm_tokenizer",
     "expected_weights",
     "gguf_name",
     "gguf_permute",
     "shaped_config",
+    "spm_vocab",
+    "stdlib_docs",
     "tiny_config",
     "tiny_tokenizer",
     "tiny_weights",
@@ -232,13 +242,16 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", wtype: str = "f32", t
                     drop: Iterable[str] = (), retype: Mapping[str, str] | None = None,
                     reshape: Mapping[str, tuple[int, ...]] | None = None, add_bos: bool = False,
                     chat_template: str | None = CHATML_TEMPLATE, tokenizer_model: str = "gpt2",
-                    edit: Callable[[Any], None] | None = None) -> Path:
+                    edit: Callable[[Any], None] | None = None,
+                    tokenizer: Callable[[Any], None] | None = None) -> Path:
     """Write a tiny model as a GGUF file the way llama.cpp's converter would; the path.
 
     ``wtype`` (f32, f16, bf16, q8_0, q4_0, q4_1) is the type of every 2-D tensor; 1-D ones are
     F32. For broken files: ``arch_name`` overrides ``general.architecture``, ``drop`` leaves
     GGUF tensors out, ``retype`` writes a GGUF tensor in another GGML type (random blocks),
     ``reshape`` writes a GGUF tensor of another numpy shape, ``edit(writer)`` adds metadata.
+    ``tokenizer(writer)`` writes the tokenizer metadata in place of the byte-level BPE one
+    (``add_bos``, ``chat_template`` and ``tokenizer_model`` are then its business).
     """
     import gguf
     from gguf import GGMLQuantizationType, quants
@@ -262,7 +275,10 @@ def write_tiny_gguf(path: str | Path, arch: str = "llama", wtype: str = "f32", t
     writer.add_vocab_size(c["vocab_size"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}[wtype])
-    _add_tokenizer(writer, tokenizer_model, add_bos, chat_template)
+    if tokenizer is not None:
+        tokenizer(writer)
+    else:
+        _add_tokenizer(writer, tokenizer_model, add_bos, chat_template)
     if edit is not None:
         edit(writer)
     drop = set(drop)
@@ -313,6 +329,86 @@ def _add_tokenizer(writer: Any, model: str, add_bos: bool, chat_template: str | 
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2, as in Llama 2's vocabulary
+# The docstrings the SentencePiece-style vocabulary is learned from (ASCII text).
+SPM_TRAINING_MODULES = ("json", "textwrap", "collections", "functools", "itertools", "string", "argparse", "logging")
+
+
+def stdlib_docs(*modules: str) -> list[str]:
+    """The paragraphs of the named standard-library modules' docstrings (``inspect.getdoc``)."""
+    import importlib
+    import inspect
+
+    out: list[str] = []
+    for name in modules:
+        doc = inspect.getdoc(importlib.import_module(name)) or ""
+        out += [p for p in doc.split("\n\n") if p.strip()]
+    return out
+
+
+class SpmVocab(NamedTuple):
+    """A SentencePiece vocabulary as GGUF stores it: tokens, scores and token types, by id."""
+
+    tokens: tuple[str, ...]
+    scores: tuple[float, ...]
+    types: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=2)
+def spm_vocab(size: int = 600) -> SpmVocab:
+    """A SentencePiece-BPE-style vocabulary learned from :data:`SPM_TRAINING_MODULES`' docstrings.
+
+    Laid out as Llama 2's: ``<unk>`` (type 2), ``<s>`` and ``</s>`` (control, type 3), the 256
+    byte tokens ``<0x00>`` .. ``<0xFF>`` (type 6), then the learned pieces (type 1) with
+    ``\u2581`` for a space, the merged ones by score (merge ``r`` scores ``-r``) and the single
+    characters last, each lower than every merge. Characters the docstrings lack (``G``, ``é``,
+    ``🙂``...) are only reachable through the byte tokens.
+    """
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.train_from_iterator(stdlib_docs(*SPM_TRAINING_MODULES), BpeTrainer(vocab_size=size, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    merged = ["".join(m) if isinstance(m, list) else m.replace(" ", "") for m in model["merges"]]
+    chars = [t for t in sorted(model["vocab"], key=model["vocab"].__getitem__) if len(t) == 1]
+    head = [*SPM_SPECIALS, *(f"<0x{b:02X}>" for b in range(256))]
+    pieces = [t for t in dict.fromkeys([*merged, *chars]) if t not in head]
+    scores = [0.0] * len(head) + [-float(r) for r in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return SpmVocab(tuple(head + pieces), tuple(scores), tuple(types))
+
+
+def add_spm_tokenizer(writer: Any, vocab: SpmVocab | None = None, *, add_bos: bool | None = None,
+                      add_eos: bool | None = None, add_space_prefix: bool | None = None,
+                      chat_template: str | None = None, special_ids: bool = True) -> None:
+    """Write ``vocab`` (default :func:`spm_vocab`) as a ``tokenizer.ggml.model = "llama"`` tokenizer.
+
+    A flag left None is not written (the reader's default applies); ``special_ids=False``
+    leaves out the BOS/EOS/unknown ids, as some converters do.
+    """
+    v = vocab or spm_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(list(v.tokens))
+    writer.add_token_scores(list(v.scores))
+    writer.add_token_types(list(v.types))
+    if special_ids:
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
 

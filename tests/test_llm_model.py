@@ -471,12 +471,14 @@ def test_unsupported_type(tmp_path):
                             "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
 
 
-def test_unsupported_tokenizer_model(tmp_path):
-    p = write_tiny_gguf(tmp_path / "a.gguf", tokenizer_model="llama")
+@pytest.mark.parametrize("kind", ["bert", "t5", "rwkv"])
+def test_unsupported_tokenizer_model(tmp_path, kind):
+    p = write_tiny_gguf(tmp_path / "a.gguf", tokenizer_model=kind)
     with pytest.raises(ModelConfigError) as e:
         load_model(p)
-    assert str(e.value) == (f"{p}: tokenizer model 'llama' is not supported; only byte-level BPE ('gpt2', as "
-                            "Llama 3, Qwen2 and SmolLM use) is")
+    assert str(e.value) == (f"{p}: tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE: "
+                            "Llama 3, Qwen2, SmolLM) and 'llama' (SentencePiece BPE: Llama 2, Mistral, TinyLlama); "
+                            "load the model's Hugging Face directory (tokenizer.json) instead")
 
 
 def test_unsupported_rope_scaling_in_gguf(tmp_path):
