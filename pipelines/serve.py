@@ -1,10 +1,17 @@
-"""``hetero serve``: an OpenAI-compatible embeddings server, and its command line.
+"""``hetero serve``: an OpenAI-compatible embeddings or text generation server, and its command line.
 
 Needs the optional extra ``hetero[serve]`` (granian, hypercorn, prometheus-client, orjson).
-The server is four rooms:
+``--model`` decides what is served (:func:`~hetero.pipelines.serve_llm.model_kind`): a
+``.gguf`` file, a directory whose ``config.json`` names a llama or qwen2 model, or
+``smollm2`` is a generation model (``/v1/chat/completions``, ``/v1/completions``); anything
+else an embedding model (``/v1/embeddings``). The server is these rooms:
 
-- :mod:`~hetero.pipelines.serve_app`: the application (routes, checks, answers) for any HTTP
-  server, and :class:`~hetero.pipelines.serve_app.ServeSettings`;
+- :mod:`~hetero.pipelines.serve_base`: what every application shares (the HTTP entry points,
+  the common routes, errors, the lifecycle);
+- :mod:`~hetero.pipelines.serve_app`: the embeddings application (routes, checks, answers)
+  for any HTTP server, and :class:`~hetero.pipelines.serve_app.ServeSettings`;
+- :mod:`~hetero.pipelines.serve_llm`: the text generation application and
+  :class:`~hetero.pipelines.serve_llm.GenerateSettings`;
 - :mod:`~hetero.pipelines.serve_http`: the HTTP runner (granian or hypercorn, on asyncio,
   uvloop or trio; graceful shutdown);
 - :mod:`~hetero.pipelines.serve_procs`: the supervisor of ``--workers N`` front processes and
@@ -22,16 +29,25 @@ import os
 import sys
 from typing import Any, TextIO
 
+from hetero.errors import HeteroError
 from hetero.lowlevel import positive_int
 
 from .serve_app import EmbeddingServer, RequestError, ServeSettings, encode_embeddings
 from .serve_http import (BACKENDS, HTTP_SERVERS, listen_socket, resolve_backend, resolve_http, run_on, serve,
                          serve_async)
+from .serve_llm import GenerateSettings, GenerationServer, model_kind
 from .serve_procs import check_engines, serve_workers
 
-__all__ = ["BACKENDS", "EmbeddingServer", "HTTP_SERVERS", "RequestError", "ServeSettings", "add_parser",
-           "encode_embeddings", "listen_socket", "resolve_backend", "resolve_http", "run", "run_on", "serve",
-           "serve_async", "serve_workers"]
+__all__ = ["BACKENDS", "EmbeddingServer", "GenerateSettings", "GenerationServer", "HTTP_SERVERS", "RequestError",
+           "ServeSettings", "add_parser", "encode_embeddings", "listen_socket", "model_kind", "resolve_backend",
+           "resolve_http", "run", "run_on", "serve", "serve_async", "serve_workers"]
+
+# The embedding options and their defaults: a generation model refuses one given another value.
+EMBEDDING_OPTIONS = {"int8": False, "max_client_batch_size": 2048, "max_queued": 4096, "max_in_flight": 2,
+                     "max_wait_ms": 0.0, "auto_truncate": False, "precapture": None, "engines": 1}
+# The generation options (None unless given): an embedding model refuses them.
+GENERATION_OPTIONS = ("weights", "max_seq_len", "kv_cache_bytes", "kv_cache_dtype", "max_running", "max_waiting",
+                      "default_max_tokens")
 
 
 # -- the command line --------------------------------------------------------------------------------------
@@ -39,13 +55,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` command to an ``argparse`` subparsers object; its ``func`` is :func:`run`."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
-        help="an OpenAI-compatible embeddings server (POST /v1/embeddings) with dynamic batching",
-        description="Serve sentence embeddings over HTTP: POST /v1/embeddings (OpenAI-compatible), GET /health, "
-        "/info and /metrics (Prometheus). Concurrent requests share GPU batches under a padded-token budget. "
-        "SIGTERM or Ctrl-C shut down gracefully. Needs pip install 'hetero[serve]'.",
+        help="an OpenAI-compatible server: embeddings (POST /v1/embeddings) or text generation "
+        "(POST /v1/chat/completions, /v1/completions)",
+        description="Serve sentence embeddings (POST /v1/embeddings) or text generation (POST /v1/chat/completions "
+        "and /v1/completions, streamed as server-sent events with \"stream\": true) over HTTP, OpenAI-compatible, "
+        "with GET /v1/models, /health, /info and /metrics (Prometheus). Concurrent embedding requests share GPU "
+        "batches under a padded-token budget; concurrent generations share decode steps. SIGTERM or Ctrl-C shut "
+        "down gracefully. Needs pip install 'hetero[serve]'.",
     )
-    p.add_argument("--model", required=True, metavar="DIR|minilm",
-                   help="model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'")
+    p.add_argument("--model", required=True, metavar="DIR|minilm|FILE.gguf|smollm2",
+                   help="an embedding model directory (config.json, model.safetensors, tokenizer.json) or 'minilm'; "
+                   "or a generation model: a .gguf file, a Hugging Face llama/qwen2 directory, or 'smollm2'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
@@ -55,8 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="HTTP server in front: granian (Rust; HTTP parsed outside the interpreter; asyncio and "
                    "uvloop only) or hypercorn (asyncio and trio); auto: granian unless --backend trio "
                    "(default: %(default)s)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=16384, metavar="N",
-                   help="padded tokens per batch: sentences x longest sentence (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None, metavar="N",
+                   help="embeddings: padded tokens per batch, sentences x longest sentence (default: 16384); "
+                   "generation: most rows of one step, prompt chunks and decode tokens (default: 2048)")
     p.add_argument("--max-client-batch-size", type=positive_int, default=2048, metavar="N",
                    help="most strings in one request; more get 413 (default: %(default)s)")
     p.add_argument("--max-queued", type=positive_int, default=4096, metavar="N",
@@ -93,8 +114,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="capture every packed batch shape at warm-up, so that every batch replays captured stages "
                    "(--no-precapture: one sentence, a faster start and slower first batches of each shape); "
                    "default: on, except on a CPU adapter (lavapipe, llvmpipe, SwiftShader), where it takes minutes")
+    g = p.add_argument_group("text generation (a .gguf file, a llama/qwen2 directory, smollm2)")
+    g.add_argument("--weights", choices=("auto", "f32", "f16", "q8_0"), default=None,
+                   help="weights on the GPU: auto keeps the file's quantization (default: auto)")
+    g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
+                   help="most positions (prompt and generated) a sequence takes (default: the model's context, "
+                   "at most what the KV cache holds)")
+    g.add_argument("--kv-cache-bytes", type=_size, default=None, metavar="BYTES",
+                   help="the KV cache's size, e.g. 512M or 4G (default: a quarter of the GPU memory budget; 256M on "
+                   "a CPU adapter)")
+    g.add_argument("--kv-cache-dtype", choices=("f32", "f16"), default=None, help="the KV cache's type (default: f32)")
+    g.add_argument("--max-running", type=positive_int, default=None, metavar="N",
+                   help="sequences that decode at once (default: the LLM's)")
+    g.add_argument("--max-waiting", type=positive_int, default=None, metavar="N",
+                   help="sequences waiting to start before requests get 429 (default: 1024)")
+    g.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens a request that names no max_tokens may generate (default: 256)")
     p.set_defaults(func=run)
     return p
+
+
+def _size(text: str) -> int:
+    """A byte count: an integer, or with a K, M or G suffix (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count such as 268435456 or 256M, got {text!r}")
+    return value
 
 
 def _milliseconds(text: str) -> float:
@@ -131,11 +181,18 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``hetero serve`` with parsed ``args`` until SIGTERM or Ctrl-C; return the exit status."""
     out = out if out is not None else sys.stdout
     api_key = getattr(args, "api_key", None) or os.environ.get("HETERO_API_KEY") or None
+    if model_kind(args.model) == "generation":
+        return _run_generation(args, out, api_key)
+    given = [n for n in GENERATION_OPTIONS if getattr(args, n, None) is not None]
+    if given:
+        raise HeteroError(f"--{given[0].replace('_', '-')} is an option of text generation, and --model "
+                          f"{args.model!r} is an embedding model; drop it, or serve a .gguf file, a llama/qwen2 "
+                          "directory or smollm2")
     from .encoder import resolve_model
 
     model = os.fspath(resolve_model(args.model))  # what hetero embed accepts: a directory, minilm, a cached id
     settings = ServeSettings(model=model, model_name=None if model == args.model else args.model,
-                             int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens,
+                             int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens or 16384,
                              max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
                              max_in_flight=int(getattr(args, "max_in_flight", 2)),
                              max_wait=float(getattr(args, "max_wait_ms", 0.0)) / 1e3,
@@ -144,9 +201,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                              auto_truncate=bool(getattr(args, "auto_truncate", False)),
                              served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
                              api_key=api_key)
-    if api_key is None and not _loopback(args.host):
-        print(f"hetero serve: warning: --host {args.host} is reachable from other machines and no --api-key "
-              "(or HETERO_API_KEY) is set: anyone who reaches it can use it", file=sys.stderr, flush=True)
+    _warn_open(args.host, api_key)
     workers = int(getattr(args, "workers", 1))
     engines = int(getattr(args, "engines", 1))
     check_engines(engines, workers)  # before the model loads
@@ -168,3 +223,43 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         status = 0
     print("hetero serve: stopped", file=out, flush=True)
     return status
+
+
+def _warn_open(host: str, api_key: str | None) -> None:
+    if api_key is None and not _loopback(host):
+        print(f"hetero serve: warning: --host {host} is reachable from other machines and no --api-key "
+              "(or HETERO_API_KEY) is set: anyone who reaches it can use it", file=sys.stderr, flush=True)
+
+
+def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None) -> int:
+    """``hetero serve`` with a generation model: one process, the LLM in it."""
+    bad = [n for n, default in EMBEDDING_OPTIONS.items() if getattr(args, n, default) != default]
+    if bad:
+        raise HeteroError(f"--{bad[0].replace('_ms', '').replace('_', '-')} is an option of embedding models, and "
+                          f"--model {args.model!r} is a generation model; drop it (see hetero serve --help, text "
+                          "generation)")
+    workers = int(getattr(args, "workers", 1))
+    if workers > 1:
+        raise HeteroError(f"--workers {workers}: a generation model is served by one process for now (the LLM "
+                          "runs in the server process, whose decode steps every request shares); drop --workers")
+    given = {n: getattr(args, n) for n in GENERATION_OPTIONS if getattr(args, n, None) is not None}
+    if getattr(args, "max_batch_tokens", None) is not None:
+        given["max_batch_tokens"] = args.max_batch_tokens
+    settings = GenerateSettings(model=os.fspath(args.model),
+                                max_request_bytes=int(getattr(args, "max_request_bytes", 2 * 1024 * 1024)),
+                                served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
+                                api_key=api_key, **given)
+    _warn_open(args.host, api_key)
+    backend = resolve_backend(getattr(args, "backend", "auto"))
+    http = resolve_http(getattr(args, "http", "auto"), backend)
+    server = GenerationServer(settings.model, settings=settings, http_server=http)  # a bad model fails here
+    c = server.llm.config
+
+    def ready(url: str) -> None:
+        print(f"hetero serve: {server.model_name} (text generation: {c.arch}, {c.num_layers} layers, hidden "
+              f"{c.hidden_size}, max_seq_len {server.llm.max_seq_len}) on {url} ({http} on {backend}); warming up, "
+              "GET /health says when ready", file=out, flush=True)
+
+    serve(server, args.host, args.port, backend, http=http, ready=ready)
+    print("hetero serve: stopped", file=out, flush=True)
+    return 0

@@ -5,7 +5,9 @@ requests in flight, metrics) and answers one request at a time through :meth:`~E
 method, path, body in; status, headers, body out. Two thin adapters put it behind an HTTP
 server: ``app`` is an ASGI application (hypercorn, and httpx's ASGI transport in tests) and
 ``__rsgi__`` is an RSGI application (granian, which parses HTTP outside the interpreter).
-Both call the same ``handle``, so every answer is the same bytes on both servers.
+Both call the same ``handle``, so every answer is the same bytes on both servers. What every
+application of ``hetero serve`` shares (those entry points, the common routes, errors, the
+lifecycle) is :class:`~hetero.pipelines.serve_base.ServerBase`'s.
 
 Routes:
 
@@ -37,15 +39,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import functools
-import hmac
 import json
-import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import numpy as np
@@ -56,6 +54,8 @@ from hetero.errors import HeteroError
 from .embed_service import EmbeddingService
 from .embed_tokens import TokenGroups
 from .minilm import Model
+from .serve_base import (JSON_HEADER, RETRY_AFTER_S, BaseSettings, RequestError, Response, ServerBase, token_id,
+                         unavailable)
 from .serve_engine import EmbeddingEngine, EngineClient, EngineError
 from .serve_metrics import ServeMetrics, import_serve
 
@@ -65,31 +65,16 @@ try:  # optional: serializes float32 rows ~20x faster than the standard library 
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
-__all__ = ["EmbeddingServer", "RequestError", "Response", "ServeSettings", "encode_embeddings"]
+__all__ = ["RETRY_AFTER_S", "EmbeddingServer", "RequestError", "Response", "ServeSettings", "encode_embeddings"]
 
-# Retry-After (seconds) of a 429 and a 503: about one batch's time, rounded up to what the header can say.
-RETRY_AFTER_S = 1
-
-_JSON = ("content-type", "application/json")
-_EMBEDDINGS = frozenset(("/v1/embeddings", "/embeddings"))
-# path -> the one method it answers
-_ROUTES = {"/v1/embeddings": "POST", "/embeddings": "POST", "/v1/models": "GET", "/models": "GET", "/health": "GET",
-           "/info": "GET", "/metrics": "GET"}
 # Texts longer than this many characters are first measured on a prefix (cut at a space), so that
 # a megabyte string is not tokenized whole to learn that it is too long.
 PREFIX_CHARS = 16384
 
-log = logging.getLogger("hetero.serve")
-
-
-def _dumps(obj: Any) -> bytes:
-    """Compact JSON bytes."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeSettings:
-    """What ``hetero serve`` is told, checked once: the model and the batcher's and fronts' limits.
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # BaseSettings' repr hides the key
+class ServeSettings(BaseSettings):
+    """What ``hetero serve`` is told for an embedding model, checked once: the model and the
+    batcher's and fronts' limits (beside :class:`~hetero.pipelines.serve_base.BaseSettings`' own).
 
     Picklable (the model as a name or path): the supervisor hands it to every front and
     engine process. ``max_batch_tokens`` is also checked against the model's longest input
@@ -97,8 +82,9 @@ class ServeSettings:
     :class:`~hetero.errors.HeteroError` naming the option.
     """
 
+    MODEL_RULE: ClassVar[str] = "a directory or 'minilm'"
+
     model: str = "minilm"
-    model_name: str | None = None
     int8: bool = False
     max_batch_tokens: int = 16384
     max_client_batch_size: int = 2048
@@ -106,18 +92,11 @@ class ServeSettings:
     max_in_flight: int = 2
     max_wait: float = 0.0
     precapture: bool | None = None
-    max_request_bytes: int = 2 * 1024 * 1024
     auto_truncate: bool = False
-    served_model_names: tuple[str, ...] = ()
-    api_key: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise HeteroError(f"the model must be a directory or 'minilm', got {self.model!r}")
-        for name in ("max_batch_tokens", "max_client_batch_size", "max_queued", "max_in_flight", "max_request_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise HeteroError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        super().__post_init__()
+        self.check_positive("max_batch_tokens", "max_client_batch_size", "max_queued", "max_in_flight")
         wait = self.max_wait
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 60:
             raise HeteroError(f"max_wait must be seconds from 0 to below 60 (--max-wait takes milliseconds), "
@@ -127,68 +106,9 @@ class ServeSettings:
         object.__setattr__(self, "auto_truncate", bool(self.auto_truncate))
         if self.precapture is not None:
             object.__setattr__(self, "precapture", bool(self.precapture))
-        names = tuple(self.served_model_names)
-        if any(not isinstance(n, str) or not n for n in names):
-            raise HeteroError(f"--served-model-name must be non-empty names, got {list(names)!r}")
-        object.__setattr__(self, "served_model_names", names)
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise HeteroError("--api-key must be a non-empty string")
-
-    @functools.cached_property
-    def served_name(self) -> str:
-        """The model's name in answers: the first served name, else ``model_name``, else the
-        directory's name (or the name given, such as ``"minilm"``)."""
-        if self.served_model_names:
-            return self.served_model_names[0]
-        if self.model_name:
-            return self.model_name
-        return self.model if not os.path.isdir(self.model) else os.path.basename(os.path.normpath(self.model))
-
-    @functools.cached_property
-    def model_ids(self) -> tuple[str, ...]:
-        """The ids a request's ``model`` may name (``GET /v1/models`` lists them); found once, as
-        requests check against them."""
-        return self.served_model_names or (self.served_name,)
-
-    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
-        fields = ", ".join(f"{f.name}={'<set>' if f.name == 'api_key' and self.api_key else getattr(self, f.name)!r}"
-                           for f in dataclasses.fields(self))
-        return f"ServeSettings({fields})"
 
 
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, OpenAI error type, message, offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_
-        self.code = code
-
-    def response(self) -> Response:
-        headers = [_JSON]
-        if self.status in (429, 503):
-            headers.append(("retry-after", str(RETRY_AFTER_S)))
-        elif self.status == 405 and self.param is not None:
-            headers.append(("allow", self.param))
-        param = None if self.status == 405 else self.param
-        body = _dumps({"error": {"message": self.message, "type": self.type, "param": param, "code": self.code}})
-        return Response(self.status, headers, body)
-
-
-@dataclasses.dataclass(frozen=True)
-class Response:
-    """One answer: status, headers (lowercase names; the HTTP server adds content-length) and body."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-
-class EmbeddingServer:
+class EmbeddingServer(ServerBase):
     """The server's state and its applications: ``app`` (ASGI) and ``__rsgi__`` (RSGI, granian).
 
     ``model``: a loaded Model, a model directory or ``"minilm"``. ``runtime``: a
@@ -200,6 +120,9 @@ class EmbeddingServer:
     ``settings=``). ``http_server`` names the HTTP server in front (``/info`` reports it).
     ``running()`` starts (warm-up in the background) and stops it.
     """
+
+    routes: ClassVar[dict[str, str]] = {"/v1/embeddings": "POST", "/embeddings": "POST"}
+    settings: ServeSettings
 
     def __init__(self, model: Model | str | os.PathLike[str] = "minilm", *, runtime: hetero.Runtime | None = None,
                  engine: EngineClient | None = None, settings: ServeSettings | None = None,
@@ -214,21 +137,15 @@ class EmbeddingServer:
             settings = ServeSettings(model=os.fspath(name), **options)
         elif options:
             raise HeteroError(f"EmbeddingServer: give settings= or {', '.join(sorted(options))}, not both")
-        self.settings = s = settings
+        super().__init__(settings, http_server)
+        s = settings
         self.model = get_model(model)
         self._tokenize = TokenGroups(self.model)  # concurrent requests' texts in one tokenizer call
-        self.model_name = s.served_name
         longest = self.model.config.max_seq_length
         if s.max_batch_tokens < longest:
             raise HeteroError(f"--max-batch-tokens {s.max_batch_tokens} is below the model's max_seq_length "
                               f"({longest}): a longest sentence could never run; raise it to at least {longest}")
-        self.http_server = http_server
-        self._started = int(time.time())
         self._whole: Any = None  # the tokenizer without truncation, made on first use
-        self.draining = False
-        self.active = 0  # requests being served
-        self._idle: anyio.Event | None = None
-        self._stop: anyio.Event | None = None
         self.metrics = ServeMetrics(lambda: self.backend.queued, self._memory_in_use)
         self.backend: EmbeddingEngine | EngineClient
         if engine is not None:
@@ -274,132 +191,10 @@ class EmbeddingServer:
         backend = self.backend
         return backend.precapture if isinstance(backend, EmbeddingEngine) else self.settings.precapture
 
-    # -- the HTTP servers' entry points ---------------------------------------------------------
-    async def app(self, scope: Any, receive: Any, send: Any) -> None:
-        """The ASGI application (lifespan events are acknowledged: the runner starts the server)."""
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].rsplit(".", 1)[-1]  # startup or shutdown
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
-        if scope["type"] != "http":
-            return  # websockets: not served (the connection closes)
-        method, path = scope["method"], scope["path"]
-        headers = dict(scope["headers"])
-        auth, length = headers.get(b"authorization"), headers.get(b"content-length")
-        r = self.refuse_early(method, path, auth.decode("latin-1") if auth is not None else None,
-                              length.decode("latin-1") if length is not None else None)
-        if r is None:
-            chunks, size, limit = [], 0, self.settings.max_request_bytes
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return  # the client left before sending its body: nothing to answer
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:  # a chunked body past the limit: cut off here
-                    r = self._too_large(f"more than {limit}")
-                    break
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-            if r is None:
-                r = await self.handle(method, path, b"".join(chunks), checked=True)
-        out = [(b"content-length", str(len(r.body)).encode()),
-               *((k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers)]
-        await send({"type": "http.response.start", "status": r.status, "headers": out})
-        await send({"type": "http.response.body", "body": r.body})
-
-    async def __rsgi__(self, scope: Any, proto: Any) -> None:
-        """The RSGI application (granian): the same answers as ``app``."""
-        if scope.proto != "http":
-            return  # websockets: not served
-        method, path, headers = scope.method, scope.path, scope.headers
-        r = self.refuse_early(method, path, headers.get("authorization"), headers.get("content-length"))
-        if r is None:
-            chunks, size, limit = [], 0, self.settings.max_request_bytes
-            async for chunk in proto:
-                size += len(chunk)
-                if size > limit:
-                    r = self._too_large(f"more than {limit}")
-                    break
-                chunks.append(chunk)
-            if r is None:
-                r = await self.handle(method, path, b"".join(chunks), checked=True)
-        proto.response_bytes(r.status, r.headers, r.body)
-
-    def refuse_early(self, method: str, path: str, authorization: str | None,
-                     content_length: str | None) -> Response | None:
-        """The answer to a request that is refused before its body is read (wrong key, body too
-        large by its ``Content-Length``), else None."""
-        if self.settings.api_key is not None and path != "/health" and not self._authorized(authorization):
-            return RequestError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                                type_="invalid_request_error", code="invalid_api_key").response()
-        if content_length is not None:
-            try:
-                n = int(content_length)
-            except ValueError:
-                return RequestError(400, f"the Content-Length header is not a number: {content_length!r}"
-                                    ).response()
-            if n > self.settings.max_request_bytes:
-                return self._too_large(str(n))
-        return None
-
-    def _authorized(self, authorization: str | None) -> bool:
-        key = self.settings.api_key
-        assert key is not None
-        scheme, _, given = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
-
-    def _too_large(self, size: str) -> Response:
-        limit = self.settings.max_request_bytes
-        self.metrics.requests.labels(code="413").inc()
-        return RequestError(413, f"the request body has {size} bytes, more than this server's max_request_bytes "
-                            f"of {limit}; split the request", code="request_too_large").response()
-
-    async def handle(self, method: str, path: str, body: bytes, *, authorization: str | None = None,
-                     checked: bool = False) -> Response:
-        """The answer to one request. ``checked``: :meth:`refuse_early` already passed it (the HTTP
-        entry points call it before reading the body); else the key and the size are checked here."""
-        if not checked:
-            early = self.refuse_early(method, path, authorization, None)
-            if early is not None:
-                return early
-            if len(body) > self.settings.max_request_bytes:
-                return self._too_large(str(len(body)))
-        try:
-            return await self._route(method, path, body)
-        except Exception:  # noqa: BLE001 - any failure is a 500 with a body and a logged request id
-            rid = uuid.uuid4().hex
-            log.exception("hetero serve: request %s (%s %s) failed", rid, method, path)
-            return Response(500, [_JSON, ("x-request-id", rid)], _dumps({"error": {
-                "message": f"the server failed to answer this request (request id {rid}, in the server's log)",
-                "type": "server_error", "param": None, "code": "internal_error"}}))
-
-    async def _route(self, method: str, path: str, body: bytes) -> Response:
-        if path in _EMBEDDINGS and method == "POST":
-            return await self._respond(body)
-        want = _ROUTES.get(path)
-        if want is None:
-            return RequestError(404, f"no route {path!r}: this server answers {', '.join(_ROUTES)}",
-                                code="not_found").response()
-        if method != want:
-            return RequestError(405, f"{path} takes {want}, not {method}", want, code="method_not_allowed"
-                                ).response()
-        if path == "/health":
-            why = self._unavailable()
-            if why is not None:
-                return Response(503, [_JSON], _dumps({"status": "unavailable", "reason": why}))
-            return Response(200, [_JSON], _dumps({"status": "ok"}))
-        if path == "/info":
-            return Response(200, [_JSON], _dumps(self.info()))
-        if path in ("/v1/models", "/models"):
-            return Response(200, [_JSON], _dumps({"object": "list", "data": [
-                {"id": name, "object": "model", "created": self._started, "owned_by": "hetero"}
-                for name in self.settings.model_ids]}))
-        return Response(200, [("content-type", self.metrics.prom.CONTENT_TYPE_LATEST)], self.metrics.render())
+    # -- the application's routes ----------------------------------------------------------------
+    async def post(self, path: str, body: bytes) -> Response:
+        """``POST /v1/embeddings`` (the only POST route)."""
+        return await self._respond(body)
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -448,7 +243,7 @@ class EmbeddingServer:
     async def running(self) -> AsyncIterator[EmbeddingServer]:
         """Start (warm-up in the background: /health says when it is done); on exit, :meth:`stop`,
         then close the batcher (and the own runtime)."""
-        self._idle = anyio.Event()
+        self.open_lifecycle()
         async with self.backend.running():
             try:
                 yield self
@@ -462,55 +257,21 @@ class EmbeddingServer:
             return self.backend.capture_entries()
         return 0
 
-    async def wait_ready(self) -> None:
-        """Wait until warm-up ended (ready, or failed: see ``warmup_error``)."""
-        while not self.ready and self.warmup_error is None and self.lost is None:
-            await anyio.sleep(0.01)
-
-    async def stop(self) -> None:
-        """New requests get 503; wait for the requests in flight (``running()`` then closes the engine)."""
-        self.draining = True
-        if self.active and self._idle is not None:
-            await self._idle.wait()
-
-    def shutdown(self) -> None:
-        """Begin a graceful shutdown: new requests get 503 from now on; the runner stops listening
-        once the requests in flight have finished (:meth:`stop`)."""
-        self.draining = True
-        self.stop_event().set()
-
-    def stop_event(self) -> anyio.Event:
-        """Set by :meth:`shutdown`: the runner then drains (:meth:`stop`) and stops its HTTP server."""
-        if self._stop is None:
-            self._stop = anyio.Event()
-        return self._stop
-
     def _memory_in_use(self) -> int:
         return self.backend.memory_in_use() if isinstance(self.backend, EmbeddingEngine) else 0
 
     # -- the embeddings route -----------------------------------------------------------------------
-    def _unavailable(self) -> str | None:
-        if self.draining:
-            return "the server is shutting down; retry on another instance"
-        if self.lost is not None:
-            return f"{self.lost}; restart the server"
-        if self.warmup_error is not None:
-            return f"the server failed to warm up: {self.warmup_error}"
-        if not self.ready:
-            return "the server is warming up (compiling kernels, uploading weights); retry shortly"
-        return None
-
     async def _respond(self, raw: bytes) -> Response:
         """The answer to one ``/v1/embeddings`` request body."""
         t0 = time.perf_counter()
-        self.active += 1
+        self.begin_request()
         status = 200
         try:
             try:
-                why = self._unavailable()
+                why = self.unavailable_reason()
                 if why is not None:
-                    raise RequestError(503, why, type_="server_error", code="unavailable")
-                return Response(200, [_JSON], await self._embed(self._parse(raw)))
+                    raise unavailable(why)
+                return Response(200, [JSON_HEADER], await self._embed(self._parse(raw)))
             except RequestError as e:
                 status = e.status
                 return e.response()
@@ -518,11 +279,9 @@ class EmbeddingServer:
                 status = 500
                 raise
         finally:
-            self.active -= 1
+            self.end_request()
             self.metrics.requests.labels(code=str(status)).inc()
             self.metrics.duration.observe(time.perf_counter() - t0)
-            if self.active == 0 and self.draining and self._idle is not None:
-                self._idle.set()
 
     def _parse(self, raw: bytes) -> _Ask:
         """What a request body asks for; RequestError for a bad one.
@@ -565,7 +324,7 @@ class EmbeddingServer:
                         raise RequestError(400, f"'input[{i}]' is not valid Unicode text: a lone surrogate "
                                            f"{t[e.start]!r} at character {e.start}", "input") from None
                 continue
-            if _token_id(t) or (isinstance(t, list) and all(_token_id(x) for x in t)):
+            if token_id(t) or (isinstance(t, list) and all(token_id(x) for x in t)):
                 raise RequestError(400, "'input' holds token ids: token arrays are not supported, send strings",
                                    "input")
             raise RequestError(400, f"'input[{i}]' must be a string, got {type(t).__name__}", "input")
@@ -573,14 +332,7 @@ class EmbeddingServer:
         if len(texts) > limit:
             raise RequestError(413, f"'input' has {len(texts)} strings, more than this server's "
                                f"max_client_batch_size of {limit}; split the request", "input")
-        model = body.get("model")
-        if model is not None:
-            if not isinstance(model, str):
-                raise RequestError(400, f"'model' must be a string, got {type(model).__name__}", "model")
-            if model not in self.settings.model_ids:
-                raise RequestError(404, f"the model {model!r} does not exist on this server; it serves "
-                                   f"{', '.join(map(repr, self.settings.model_ids))} (GET /v1/models)", "model",
-                                   code="model_not_found")
+        self.check_model(body)
         fmt = body.get("encoding_format", "float")
         if fmt is None:
             fmt = "float"
@@ -589,7 +341,7 @@ class EmbeddingServer:
                                "encoding_format")
         dims = body.get("dimensions")
         width = self.model.dim
-        if dims is not None and (not _token_id(dims) or not 1 <= dims <= width):
+        if dims is not None and (not token_id(dims) or not 1 <= dims <= width):
             raise RequestError(400, f"'dimensions' must be an integer from 1 to the model's {width}, got "
                                f"{dims!r}", "dimensions")
         truncate = body.get("truncate", False)
@@ -669,11 +421,6 @@ class _Ask:
     fmt: str
     dimensions: int | None
     truncate: bool
-
-
-def _token_id(v: object) -> bool:
-    """An int as OpenAI's token arrays hold them (JSON true and false are no token ids)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def encode_embeddings(emb: np.ndarray, fmt: str, model: str, tokens: int, *, fast: bool = True) -> bytes:

@@ -1,6 +1,8 @@
-"""The HTTP runner of ``hetero serve``: an :class:`~hetero.pipelines.serve_app.EmbeddingServer` behind granian or hypercorn.
+"""The HTTP runner of ``hetero serve``: an application behind granian or hypercorn.
 
-Two HTTP servers, one application (``serve_app``):
+The application is a :class:`~hetero.pipelines.serve_base.ServerBase`: an
+:class:`~hetero.pipelines.serve_app.EmbeddingServer` or a
+:class:`~hetero.pipelines.serve_llm.GenerationServer`. Two HTTP servers, one application:
 
 - **granian** (the default on asyncio and uvloop): a Rust HTTP server; requests reach the
   server's RSGI entry point with the HTTP parsing done outside the interpreter, so a front
@@ -9,7 +11,7 @@ Two HTTP servers, one application (``serve_app``):
 - **hypercorn**: ASGI on asyncio and trio (granian has no trio: ``--backend trio`` takes
   hypercorn).
 
-Shutdown is the same on both: :meth:`~hetero.pipelines.serve_app.EmbeddingServer.shutdown`
+Shutdown is the same on both: :meth:`~hetero.pipelines.serve_base.ServerBase.shutdown`
 (SIGTERM, Ctrl-C) makes new requests 503 while the listener stays open; once the requests
 in flight have finished (at most ``graceful_timeout`` seconds) the HTTP server stops, then
 the engine closes.
@@ -29,7 +31,7 @@ import anyio
 from hetero.errors import HeteroError
 from hetero.lowlevel import running_loop
 
-from .serve_app import EmbeddingServer
+from .serve_base import ServerBase
 
 __all__ = ["BACKENDS", "HTTP_SERVERS", "freeze_heap_when_ready", "listen_socket", "resolve_backend", "resolve_http", "run_on", "serve",
            "serve_async"]
@@ -108,11 +110,11 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False, listen: boo
     return sock
 
 
-async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, *, http: str = "auto",
+async def serve_async(server: ServerBase, host: str = "127.0.0.1", port: int = 8080, *, http: str = "auto",
                       ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
                       signals: bool = True, reuse_port: bool = False, freeze_heap: bool = False) -> None:
     """Serve ``server`` with ``http`` (one of :data:`HTTP_SERVERS`) on the running loop until
-    :meth:`~EmbeddingServer.shutdown`.
+    :meth:`~hetero.pipelines.serve_base.ServerBase.shutdown`.
 
     ``signals``: SIGTERM and SIGINT call ``server.shutdown()``. ``ready(url)`` is called
     once the port is bound and the server accepts (``port=0`` binds an ephemeral port; the URL
@@ -162,7 +164,7 @@ async def serve_async(server: EmbeddingServer, host: str = "127.0.0.1", port: in
             tg.cancel_scope.cancel()  # the signal watcher, the drain and the heap freezer end with the server
 
 
-async def _serve_hypercorn(server: EmbeddingServer, sock: socket.socket, announce: Callable[[], Any],
+async def _serve_hypercorn(server: ServerBase, sock: socket.socket, announce: Callable[[], Any],
                            drained: anyio.Event, graceful_timeout: float, trio: bool) -> None:
     from hypercorn.config import Config
 
@@ -182,7 +184,7 @@ async def _serve_hypercorn(server: EmbeddingServer, sock: socket.socket, announc
         await hserve_asyncio(server.app, config, shutdown_trigger=drained.wait)
 
 
-async def _serve_granian(server: EmbeddingServer, host: str, port: int, probe: socket.socket,
+async def _serve_granian(server: ServerBase, host: str, port: int, probe: socket.socket,
                          announce: Callable[[], Any], drained: anyio.Event) -> None:
     import logging
 
@@ -217,7 +219,7 @@ async def _announce_when_accepting(host: str, port: int, probe: socket.socket, a
     await announce()
 
 
-def serve(server: EmbeddingServer, host: str = "127.0.0.1", port: int = 8080, backend: str = "auto",
+def serve(server: ServerBase, host: str = "127.0.0.1", port: int = 8080, backend: str = "auto",
           *, http: str = "auto", ready: Callable[[str], None] | None = None, graceful_timeout: float = 30.0,
           reuse_port: bool = False) -> None:
     """:func:`serve_async` on a new ``backend`` event loop (one of :data:`BACKENDS`), until SIGTERM
