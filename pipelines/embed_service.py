@@ -51,6 +51,7 @@ class EmbeddingService:
     as a server's clients expect (OpenAI's embeddings are unit vectors, and
     text-embeddings-inference normalises unless told not to); ``False`` leaves it to the
     model's ``modules.json``, as :func:`~hetero.pipelines.embed.embed` does.
+    ``on_warmup(done, total)``: called as :meth:`warmup` runs its shapes (a server's progress).
     """
 
     def __init__(self, runtime: hetero.Runtime, model: Model | str | os.PathLike[str] = "minilm", *,
@@ -58,7 +59,7 @@ class EmbeddingService:
                  max_queued: int = 4096, max_in_flight: int = 2, max_wait: float = 0.0,
                  on_batch: Callable[[int, int], None] | None = None,
                  on_batch_done: Callable[[int, float, float], None] | None = None, cpu: bool | None = None,
-                 normalize_embeddings: bool = True) -> None:
+                 normalize_embeddings: bool = True, on_warmup: Callable[[int, int], None] | None = None) -> None:
         self.model = get_model(model)
         self.int8 = bool(int8)
         longest = self.model.config.max_seq_length
@@ -77,6 +78,7 @@ class EmbeddingService:
             max_in_flight=max_in_flight, on_batch=on_batch, on_batch_done=on_batch_done)
         self._filler = np.asarray(self.model.tokenizer.encode("").ids, np.int32)  # the shortest sentence
         self._tokenize = TokenGroups(self.model)
+        self._on_warmup = on_warmup
 
     def _examples(self) -> dict[tuple[int, int], tuple[int, int]]:
         return self.examples_for(self.model, self.max_batch_tokens, self.max_batch_size, len(self._filler))
@@ -136,12 +138,17 @@ class EmbeddingService:
         With ``precapture`` (the default) one batch of each of :attr:`shapes` runs (made of
         the empty sentence, some repeated to length), so that served batches replay captured stages from
         the first request on; else one sentence. Stages the runtime places on the CPU
-        (``Runtime(placement=...)``) have nothing to capture. Returns the shapes run.
+        (``Runtime(placement=...)``) have nothing to capture. The ``on_warmup(done, total)``
+        hook is called on the event loop once the kernels are compiled (``done`` 0) and after
+        each shape's batch ran. Returns the shapes run.
         """
         await self.runtime.warmup(self.graph)
         filler = self._filler
         examples = list(self._examples().values()) if precapture else [(len(filler), 1)]
-        for total, rows in examples:
+        progress = self._on_warmup
+        if progress is not None:
+            progress(0, len(examples))
+        for done, (total, rows) in enumerate(examples, 1):
             # rows sentences of `total` tokens in all: the shortest sentence in every row, the
             # rest spread over as few rows as the longest sentence (max_seq_length) allows
             lens = [len(filler)] * rows
@@ -152,6 +159,8 @@ class EmbeddingService:
                 extra -= add
                 i += 1
             await self.runtime.run(self.graph, ids=[np.resize(filler, n) for n in lens])
+            if progress is not None:
+                progress(done, len(examples))
         return len(examples)
 
     async def aclose(self) -> None:

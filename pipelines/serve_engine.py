@@ -10,7 +10,7 @@ fronts, so concurrent requests share batches whichever front took them.
 
 Both expose one interface to the server: ``running()`` (an async context manager),
 ``embed_ids(ids)`` (rows ``[len(ids), dim]``, or :class:`EngineError` with the HTTP status
-to answer) and the state ``ready``, ``lost``, ``warmup_error``, ``adapter``.
+to answer) and the state ``ready``, ``lost``, ``warmup_error``, ``adapter``, ``warmup_progress``.
 
 The link is TCP on the loopback interface. The engine writes its port to an address file
 in a private directory (mode 0700) and fronts begin with a secret the parent process gave
@@ -22,7 +22,7 @@ both; a connection without it is closed. Frames are ``u32 body length | u8 kind 
   m x u32 lengths | int32 token ids``: ``k`` requests of ``m`` sentences in all;
 - ``RESULT``: ``u32 k | u32 dim | k x u64 request ids | k x u32 rows | float32 rows [sum, dim]``;
 - ``ERROR``: ``u64 id |`` JSON ``{"status", "message", "code"}``;
-- ``STATUS``: JSON ``{"ready", "lost", "warmup_error", "adapter"}``, on connect and on each change.
+- ``STATUS``: JSON ``{"ready", "lost", "warmup_error", "adapter", "warmup"}``, on connect and on each change.
 
 One engine's event loop does the link work of every front's requests, so the work it does
 per request is kept to a minimum. Each side gathers what it sends while its event loop runs
@@ -299,7 +299,12 @@ class _Answers:
 
 def _status_body(state: Any) -> bytes:
     return json.dumps({"ready": state.ready, "lost": state.lost, "warmup_error": state.warmup_error,
-                       "adapter": state.adapter}).encode()
+                       "adapter": state.adapter, "warmup": state.warmup_progress}).encode()
+
+
+# While precapture runs, a progress line goes to stderr at each tenth of the shapes, and at least
+# this often (a CPU adapter captures a shape in seconds, so a tenth can take minutes).
+WARMUP_PRINT_EVERY_S = 10.0
 
 
 class EmbeddingEngine:
@@ -332,6 +337,11 @@ class EmbeddingEngine:
         self.lost: str | None = None  # why the device is gone, a phrase: "the GPU device was lost (...)"
         self.warmup_error: str | None = None
         self.adapter: str | None = None
+        # {"shapes_done", "shapes_total", "seconds"} once warm-up has compiled the kernels (/info
+        # reports it): the batch shapes run so far, and the seconds since warm-up began at the last.
+        self.warmup_progress: dict[str, Any] | None = None
+        self._warm_started = 0.0
+        self._warm_printed = (0, 0.0)
         self._on_batch = on_batch
         self._on_batch_done = on_batch_done
         self._gauges = gauges
@@ -353,7 +363,7 @@ class EmbeddingEngine:
                                         max_batch_tokens=self.max_batch_tokens, max_queued=self.max_queued,
                                         max_in_flight=self.max_in_flight, max_wait=self.max_wait,
                                         on_batch=self._on_batch,
-                                        on_batch_done=self._on_batch_done)
+                                        on_batch_done=self._on_batch_done, on_warmup=self._warmup_step)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._warmup)
@@ -400,7 +410,8 @@ class EmbeddingEngine:
                 if not precapture:
                     print(f"hetero serve: {self.adapter} is a CPU adapter: warming up without capturing every batch "
                           "shape (--precapture captures them all)", file=sys.stderr, flush=True)
-            started = time.perf_counter()
+            started = self._warm_started = time.perf_counter()
+            self._warm_printed = (0, started)  # the tenth of the shapes and the time of the last progress line
             shapes = await self.service.warmup(precapture)
             if precapture:
                 print(f"hetero serve: warm-up captured {shapes} batch shapes in {time.perf_counter() - started:.1f} s",
@@ -414,6 +425,27 @@ class EmbeddingEngine:
                 self._mark_lost(e)
             print(f"hetero serve: warm-up failed: {e}", file=sys.stderr, flush=True)
         self._tell_links()
+
+    def _warmup_step(self, done: int, total: int) -> None:
+        """The service ran ``done`` of its ``total`` warm-up shapes: ``warmup_progress`` (told to the
+        fronts), and with precapture a line on stderr at the start, at each tenth and at least every
+        WARMUP_PRINT_EVERY_S (the last line is _warmup's)."""
+        now = time.perf_counter()
+        started = self._warm_started
+        self.warmup_progress = {"shapes_done": done, "shapes_total": total, "seconds": round(now - started, 3)}
+        self._tell_links()
+        if not self.precapture or done >= total:
+            return
+        tenth = done * 10 // total
+        if done == 0:
+            print(f"hetero serve: warm-up: capturing {total} batch shapes (--no-precapture starts at once and "
+                  "captures each shape when it first comes)", file=sys.stderr, flush=True)
+        elif tenth > self._warm_printed[0] or now - self._warm_printed[1] >= WARMUP_PRINT_EVERY_S:
+            print(f"hetero serve: warm-up: {done} of {total} batch shapes captured in {now - started:.1f} s",
+                  file=sys.stderr, flush=True)
+        else:
+            return
+        self._warm_printed = (tenth, now)
 
     async def embed_ids(self, ids: Sequence[np.ndarray]) -> np.ndarray:
         """Embeddings ``[len(ids), dim]`` of tokenized sentences through the batcher; :class:`EngineError` if not."""
@@ -538,6 +570,7 @@ class EngineClient:
         self.lost: str | None = None
         self.warmup_error: str | None = None
         self.adapter: str | None = None
+        self.warmup_progress: dict[str, Any] | None = None  # the engine's (EmbeddingEngine.warmup_progress)
         self._link: _FrontLink | None = None
         self._next = 0
         self._pending: dict[int, _Pending] = {}  # requests sent, by id
@@ -594,6 +627,7 @@ class EngineClient:
                     state = json.loads(body)
                     self.ready, self.lost = state["ready"], state["lost"]
                     self.warmup_error, self.adapter = state["warmup_error"], state["adapter"]
+                    self.warmup_progress = state.get("warmup")
             tg.cancel_scope.cancel()
         self._gone("the embedding engine process stopped")
 
