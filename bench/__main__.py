@@ -32,6 +32,7 @@ BENCHES = {
     "placement": "a mixed workload (many small products, a few large) placed auto against all-CPU and all-GPU",
     "embed_cpu": "hetero embed with placement on a CPU machine beside sentence-transformers on torch CPU",
     "generate": "LLM text generation (decode, prefill, batched) beside transformers on the same random weights",
+    "generate_serve": "hetero serve text generation under 1-256 streaming clients beside in-process generate()",
     "decode_profile": "each decoder op of a decode step alone on the GPU (both GEMV kernels), the step, its host replay",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200). A benchmark missing here is

@@ -393,3 +393,21 @@ def test_hetero_serve_generates_in_a_subprocess(gguf: Path, tmp_path: Path) -> N
             pass
         proc.wait()
         log.close()
+
+
+def test_bench_generate_serve_runs_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench generate_serve --model tiny``: its raw SSE client reads every token the server
+    streamed (the tiny model has no end-of-sequence id), beside the in-process references."""
+    from bench import generate_serve
+
+    assert generate_serve.main(["--model", "tiny", "--clients", "1,3", "--new", "5", "--prompt", "16",
+                                "--rounds", "2", "--repeats", "1", "--http", "hypercorn"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert all(ln["bench"] == "generate_serve" for ln in lines)
+    refs = [ln for ln in lines if "reference" in ln]
+    assert [ln["clients"] for ln in refs if "clients" in ln] == [1, 3] and refs[-1]["tokens"] == 5
+    levels = {ln["clients"]: ln for ln in lines if "aggregate_tok_s" in ln and "reference" not in ln}
+    assert sorted(levels) == [1, 3]
+    assert [levels[c]["tokens"] for c in (1, 3)] == [1 * 5 * 2, 3 * 5 * 2]
+    assert all(levels[c]["aggregate_over_generate"] > 0 and levels[c]["ttft_p99_ms"] > 0 for c in (1, 3))
+    assert lines[-1]["targets"] == "issue 44" and lines[-1]["c1_ttft_over_stream"] > 0
