@@ -13,7 +13,9 @@ row per sequence, each sequence ``--context`` tokens into a paged KV cache) and 
 * **op lines**, one per decoder op as the LLM's step calls it (``embedding``; per layer
   ``qkv`` with the RMSNorm folded in (and Qwen2's biases), ``rope_kv``, ``attention``,
   ``o`` with the residual, ``gate_up`` with SwiGLU, ``down`` with the residual; then
-  ``gather_rows``, ``head`` with the final norm, greedy ``sample``): µs a call, the
+  ``gather_rows``, ``head`` with the final norm, greedy ``sample``; and ``qkv_rope_kv``, the
+  QKV projection with RoPE and the KV write fused (``linear_rope_kv``: one dispatch where
+  qkv + rope_kv are two; not in the step's sums)): µs a call, the
   dispatches a call records, the bytes it must read and write once, GB/s, and the roofline
   fraction against the device copy's bandwidth measured in the same run. A call's time is
   one submission of K calls (the first recorded, the rest repeating its dispatches into the
@@ -83,7 +85,7 @@ SHAPES = {
 }
 BLOCK_SIZE = 16
 LAYER_OPS = ("qkv", "rope_kv", "attention", "o", "gate_up", "down")
-LINEAR_OPS = ("qkv", "o", "gate_up", "down", "head")
+LINEAR_OPS = ("qkv", "qkv_rope_kv", "o", "gate_up", "down", "head")
 
 
 # -- random weights in the packed formats ------------------------------------------------------
@@ -267,6 +269,10 @@ def op_cases(ctx: GPUContext, model: Model, r: Resident, batch: int, inputs: dic
         Op("qkv", lambda gpu: D.linear(gpu, h_t, r.qkv, bias=r.qkv_bias, norm=r.norm, eps=s.eps),
            nbytes_of(model.qkv) + act_bytes + t * (q + 2 * kv) * f4,
            ref_linear(h, model.qkv, norm=True, bias=model.qkv_bias)),
+        Op("qkv_rope_kv", lambda gpu: D.linear_rope_kv(gpu, h_t, r.qkv, dev_in["pos"], r.inv_freq, kc, vc,
+                                                       dev_in["slots"], heads=s.heads, bias=r.qkv_bias, norm=r.norm,
+                                                       eps=s.eps),
+           nbytes_of(model.qkv) + act_bytes + t * (q + 2 * kv) * f4),
         Op("rope_kv", lambda gpu: D.rope_kv(gpu, qkv_t, dev_in["pos"], r.inv_freq, kc, vc, dev_in["slots"],
                                             heads=s.heads), 2 * t * (q + 2 * kv) * f4),
         Op("attention", lambda gpu: D.paged_attention(gpu, att_t, kc, vc, dev_in["tables"], dev_in["seqs"],

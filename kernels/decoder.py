@@ -17,6 +17,9 @@ op                                  what (and what it fuses)
                                     add; GEMV for M <= 8 rows, tiled GEMM above
 ``linear_swiglu(x, w_gate, w_up,``  ``silu(x Wg^T) * (x Wu^T)`` in one dispatch (RMSNorm folded
 ``norm, eps)``                      in too): the MLP's gate, up and SiLU-mul
+``linear_rope_kv(x, w_qkv, ...)``   the QKV projection (RMSNorm, biases) with RoPE and the KV-cache
+                                    write in its epilogue: one dispatch for decode rows (the lanes
+                                    GEMV), ``linear`` then ``rope_kv`` otherwise
 ``rmsnorm(x, weight, eps)``         ``x / sqrt(mean(x^2) + eps) * weight`` over the last axis
 ``add_rmsnorm(x, residual, w, eps)`` ``(h, rmsnorm(h))`` with ``h = x + residual``, one dispatch
 ``silu_mul(gate, up)``              ``silu(gate) * up`` (when the two products are separate)
@@ -125,8 +128,8 @@ from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
 
 __all__ = ["GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear",
-           "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul",
-           "upload_weight"]
+           "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample",
+           "sampling_params", "silu_mul", "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------
 SAMPLE_THREADS = 1024
@@ -694,6 +697,59 @@ def rope_kv(gpu: GPUContext, qkv: Tensor | np.ndarray, positions: Tensor | np.nd
     _rope_record(gpu, "decoder.rope_kv", t, heads, hkv, d, _dev(gpu, positions), _dev(gpu, inv_freq),
                  _dev(gpu, slots), (src, c, 0), (src, c, heads * d), (src, c, (heads + hkv) * d), out,
                  k_cache, v_cache, True, True, True)
+    return out
+
+
+def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight | GPUWeight,
+                   positions: Tensor | np.ndarray, inv_freq: Tensor | np.ndarray, k_cache: Tensor, v_cache: Tensor,
+                   slots: Tensor | np.ndarray, *, heads: int, bias: Tensor | np.ndarray | None = None,
+                   norm: Tensor | np.ndarray | None = None, eps: float = 1e-6) -> Tensor:
+    """The fused QKV projection with RoPE and the KV-cache write: ``rope_kv(linear(x, w_qkv, bias=bias,
+    norm=norm, eps=eps), ...)``, one dispatch for decode rows.
+
+    ``w_qkv`` [(heads + 2 kv_heads) * D, K] (``concat_rows([wq, wk, wv])``); returns q
+    [T, heads, D], rotated; k (rotated) and v go to ``slots`` of the caches. For T <= :data:`GEMV_MAX_M`
+    rows (with the lanes GEMV and D a multiple of 4) one dispatch of the lanes kernel whose slots
+    take the rows of two rotate_half pairs and write them in its epilogue; otherwise the two ops.
+    """
+    op = "linear_rope_kv"
+    m, k, n, kind = _linear_checks(op, gpu, x, [("w_qkv", w_qkv)], bias, None, norm, eps)
+    ks = _caches(op, k_cache, v_cache)
+    hkv, d = ks[2], ks[3]
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise ValueError(f"{op}: heads must be an int >= 1, got {heads!r}")
+    if n != (heads + 2 * hkv) * d:
+        raise ValueError(f"{op}: w_qkv of shape [{n}, {k}] must have (heads + 2 kv_heads) * head_dim = "
+                         f"({heads} + 2*{hkv}) * {d} = {(heads + 2 * hkv) * d} rows")
+    _rope_common(op, positions, inv_freq, m, d)
+    _slots_check(op, slots, m, ks)
+    if m > GEMV_MAX_M or GEMV_IMPL != "lanes" or d % 4:
+        qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto")
+        return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
+    _fits(gpu, op, "q", (m, heads, d))
+    out = gpu.empty((m, heads, d), np.float32)
+    if m == 0:
+        return out
+    units, blocks = _units(kind, k)
+    vec = k % 8 == 0
+    sg = _subgroups(gpu)
+    lanes, threads, _ = _lanes_shape(blocks if kind not in _FLOAT_KINDS else units, sg)
+    unroll = max(1, int(GEMV_UNROLL))
+    cache = "f16" if k_cache.dtype == _U32 else "f32"
+    src = W.linear_gemv_lanes(kind, m, 4, lanes, threads, unroll, vec, False, norm is not None, bias is not None,
+                              False, bool(sg), cache)
+    tag = "".join(t for t, f in zip((".norm", ".bias"), (norm is not None, bias is not None)) if f)
+    kern = gpu.kernel(src, "main", label=f"decoder.linear_rope_kv.lanes.{kind}.m{m}.l{lanes}.t{threads}.u{unroll}"
+                      f".{cache}{tag}{'.sg' if sg else ''}")
+    inputs: list[Any] = [_dev(gpu, x), *_weight_tensors(gpu, w_qkv)]
+    if norm is not None:
+        inputs.append(_dev(gpu, norm))
+    if bias is not None:
+        inputs.append(_dev(gpu, bias))
+    params = struct.pack("<5If6I", m, n, k, units, blocks, float(eps), 0, 0, d, int(heads), hkv, 0)
+    slots_total = (heads + 2 * hkv) * d // 4
+    gpu.dispatch(kern, _groups(slots_total, threads // lanes), *inputs, _dev(gpu, positions), _dev(gpu, inv_freq),
+                 _dev(gpu, slots), out, k_cache, v_cache, params)
     return out
 
 

@@ -362,9 +362,73 @@ def _lane_chunk(kind: str, j: int, nw: int, rows: int, mrows: int, norm: bool) -
     return L
 
 
+_LINEAR_ROPE_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, ks: u32,
+                 d: u32, hq: u32, hkv: u32, pad0: u32 }
+"""
+
+
+def _rope_io_decls(kind: str, vec: bool, norm: bool, bias: bool, cache: str) -> str:
+    """Bindings of the fused QKV + RoPE + KV write: x, the weight, [g], [bias], pos, inv_freq, slots, qo,
+    kc, vc, params."""
+    xt = "vec4<f32>" if vec else "f32"
+    src = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
+    decl, b = lane_weight_decls(kind, 1, "0")
+    src += decl
+    b += 1
+    if norm:
+        src += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
+        b += 1
+    if bias:
+        src += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
+        b += 1
+    ct = "u32" if cache == "f16" else "f32"
+    for name, t, mode in (("pos", "i32", "read"), ("inv_freq", "f32", "read"), ("slots", "i32", "read"),
+                          ("qo", "f32", "read_write"), ("kc", ct, "read_write"), ("vc", ct, "read_write")):
+        src += f"@group(0) @binding({b}) var<storage, {mode}> {name}: array<{t}>;\n"
+        b += 1
+    return src + f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+
+
+def _rope_epilogue(cache: str, mrows: int, bias: bool) -> list[str]:
+    """WGSL (inside lane 0's store block) rotating the slot's two pairs of each activation row and
+    writing them: q to qo, k rotated and v as is to the row's cache slot."""
+    L = ["        if (head < p.hq + 2u * p.hkv) {"]
+    for m in range(mrows):
+        L.append("        {")
+        L.append(f"            let t = p.m0 + {m}u;")
+        for r, off in enumerate(("0u", "1u", "half", "half + 1u")):
+            b = f" + bias[n0 + {off}]" if bias else ""
+            L.append(f"            let y{r} = a0_{r}_{m} * sc{m}{b};")
+        L.append("            let cs0 = sincos(f32(pos[t]) * inv_freq[i0]);")
+        L.append("            let cs1 = sincos(f32(pos[t]) * inv_freq[i0 + 1u]);")
+        L.append("            let ra = y0 * cs0.y - y2 * cs0.x; let rb = y1 * cs1.y - y3 * cs1.x;")
+        L.append("            let rc = y2 * cs0.y + y0 * cs0.x; let rd = y3 * cs1.y + y1 * cs1.x;")
+        L.append("            if (head < p.hq) {")
+        L.append("                let o = (t * p.hq + head) * p.d + i0;")
+        L.append("                qo[o] = ra; qo[o + 1u] = rb; qo[o + half] = rc; qo[o + half + 1u] = rd;")
+        L.append("            } else {")
+        L.append("                let isk = head < p.hq + p.hkv;")
+        L.append("                let hh = select(head - p.hq - p.hkv, head - p.hq, isk);")
+        L.append("                let o = (u32(slots[t]) * p.hkv + hh) * p.d + i0;")
+        L.append("                let v0 = select(y0, ra, isk); let v1 = select(y1, rb, isk);")
+        L.append("                let v2 = select(y2, rc, isk); let v3 = select(y3, rd, isk);")
+        if cache == "f16":
+            L.append("                let lo = pack2x16float(vec2<f32>(v0, v1));")
+            L.append("                let hi = pack2x16float(vec2<f32>(v2, v3));")
+            L.append("                if (isk) { kc[o / 2u] = lo; kc[(o + half) / 2u] = hi; } "
+                     "else { vc[o / 2u] = lo; vc[(o + half) / 2u] = hi; }")
+        else:
+            L.append("                if (isk) { kc[o] = v0; kc[o + 1u] = v1; kc[o + half] = v2; kc[o + half + 1u] = v3; }")
+            L.append("                else { vc[o] = v0; vc[o + 1u] = v1; vc[o + half] = v2; vc[o + half + 1u] = v3; }")
+        L.append("            }")
+        L.append("        }")
+    L.append("        }")
+    return L
+
+
 @lru_cache(maxsize=None)
 def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int, unroll: int, vec: bool,
-                      swiglu: bool, norm: bool, bias: bool, residual: bool, subgroups: bool) -> str:
+                      swiglu: bool, norm: bool, bias: bool, residual: bool, subgroups: bool, rope: str = "") -> str:
     """y[M, N] = x[M, K] @ W.T for small M (decode): ``lanes`` threads a row.
 
     A workgroup of ``threads`` holds ``threads / lanes`` slots of ``lanes`` threads; a slot
@@ -380,10 +444,18 @@ def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int
     and no barrier), or else by a tree in workgroup memory. ``norm`` folds the RMSNorm of x in
     as :func:`linear_gemv` does (the slot's lanes cover K once between them, so each slot has
     the whole sum of squares). Rows past N read row N - 1 and are not stored.
+
+    ``rope`` (``"f32"`` or ``"f16"``: the KV cache's type; ``rows`` 4): the fused QKV projection
+    with RoPE and the KV-cache write in its epilogue. Slot s of head h takes rows ``2j, 2j + 1,
+    2j + D/2, 2j + 1 + D/2`` of the head (j = s mod D/4): two rotate_half pairs, and whole f16
+    words of the cache. q heads go rotated to ``qo`` [T, HQ, D], k heads rotated and v heads as
+    they are to their cache slots, as :func:`rope_kv` does.
     """
     if lanes < 1 or lanes & (lanes - 1) or threads % lanes or unroll < 1:
         raise ValueError(f"linear_gemv_lanes: lanes ({lanes}) must be a power of two dividing threads ({threads}), "
                          f"unroll ({unroll}) >= 1")
+    if rope and (rows != 4 or swiglu or residual or rope not in ("f32", "f16")):
+        raise ValueError(f"linear_gemv_lanes: rope ({rope!r}) takes 4 rows a slot, no SwiGLU and no residual")
     nw = 2 if swiglu else 1
     vals = [f"a{w}_{r}_{m}" for w in range(nw) for r in range(rows) for m in range(mrows)]
     if norm:
@@ -396,9 +468,19 @@ def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int
     else:
         L.append("    let slot = li / L;")
         L.append("    let lane = li % L;")
-    L.append("    let n0 = (hetero_workgroup_id(wid).x * S + slot) * RS;")
-    for r in range(rows):
-        L.append(f"    let rr{r} = min(n0 + {r}u, p.n - 1u);")
+    if rope:
+        L.append("    let gs = hetero_workgroup_id(wid).x * S + slot;")
+        L.append("    let head = gs / (p.d / 4u);")
+        L.append("    let i0 = (gs % (p.d / 4u)) * 2u;")
+        L.append("    let half = p.d / 2u;")
+        L.append("    let n0 = head * p.d + i0;")
+        offs = ["0u", "1u", "half", "half + 1u"]
+        for r in range(rows):
+            L.append(f"    let rr{r} = min(n0 + {offs[r]}, p.n - 1u);")
+    else:
+        L.append("    let n0 = (hetero_workgroup_id(wid).x * S + slot) * RS;")
+        for r in range(rows):
+            L.append(f"    let rr{r} = min(n0 + {r}u, p.n - 1u);")
     for v in vals:
         L.append(f"    var {v} = 0.0;")
     nch = "p.units" if kind in ("f32", "f16") else "p.blocks"
@@ -433,7 +515,9 @@ def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int
     for m in range(mrows):
         sc = f"inverseSqrt(ss_{m} / f32(p.k) + p.eps)" if norm else "1.0"
         L.append(f"        let sc{m} = {sc};")
-    for r in range(rows):
+    if rope:
+        L += _rope_epilogue(rope, mrows, bias)
+    for r in range(rows if not rope else 0):
         L.append(f"        if (n0 + {r}u < p.n) {{")
         for m in range(mrows):
             a1 = f"a1_{r}_{m}" if swiglu else "0.0"
@@ -443,8 +527,12 @@ def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int
     body = "\n".join(L)
     args = (", @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_id) sid: u32, "
             "@builtin(subgroup_size) sgs: u32") if subgroups else ""
-    return (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual, lane_weight_decls)
-            + _x_reader(vec) + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+    if rope:
+        head = _LINEAR_ROPE_PARAMS + _rope_io_decls(kind, vec, norm, bias, rope) + SINCOS
+    else:
+        head = (_LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual, lane_weight_decls)
+                + _epilogue(swiglu, bias, residual))
+    return (_COMMON + head + _x_reader(vec) + (_g_reader(vec) if norm else "")
             + f"""
 const WG: u32 = {threads}u;
 const L: u32 = {lanes}u;

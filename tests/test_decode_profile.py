@@ -22,15 +22,19 @@ def test_decode_profile_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(ln["bench"] == "decode_profile" for ln in lines)
     assert [ln["figure"] for ln in lines if "figure" in ln][:2] == ["adapter", "copy"]
     ops = [ln for ln in lines if "op" in ln]
-    names = ["embedding", "qkv", "rope_kv", "attention", "o", "gate_up", "down", "gather_rows", "head", "sample"]
+    names = ["embedding", "qkv", "qkv_rope_kv", "rope_kv", "attention", "o", "gate_up", "down", "gather_rows",
+             "head", "sample"]
     assert [ln["op"] for ln in ops if ln["impl"] in ("-", "lanes")] == names
-    linear = [(ln["op"], ln["impl"], ln["check"]) for ln in ops if ln["impl"] != "-"]
-    assert linear == [(op, impl, "ok") for op in ("qkv", "o", "gate_up", "down", "head") for impl in ("lanes", "units")]
+    linear = [(ln["op"], ln["impl"], ln.get("check")) for ln in ops if ln["impl"] != "-"]
+    assert linear == [(op, impl, None if op == "qkv_rope_kv" else "ok")
+                      for op in ("qkv", "qkv_rope_kv", "o", "gate_up", "down", "head") for impl in ("lanes", "units")]
+    fused = {ln["impl"]: ln["dispatches"] for ln in ops if ln["op"] == "qkv_rope_kv"}
+    assert fused == {"lanes": 1, "units": 2}  # one dispatch fewer a layer with the lanes GEMV
     assert all(ln["head_kind"] == "q8_0" for ln in ops)  # Q4_1 layers, a Q8_0 head (SmolLM2's layout)
     per_call = {ln["op"]: ln["dispatches"] for ln in ops if ln["impl"] in ("-", "lanes")}
     for impl in ("lanes", "units"):
         step = next(ln for ln in lines if ln.get("figure") == "step" and ln["impl"] == impl)
-        layer = sum(per_call[o] for o in names[1:7])
+        layer = sum(per_call[o] for o in ("qkv", "rope_kv", "attention", "o", "gate_up", "down"))
         assert step["dispatches_per_layer"] == layer
         assert step["dispatches"] == 2 * layer + sum(per_call[o] for o in ("embedding", "gather_rows", "head",
                                                                            "sample"))

@@ -164,3 +164,60 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
     monkeypatch.setattr(D, "GEMV_IMPL", "fast")
     with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'lanes' or 'units', got 'fast'"):
         await call(shared_rt, stage, x=rand((1, k), 90))
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, kind: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused QKV + RoPE + KV write (one dispatch at M <= 8) against linear then rope_kv (two), which
+    the tests of test_decoder_kernels.py hold to numpy: q, and both caches whole, f32 and f16 caches,
+    M = 1, 3 (8 for f16 weights; rows at scattered positions and slots), the RMSNorm and Q/K/V biases
+    folded in, both reductions; M = 9 takes the two ops."""
+    from tests.test_decoder_kernels import inv_freq
+
+    hq, hkv, d, hidden, nb, bs = 4, 2, 16, 64, 6, 4
+    w = make_weight(kind, rand(((hq + 2 * hkv) * d, hidden), 100, scale=0.3))
+    g = rand((hidden,), 101) + 1.0
+    bias = rand(((hq + 2 * hkv) * d,), 102)
+    f = inv_freq(d, 10000.0)
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        # M = 8 with the float kind only: quantized variants of 8 rows x 4 a slot compile slowly on lavapipe
+        for m, cache in [(1, "f32"), (3, "f16"), (9, "f32")] + ([(8, "f32")] if kind == "f16" else []):
+            x = rand((m, hidden), 110 + m)
+            pos = np.random.default_rng(m).integers(0, 50, m).astype(np.int32)
+            slots = np.random.default_rng(m + 1).permutation(nb * bs)[:m].astype(np.int32)
+            labels: list[list[str]] = []
+
+            def stage(gpu: Any, x: Any, g: Any, b: Any, pos: Any, f: Any, slots: Any) -> Any:
+                wt = D.upload_weight(gpu, w)
+                outs = []
+                for fused in (True, False):
+                    kc, vc = D.kv_cache(gpu, nb, bs, hkv, d, dtype=cache)
+                    spy = Spy(gpu)
+                    if fused:
+                        q = D.linear_rope_kv(spy, x, wt, pos, f, kc, vc, slots, heads=hq, bias=b, norm=g, eps=1e-5)
+                    else:
+                        qkv = D.linear(spy, x, wt, bias=b, norm=g, eps=1e-5)
+                        q = D.rope_kv(spy, qkv, pos, f, kc, vc, slots, heads=hq)
+                    labels.append(spy.labels)
+                    outs += [q, kc, vc]
+                return tuple(outs)
+            got = await call(shared_rt, stage, x=x, g=g, b=bias, pos=pos, f=f, slots=slots)
+            want = [np.asarray(a) for a in got[3:]]
+            for name, a, b in zip(("q", "k_cache", "v_cache"), got[:3], want):
+                a, b = np.asarray(a), np.asarray(b)
+                if cache == "f16" and name != "q":
+                    a = a.view(np.float16).astype(np.float32)
+                    b = b.view(np.float16).astype(np.float32)
+                    rtol = 1e-3  # the two paths may round one f16 apart
+                else:
+                    rtol = 1e-5
+                close(f"linear_rope_kv {kind} M={m} {cache} {name} subgroups={sg}", a, b.astype(np.float64),
+                      np.abs(b).max(), rtol=rtol)
+            fused_labels = labels[0]
+            if m <= 8:
+                assert len(fused_labels) == 1 and fused_labels[0].startswith(f"decoder.linear_rope_kv.lanes.{kind}.m{m}.")
+            else:
+                assert [lb.split(".")[1] for lb in fused_labels] == ["linear", "rope_kv"]
