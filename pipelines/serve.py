@@ -182,15 +182,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     api_key = getattr(args, "api_key", None) or os.environ.get("HETERO_API_KEY") or None
     if model_kind(args.model) == "generation":
-        return _run_generation(args, out, api_key)
+        return _run_generation(args, out, api_key, args.model)
+    from .encoder import resolve_model
+
+    model = os.fspath(resolve_model(args.model))  # what hetero embed accepts: a directory, minilm, a cached id
+    if model_kind(model) == "generation":  # a llama or qwen2 model in the Hugging Face cache
+        return _run_generation(args, out, api_key, model)
     given = [n for n in GENERATION_OPTIONS if getattr(args, n, None) is not None]
     if given:
         raise HeteroError(f"--{given[0].replace('_', '-')} is an option of text generation, and --model "
                           f"{args.model!r} is an embedding model; drop it, or serve a .gguf file, a llama/qwen2 "
                           "directory or smollm2")
-    from .encoder import resolve_model
-
-    model = os.fspath(resolve_model(args.model))  # what hetero embed accepts: a directory, minilm, a cached id
     settings = ServeSettings(model=model, model_name=None if model == args.model else args.model,
                              int8=bool(args.int8), max_batch_tokens=args.max_batch_tokens or 16384,
                              max_client_batch_size=args.max_client_batch_size, max_queued=args.max_queued,
@@ -231,8 +233,9 @@ def _warn_open(host: str, api_key: str | None) -> None:
               "(or HETERO_API_KEY) is set: anyone who reaches it can use it", file=sys.stderr, flush=True)
 
 
-def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None) -> int:
-    """``hetero serve`` with a generation model: one process, the LLM in it."""
+def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None, model: str) -> int:
+    """``hetero serve`` with the generation model ``model`` (a file, a directory or smollm2): one
+    process, the LLM in it."""
     bad = [n for n, default in EMBEDDING_OPTIONS.items() if getattr(args, n, default) != default]
     if bad:
         raise HeteroError(f"--{bad[0].replace('_ms', '').replace('_', '-')} is an option of embedding models, and "
@@ -245,7 +248,7 @@ def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None) 
     given = {n: getattr(args, n) for n in GENERATION_OPTIONS if getattr(args, n, None) is not None}
     if getattr(args, "max_batch_tokens", None) is not None:
         given["max_batch_tokens"] = args.max_batch_tokens
-    settings = GenerateSettings(model=os.fspath(args.model),
+    settings = GenerateSettings(model=model, model_name=None if model == args.model else args.model,
                                 max_request_bytes=int(getattr(args, "max_request_bytes", 2 * 1024 * 1024)),
                                 served_model_names=tuple(getattr(args, "served_model_name", None) or ()),
                                 api_key=api_key, **given)
