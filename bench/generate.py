@@ -1,12 +1,14 @@
-"""Text generation: hetero's LLM beside Hugging Face transformers on torch CUDA, same random weights.
+"""Text generation: hetero's LLM beside Hugging Face transformers and llama.cpp, same weights.
 
-``python -m bench generate [--shapes smollm2-135m,qwen2.5-0.5b] [--modes f16,q8_0] [--new 256]``
+Two ways in.
 
-For each shape a random model is built with transformers (``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` from the shape's config, seeded) and saved as a Hugging Face directory
-(fp16 safetensors, a stand-in ``tokenizer.json``; prompts are random token ids). hetero
-loads that directory with ``weights=`` each mode; transformers runs the same weights in
-fp16 on CUDA. Printed, one JSON line each:
+**Random Hugging Face models** (the default): ``python -m bench generate [--shapes
+smollm2-135m,qwen2.5-0.5b] [--modes f16,q8_0] [--new 256] [--compile]``. For each shape a
+random model is built with transformers (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` from the
+shape's config, seeded) and saved as a Hugging Face directory (fp16 safetensors, a stand-in
+``tokenizer.json``; prompts are random token ids). hetero loads that directory with
+``weights=`` each mode; transformers runs the same weights in fp16 on CUDA. Printed, one JSON
+line each:
 
 * correctness: hetero's float32-weight logits of a 64-token prompt against transformers'
   float32 logits, and how many of 64 greedy tokens agree;
@@ -17,13 +19,39 @@ fp16 on CUDA. Printed, one JSON line each:
 * the fraction of the memory-bandwidth roofline: weight bytes read a step over the step
   time, against a device-to-device copy's bandwidth measured by torch.
 
+**GGUF files**: ``--gguf FILE[,FILE...]`` and/or ``--make-gguf DIR`` (random-weight files of the
+SmolLM2-135M layout and of a 1.07B Llama shape, written by the llm-anchor kit: ``--kit DIR``,
+default ``.llm-anchor``; ``--models`` picks from :data:`bench.llama_cpp.KIT_MODELS`). hetero
+loads each file with ``weights="auto"`` (its own quantization, e.g. Q4_1) and measures with
+llama-bench's definitions (see :mod:`bench.llama_cpp`):
+
+* ``tg128``: decode tokens/s at batch 1 after an empty prompt: a one-token prompt and 128
+  tokens, 128 forward steps, wall clock, the mean of ``--reps`` runs after a warm-up;
+* ``pp512``: a 512-token prompt's prefill tokens/s (up to its first token);
+* ``b<N>``, for ``--npl 1,64``: N prompts of ``--npp`` 128 tokens, then ``--ntg`` 128 decode
+  steps each: the aggregate decode tokens/s (tokens after each prompt's first, over the time
+  after the last prompt's first token) and the total rate (prompt and decoded tokens over the
+  whole call), as llama-batched-bench's S_TG and S;
+* the step: dispatches a step and a layer (a traced run), and a step's wall time beside its
+  GPU time (``gpu_timing``): host time is what the GPU waits.
+
+With ``--vs-llama-cpp BIN_DIR`` (the kit's ``run.sh`` builds into ``.llm-build/build/bin``)
+llama-bench and llama-batched-bench run on the same files with the same sizes, and each
+hetero / llama.cpp ratio is a line. With torch on CUDA (and not ``--no-transformers``),
+transformers loads each file (``from_pretrained(dir, gguf_file=name)``: dequantized), checks
+hetero's logits and 64 greedy tokens in float32, and times eager fp16 decode the same way.
+``--budget-s`` stops starting work past that many seconds (hetero and llama.cpp first, then
+transformers); what is skipped is a line too.
+
 Without CUDA (``--layers 2`` on the CPU machine) it runs hetero alone as a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -32,7 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import adapter_fields, emitter, torch_cuda
+import hetero
+from bench import llama_cpp
+from bench._common import adapter_fields, emitter, gpu_time_by_name, torch_cuda
 
 emit = emitter("generate")
 
@@ -164,26 +194,249 @@ def check(llm_f32: Any, model: Any, torch: Any, vocab: int, label: dict[str, Any
     model.half()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b")
-    ap.add_argument("--modes", default="f16,q8_0", help="hetero weights= modes to time")
-    ap.add_argument("--new", type=int, default=256, help="tokens to decode at batch 1")
-    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke test)")
-    ap.add_argument("--compile", action="store_true", help="also time transformers' static cache + torch.compile")
-    ap.add_argument("--no-check", action="store_true")
-    a = ap.parse_args(argv)
+# ---------------------------------------------------------------------------------------------
+# GGUF files, beside llama.cpp
+
+
+class Budget:
+    """Seconds left of ``--budget-s`` (unbounded without it)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.perf_counter()
+
+    def allows(self, need_s: float, what: str, **label: Any) -> bool:
+        if self.left() >= need_s:
+            return True
+        emit(**label, skipped=what, reason=f"budget: {max(self.left(), 0):.0f} s left, about {need_s:.0f} s needed")
+        return False
+
+
+def kv_bytes(config: Any, streams: int, tokens: int, block: int = 16) -> int:
+    """KV cache bytes (float32 K and V) for ``streams`` sequences of ``tokens``, with room to spare."""
+    per_token = config.num_layers * config.num_kv_heads * config.head_dim * 2 * 4
+    blocks = streams * (-(-tokens // block) + 1) + 8
+    return per_token * block * blocks
+
+
+def rate_stats(rates: list[float]) -> dict[str, float]:
+    """Mean and standard deviation of per-run rates, as llama-bench reports them."""
+    mean = float(np.mean(rates))
+    return {"tok_s": round(mean, 1), "std": round(float(np.std(rates, ddof=1)) if len(rates) > 1 else 0.0, 1)}
+
+
+def hetero_gguf(llm: Any, vocab: int, a: argparse.Namespace) -> dict[str, Any]:
+    """hetero's llama-bench figures on a loaded file: tg, pp, and each batched-bench row."""
+    out: dict[str, Any] = {}
+    one = prompts(1, 1, vocab, 5)[0]
+    llm.generate(one, max_tokens=a.tg)  # warm-up: captures the decode shapes, as llama-bench warms up
+    rates = []
+    for _ in range(a.reps):
+        t0 = time.perf_counter()
+        c = llm.generate(one, max_tokens=a.tg)
+        rates.append(c.completion_tokens / (time.perf_counter() - t0))
+    out[f"tg{a.tg}"] = rate_stats(rates)
+    p = prompts(1, a.pp, vocab, 6)[0]
+    llm.generate(p, max_tokens=1)
+    out[f"pp{a.pp}"] = rate_stats([a.pp / llm.generate(p, max_tokens=1).ttft_s for _ in range(a.reps)])
+    for pl in a.npl:
+        ps = prompts(pl, a.npp, vocab, 7 + pl)
+        llm.generate(ps, max_tokens=2)  # warm-up: the prefill chunks and a decode step of pl rows
+        t0 = time.perf_counter()
+        cs = llm.generate(ps, max_tokens=a.ntg + 1)  # the first token comes with the prefill, then ntg steps
+        wall = time.perf_counter() - t0
+        decoded = sum(c.completion_tokens - 1 for c in cs)
+        after = wall - max(c.ttft_s for c in cs)
+        out[f"b{pl}"] = {"decode_tok_s": round(decoded / after, 1) if after > 0 else None,
+                         "total_tok_s": round((pl * a.npp + decoded) / wall, 1)}
+    return out
+
+
+def step_profile(lm: Any, a: argparse.Namespace, steps: int = 16) -> dict[str, Any]:
+    """Dispatches a step and a layer, and a decode step's wall and GPU time, from a traced run."""
     import hetero
-    from hetero.lowlevel import device_of
+    from hetero.pipelines import LLM
+
+    with tempfile.TemporaryDirectory(prefix="bench-generate-trace-") as d:
+        path = Path(d) / "trace.json"
+        rt = hetero.Runtime(trace=path, gpu_timing=True)
+        with LLM(lm, runtime=rt, kv_cache_bytes=kv_bytes(lm.config, 1, 2 * steps + 8)) as llm:
+            one = prompts(1, 1, lm.config.vocab_size, 5)[0]
+            llm.generate(one, max_tokens=steps)
+            t0 = time.perf_counter()
+            c = llm.generate(one, max_tokens=steps)
+            wall = time.perf_counter() - t0
+        rt.close()
+        trace = json.loads(path.read_text())
+    kernels = {name: n for name, (n, _) in gpu_time_by_name(trace, "GPU dispatches").items()}
+    n_steps = sum(n for n, _ in gpu_time_by_name(trace, "GPU queue").values())
+    per_step = {name: n / n_steps for name, n in kernels.items()} if n_steps else {}
+    layers = lm.config.num_layers
+    # a kernel dispatched at least once a layer belongs to the layers (the embedding, the head and
+    # sampling run once or twice a step)
+    per_layer = sum(int(n // layers) for n in per_step.values() if n >= layers)
+    out: dict[str, Any] = {"dispatches_per_step": round(sum(per_step.values()), 2), "dispatches_per_layer": per_layer,
+                           "kernels_per_step": {k: round(v, 2) for k, v in sorted(per_step.items())}}
+    n = c.completion_tokens
+    out["step_wall_us"] = round(wall / n * 1e6, 1)
+    if c.gpu_s is not None:
+        out["step_gpu_us"] = round(c.gpu_s / n * 1e6, 1)
+        out["step_host_us"] = round((wall - c.gpu_s) / n * 1e6, 1)  # the GPU idle: recording, fences, Python
+        out["gpu_busy"] = round(c.gpu_s / wall, 3)
+    out["note"] = "traced run, a timestamp around every dispatch"
+    return out
+
+
+def llama_cpp_gguf(bin_dir: str, f: Path, a: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """llama-bench's tg and pp and batched-bench's rows on ``f``, keyed as :func:`hetero_gguf`'s."""
+    out: dict[str, Any] = {}
+    for row in llama_cpp.run_llama_bench(bin_dir, f, n_prompt=a.pp, n_gen=a.tg, reps=a.reps, timeout=timeout):
+        out[row.test] = {"tok_s": round(row.avg_ts, 1), "std": round(row.stddev_ts, 1)}
+    rows = llama_cpp.run_batched_bench(bin_dir, f, npp=a.npp, ntg=a.ntg, npl=tuple(a.npl), timeout=timeout,
+                                       ctx=max(16384, max(a.npl) * (a.npp + a.ntg)))
+    for r in rows:
+        out[f"b{r.pl}"] = {"decode_tok_s": round(r.speed_tg, 1), "total_tok_s": round(r.speed, 1)}
+    return out
+
+
+def ratios(model: str, mine: dict[str, Any], ref: dict[str, Any], reference: str) -> None:
+    """One line per measure both sides have: hetero's figure, the reference's, and their ratio."""
+    for measure, h in mine.items():
+        r = ref.get(measure)
+        if not isinstance(h, dict) or not isinstance(r, dict):
+            continue
+        for key in ("tok_s", "decode_tok_s", "total_tok_s"):
+            if h.get(key) and r.get(key):
+                emit(model=model, measure=measure, figure=key, hetero=h[key], reference=reference,
+                     reference_value=r[key], ratio=round(h[key] / r[key], 3))
+
+
+def transformers_gguf(torch: Any, f: Path, a: argparse.Namespace, check: dict[str, Any] | None,
+                      mine: dict[str, Any]) -> None:
+    """transformers on ``f`` (dequantized): the float32 check against hetero's, then eager fp16 decode."""
+    import transformers
+
+    label = {"model": f.stem}
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name,
+                                                              torch_dtype=torch.float32).cuda().eval()
+    emit(**label, side="transformers", loaded_s=round(time.perf_counter() - t0, 1))
+    if check is not None:
+        ids = check["ids"]
+        with torch.no_grad():
+            want = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        err = float((np.abs(check["logits"] - want) / np.abs(want).max(-1, keepdims=True)).max())
+        x = torch.tensor([ids], device="cuda")
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, min_new_tokens=64,
+                             do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        got = check["greedy"]
+        same = next((i for i, (p, q) in enumerate(zip(got, ref)) if p != q), min(len(got), len(ref)))
+        emit(**label, check="hetero (file's weights) vs transformers f32 (dequantized)", max_rel_logit_err=err,
+             greedy_tokens_equal_prefix=same, of=64)
+    model.half()
+    one = torch.tensor([prompts(1, 1, model.config.vocab_size, 5)[0]], device="cuda")
+
+    def gen(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(8)
+    ref_fig = {f"tg{a.tg}": rate_stats([a.tg / gen(a.tg)])}
+    emit(**label, side="transformers eager fp16", **ref_fig)
+    ratios(f.stem, mine, ref_fig, "transformers eager fp16")
+    del model
+    torch.cuda.empty_cache()
+
+
+def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
     from hetero.pipelines import LLM
     from hetero.pipelines.llm_model import load_model
 
-    torch = torch_cuda()
-    rt = hetero.Runtime()
-    emit(**adapter_fields(device_of(rt)), torch_cuda=torch is not None)
-    bw = bandwidth(torch) if torch is not None else None
-    if bw is not None:
-        emit(device_copy_GB_s=round(bw / 1e9, 1))
+    budget = Budget(a.budget_s)
+    if a.vs_llama_cpp:
+        try:
+            llama_cpp.binaries(a.vs_llama_cpp)
+        except llama_cpp.LlamaCppMissing as e:
+            emit(error=str(e))
+            print(f"bench generate: {e}", file=sys.stderr)
+            return 2
+    files = [Path(x) for x in a.gguf.split(",") if x] if a.gguf else []
+    if a.make_gguf:
+        t0 = time.perf_counter()
+        try:
+            made = llama_cpp.make_ggufs(a.kit, a.make_gguf, a.models.split(","), layers=a.layers)
+        except (llama_cpp.LlamaCppMissing, llama_cpp.LlamaCppError, ValueError) as e:
+            emit(error=str(e))
+            print(f"bench generate: {e}", file=sys.stderr)
+            return 2
+        emit(made=[str(m) for m in made], made_s=round(time.perf_counter() - t0, 1))
+        files += made
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        print(f"bench generate: no such GGUF file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    with_hf = torch is not None and not a.no_transformers
+    checks: dict[Path, dict[str, Any]] = {}
+    mine: dict[Path, dict[str, Any]] = {}
+    for f in files:
+        label = {"model": f.stem}
+        big = f.stat().st_size > 512 << 20
+        if not budget.allows(90 if big else 45, "hetero and llama.cpp", **label):
+            continue
+        t0 = time.perf_counter()
+        lm = load_model(f)
+        kinds = collections.Counter(w.kind for w in lm.weights.values() if len(w.shape) == 2)
+        lm.config = dataclasses.replace(lm.config, eos_token_ids=())  # random weights: decode every token asked
+        vocab = lm.config.vocab_size
+        rt = hetero.Runtime()
+        kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
+        with LLM(lm, runtime=rt, kv_cache_bytes=kv) as llm:
+            emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1), layers=lm.config.num_layers,
+                 hidden=lm.config.hidden_size, matrices=dict(kinds), file_MiB=round(f.stat().st_size / 2**20, 1))
+            if with_hf:
+                ids = prompts(1, 64, vocab, 4)[0]
+                greedy = llm.generate(ids, max_tokens=64).token_ids
+                checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
+            fig = hetero_gguf(llm, vocab, a)
+            step_bytes = llm.engine.packed.nbytes
+        rt.close()
+        mine[f] = fig
+        emit(**label, side="hetero", weights="auto", **fig)
+        if bw is not None and step_bytes:
+            tg = fig[f"tg{a.tg}"]["tok_s"]
+            emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
+                 roofline_fraction=round(step_bytes * tg / bw, 4))
+        if not a.no_profile:
+            emit(**label, side="hetero", measure="step", **step_profile(lm, a))
+        if a.vs_llama_cpp:
+            try:
+                ref = llama_cpp_gguf(a.vs_llama_cpp, f, a, timeout=max(10.0, min(180.0, budget.left())))
+            except llama_cpp.LlamaCppError as e:
+                emit(**label, side="llama.cpp", error=str(e)[:2000])
+            else:
+                emit(**label, side="llama.cpp", **ref)
+                ratios(f.stem, fig, ref, "llama.cpp")
+        del lm
+    if with_hf:
+        for f in files:
+            if f in mine and budget.allows(60 if f.stat().st_size > 512 << 20 else 30, "transformers", model=f.stem):
+                try:
+                    transformers_gguf(torch, f, a, checks.get(f), mine[f])
+                except Exception as e:  # noqa: BLE001 - the reference is best effort; say why it did not run
+                    emit(model=f.stem, side="transformers", error=f"{type(e).__name__}: {e}"[:500])
+    return 0
+
+
+def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) -> None:
+    from hetero.pipelines import LLM
+    from hetero.pipelines.llm_model import load_model
+
     for shape in a.shapes.split(","):
         with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
             t0 = time.perf_counter()
@@ -210,10 +463,66 @@ def main(argv: list[str] | None = None) -> int:
             del model
             if torch is not None:
                 torch.cuda.empty_cache()
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b")
+    ap.add_argument("--modes", default="f16,q8_0", help="hetero weights= modes to time")
+    ap.add_argument("--new", type=int, default=256, help="tokens to decode at batch 1")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke test; also for --make-gguf)")
+    ap.add_argument("--compile", action="store_true", help="also time transformers' static cache + torch.compile")
+    ap.add_argument("--no-check", action="store_true")
+    g = ap.add_argument_group("GGUF files (instead of --shapes)")
+    g.add_argument("--gguf", default=None, metavar="FILE[,FILE...]", help="time these GGUF files (weights 'auto')")
+    g.add_argument("--make-gguf", default=None, metavar="DIR", help="write the kit's random GGUF files there and time "
+                   "them (a file already there is kept)")
+    g.add_argument("--kit", default=".llm-anchor",
+                   help="the llm-anchor kit (make_random_gguf.py, smollm2_meta.gguf.xz)")
+    g.add_argument("--models", default="smollm2-orig,smollm2-q8_0,smollm2-f16,llama1b-q4_1,llama1b-q8_0",
+                   help=f"kit files for --make-gguf, of: {', '.join(llama_cpp.KIT_MODELS)}")
+    g.add_argument("--vs-llama-cpp", default=None, metavar="BIN_DIR", help="run llama-bench and llama-batched-bench "
+                   "from BIN_DIR on the same files (the kit's run.sh builds .llm-build/build/bin)")
+    g.add_argument("--tg", type=int, default=128, help="decode steps at batch 1 after an empty prompt (llama-bench -n)")
+    g.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill test (llama-bench -p)")
+    g.add_argument("--reps", type=int, default=3, help="repetitions of tg and pp (llama-bench -r)")
+    g.add_argument("--npp", type=int, default=128, help="prompt tokens a stream (llama-batched-bench -npp)")
+    g.add_argument("--ntg", type=int, default=128, help="decode steps a stream (llama-batched-bench -ntg)")
+    g.add_argument("--npl", type=_ints, default=[1, 64], help="streams, comma-separated (llama-batched-bench -npl)")
+    g.add_argument("--no-transformers", action="store_true", help="skip the transformers reference on GGUF files")
+    g.add_argument("--no-profile", action="store_true", help="skip the traced step profile")
+    g.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds")
+    a = ap.parse_args(argv)
+    for name in ("tg", "pp", "reps", "npp", "ntg"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.vs_llama_cpp and not (a.gguf or a.make_gguf):
+        ap.error("--vs-llama-cpp needs GGUF files: --gguf FILE[,FILE...] or --make-gguf DIR")
+    from hetero.lowlevel import device_of
+
+    torch = torch_cuda()
+    rt = hetero.Runtime()
+    emit(**adapter_fields(device_of(rt)), torch_cuda=torch is not None)
+    bw = bandwidth(torch) if torch is not None else None
+    if bw is not None:
+        emit(device_copy_GB_s=round(bw / 1e9, 1))
+    if a.gguf or a.make_gguf:
+        rt.close()
+        return gguf_main(a, torch, bw)
+    shapes_main(a, torch, rt, bw)
     rt.close()
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-
