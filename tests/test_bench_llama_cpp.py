@@ -212,3 +212,17 @@ def test_ratios_pair_each_measure_both_sides_have(capsys):
         ("tg128", "tok_s", 0.5), ("b64", "decode_tok_s", 0.5), ("b64", "total_tok_s", 0.5)]
     assert lines[0] == {"bench": "generate", "model": "smollm2-orig", "measure": "tg128", "figure": "tok_s",
                         "hetero": 450.0, "reference": "llama.cpp", "reference_value": 900.0, "ratio": 0.5}
+
+
+def test_outputs_captured_from_a_cpu_build_read_the_same():
+    # llama-bench -p 16 -n 4 -r 2 and llama-batched-bench -npp 8 -ntg 4 -npl 1,2 of a CPU build of the
+    # anchor's llama.cpp commit, on the kit's SmolLM2 layout with 2 layers (tests/fixtures/)
+    fixtures = Path(__file__).parent / "fixtures"
+    pp, tg = parse_llama_bench((fixtures / "llama_bench_cpu.json").read_text())
+    assert (pp.test, tg.test, pp.flash_attn, pp.model_type) == ("pp16", "tg4", 1, "llama ?B Q4_1")
+    assert len(pp.samples_ts) == len(tg.samples_ts) == 2
+    assert tg.avg_ts == pytest.approx(sum(tg.samples_ts) / 2, rel=1e-4)
+    rows = parse_batched_bench((fixtures / "batched_bench_cpu.jsonl").read_text())
+    assert [(r.pp, r.tg, r.pl) for r in rows] == [(8, 4, 1), (8, 4, 2)]
+    for r in rows:
+        assert r.speed_tg == pytest.approx(r.pl * r.tg / r.t_tg, rel=1e-4)
