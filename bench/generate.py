@@ -31,7 +31,9 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 * ``b<N>``, for ``--npl 1,64``: N prompts of ``--npp`` 128 tokens, then ``--ntg`` 128 decode
   steps each: the aggregate decode tokens/s (tokens after each prompt's first, over the time
   after the last prompt's first token) and the total rate (prompt and decoded tokens over the
-  whole call), as llama-batched-bench's S_TG and S;
+  whole call), as llama-batched-bench's S_TG and S. Prompts enter 2048 rows a step (llama.cpp's
+  ``n_batch``); the streams admitted first already decode in the few steps that still take
+  prompts (64 x 128 tokens: 3 steps, ~1% of the decoded tokens, counted in hetero's favour);
 * the step: dispatches a step and a layer (a traced run), and a step's wall time beside its
   GPU time (``gpu_timing``): host time is what the GPU waits.
 
@@ -196,6 +198,9 @@ def check(llm_f32: Any, model: Any, torch: Any, vocab: int, label: dict[str, Any
 
 # ---------------------------------------------------------------------------------------------
 # GGUF files, beside llama.cpp
+
+
+PREFILL_BATCH = 2048  # prompt rows a step on GGUF files: llama.cpp's default n_batch
 
 
 class Budget:
@@ -396,7 +401,8 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         vocab = lm.config.vocab_size
         rt = hetero.Runtime()
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
-        with LLM(lm, runtime=rt, kv_cache_bytes=kv) as llm:
+        # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
+        with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH, prefill_chunk=PREFILL_BATCH) as llm:
             emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1), layers=lm.config.num_layers,
                  hidden=lm.config.hidden_size, matrices=dict(kinds), file_MiB=round(f.stat().st_size / 2**20, 1))
             if with_hf:
