@@ -233,7 +233,8 @@ class EmbeddingServer(ServerBase):
             "ready": self.ready, "max_batch_tokens": s.max_batch_tokens,
             "max_client_batch_size": s.max_client_batch_size, "max_queued_inputs": s.max_queued,
             "max_batches_in_flight": s.max_in_flight, "max_wait_ms": s.max_wait * 1e3,
-            "precapture": self.precapture, "max_request_bytes": s.max_request_bytes,
+            "precapture": self.precapture, "warmup": self.backend.warmup_progress,  # shapes done of total, seconds
+            "max_request_bytes": s.max_request_bytes,
             "auto_truncate": s.auto_truncate, "models": list(s.model_ids),
             "http_server": self.http_server, "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
         }

@@ -102,3 +102,26 @@ async def test_fronts_are_told_the_engine_s_progress(tiny: Model, shapes: int, s
             await ready(front)
             assert front.warmup_progress == engine.warmup_progress
             assert front.warmup_progress is not None and front.warmup_progress["shapes_done"] == shapes
+
+
+async def test_info_reports_the_warm_up_as_it_goes(tiny: Model, shapes: int, shared_rt: hetero.Runtime) -> None:
+    import httpx
+
+    from hetero.pipelines.serve_app import EmbeddingServer
+
+    server = EmbeddingServer(tiny, runtime=shared_rt, max_batch_tokens=48, precapture=True)
+    seen: list[tuple[int, int] | None] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://test") as c, \
+            server.running():
+        with anyio.fail_after(120):
+            while True:
+                info = (await c.get("/info")).json()
+                w = info["warmup"]
+                seen.append(None if w is None else (w["shapes_done"], w["shapes_total"]))
+                if info["ready"]:
+                    break
+                await anyio.sleep(0.02)  # the in-process transport never yields: let the warm-up run
+    assert seen[-1] == (shapes, shapes)
+    reported = [s for s in seen if s is not None]
+    assert reported == sorted(reported) and {t for _, t in reported} == {shapes}
+    assert seen.index(reported[0]) == len(seen) - len(reported)  # null only before the first shape count
