@@ -1,7 +1,8 @@
 """``hetero serve`` text generation under C concurrent streaming clients, beside in-process ``generate()``.
 
 ``python -m bench generate_serve [--shapes smollm2-135m,qwen2.5-0.5b] [--model PATH|smollm2|tiny]
-[--clients 1,16,64,256] [--prompt 128] [--new 128] [--weights auto] [--http auto] [--backend auto]``
+[--clients 1,16,64,256] [--prompt 128] [--new 128] [--weights auto] [--http auto] [--backend auto]
+[--workers 1]``
 
 For each shape a random model is built with transformers (bench generate's builder, fp16
 safetensors) beside a word-level stand-in tokenizer in which every id is a word, so that
@@ -16,7 +17,8 @@ starts): ``llm.generate()`` of the same C prompts in one call (aggregate tokens/
 warm-up call of the same size), and for one client ``llm.stream`` (TTFT and tokens/s after
 the first) and the batch-1 decode step time (one over that rate).
 
-Then ``hetero serve`` runs in a subprocess (``--http`` granian or hypercorn) and, for each C,
+Then ``hetero serve`` runs in a subprocess (``--http`` granian or hypercorn; ``--workers N``:
+N fronts and the LLM in an engine process) and, for each C,
 C clients on keep-alive connections of their own each send one streaming ``POST
 /v1/completions`` (``"stream": true``, ``stream_options.include_usage``, greedy) and read the
 server-sent events off the socket with a small raw HTTP/1.1 client (chunked transfer
@@ -302,6 +304,8 @@ def start_server(model: str, port: int, args: argparse.Namespace, log: Any) -> s
            "--default-max-tokens", str(args.new), "--served-model-name", "bench"]
     if args.kv_cache_bytes:
         cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.workers > 1:
+        cmd += ["--workers", str(args.workers)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for the shaped models")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the server's own default")
     ap.add_argument("--http", default="auto", choices=("auto", "granian", "hypercorn"))
+    ap.add_argument("--workers", type=int, default=1, help="HTTP front processes (more than 1: the LLM in an "
+                    "engine process behind them)")
     ap.add_argument("--backend", default="auto", choices=("auto", "asyncio", "uvloop", "trio"))
     ap.add_argument("--repeats", type=int, default=3, help="llm.stream reference runs (the best TTFT counts)")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds of each level (after a warm-up round)")
@@ -424,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab = load_model(path).config.vocab_size
             rng = np.random.default_rng(0)
             prompts = [rng.integers(3, vocab, size=a.prompt).tolist() for _ in range(max(levels))]
-            label = {"model": name, "weights": a.weights, "prompt": a.prompt, "new": a.new}
+            label = {"model": name, "weights": a.weights, "prompt": a.prompt, "new": a.new, "workers": a.workers}
             refs = references(path, a, prompts, levels)
             judge(served(path, a, prompts, levels, refs, label), refs, label)
     return 0

@@ -44,7 +44,7 @@ __all__ = ["BACKENDS", "EmbeddingServer", "GenerateSettings", "GenerationServer"
 
 # The embedding options and their defaults: a generation model refuses one given another value.
 EMBEDDING_OPTIONS = {"int8": False, "max_client_batch_size": 2048, "max_queued": 4096, "max_in_flight": 2,
-                     "max_wait_ms": 0.0, "auto_truncate": False, "precapture": None, "engines": 1}
+                     "max_wait_ms": 0.0, "auto_truncate": False, "precapture": None}
 # The generation options (None unless given): an embedding model refuses them.
 GENERATION_OPTIONS = ("weights", "max_seq_len", "kv_cache_bytes", "kv_cache_dtype", "max_running", "max_waiting",
                       "default_max_tokens")
@@ -90,10 +90,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "forms as soon as the engine can take it (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="HTTP front processes on the port (parsing, tokenizing, answering); with more than one, "
-                   "they share one engine process that owns the GPU and batches the sentences of all of them; "
-                   "/metrics sums them (default: %(default)s)")
+                   "they share one engine process that owns the GPU and batches the sentences (or decodes the "
+                   "sequences) of all of them; /metrics sums them (default: %(default)s)")
     p.add_argument("--engines", type=positive_int, default=1, metavar="K",
-                   help="engine processes behind the --workers fronts (front i uses engine i mod K), each with "
+                   help="embeddings: engine processes behind the --workers fronts (front i uses engine i mod K), "
+                   "each with "
                    "a device of its own on the GPU: one engine's host work is bound by one interpreter lock "
                    "(default: %(default)s)")
     p.add_argument("--max-request-bytes", type=positive_int, default=2 * 1024 * 1024, metavar="N",
@@ -234,17 +235,18 @@ def _warn_open(host: str, api_key: str | None) -> None:
 
 
 def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None, model: str) -> int:
-    """``hetero serve`` with the generation model ``model`` (a file, a directory or smollm2): one
-    process, the LLM in it."""
+    """``hetero serve`` with the generation model ``model`` (a file, a directory or smollm2): the LLM
+    in the server process, or with ``--workers N`` in an engine process behind N fronts."""
     bad = [n for n, default in EMBEDDING_OPTIONS.items() if getattr(args, n, default) != default]
     if bad:
-        raise HeteroError(f"--{bad[0].replace('_ms', '').replace('_', '-')} is an option of embedding models, and "
-                          f"--model {args.model!r} is a generation model; drop it (see hetero serve --help, text "
-                          "generation)")
+        name = "--max-wait" if bad[0] == "max_wait_ms" else f"--{bad[0].replace('_', '-')}"
+        raise HeteroError(f"{name} is an option of embedding models, and --model {args.model!r} is a generation "
+                          "model; drop it (see hetero serve --help, text generation)")
     workers = int(getattr(args, "workers", 1))
-    if workers > 1:
-        raise HeteroError(f"--workers {workers}: a generation model is served by one process for now (the LLM "
-                          "runs in the server process, whose decode steps every request shares); drop --workers")
+    engines = int(getattr(args, "engines", 1))
+    if engines != 1:
+        raise HeteroError(f"--engines {engines}: a generation model runs in one engine process, whose LLM batches "
+                          "the sequences of every front; drop --engines")
     given = {n: getattr(args, n) for n in GENERATION_OPTIONS if getattr(args, n, None) is not None}
     if getattr(args, "max_batch_tokens", None) is not None:
         given["max_batch_tokens"] = args.max_batch_tokens
@@ -255,14 +257,26 @@ def _run_generation(args: argparse.Namespace, out: TextIO, api_key: str | None, 
     _warn_open(args.host, api_key)
     backend = resolve_backend(getattr(args, "backend", "auto"))
     http = resolve_http(getattr(args, "http", "auto"), backend)
-    server = GenerationServer(settings.model, settings=settings, http_server=http)  # a bad model fails here
-    c = server.llm.config
+    if workers > 1:
+        from .llm_model import load_model
+
+        c = load_model(model).config  # a bad model fails here, before any process starts
+        shape = f"{c.arch}, {c.num_layers} layers, hidden {c.hidden_size}"
+        procs = f", {workers} front processes and an engine process"
+    else:
+        server = GenerationServer(settings.model, settings=settings, http_server=http)  # a bad model fails here
+        c = server.model.config
+        shape = f"{c.arch}, {c.num_layers} layers, hidden {c.hidden_size}, max_seq_len {server.max_seq_len}"
+        procs = ""
 
     def ready(url: str) -> None:
-        print(f"hetero serve: {server.model_name} (text generation: {c.arch}, {c.num_layers} layers, hidden "
-              f"{c.hidden_size}, max_seq_len {server.llm.max_seq_len}) on {url} ({http} on {backend}); warming up, "
-              "GET /health says when ready", file=out, flush=True)
+        print(f"hetero serve: {settings.served_name} (text generation: {shape}) on {url} ({http} on {backend}"
+              f"{procs}); warming up, GET /health says when ready", file=out, flush=True)
 
-    serve(server, args.host, args.port, backend, http=http, ready=ready)
+    status = 0
+    if workers > 1:
+        status = serve_workers(settings, args.host, args.port, backend, workers, ready=ready, http=http)
+    else:
+        serve(server, args.host, args.port, backend, http=http, ready=ready)
     print("hetero serve: stopped", file=out, flush=True)
-    return 0
+    return status

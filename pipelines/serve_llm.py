@@ -18,7 +18,9 @@ only). Answers have OpenAI's shapes (``chat.completion``, ``text_completion``, w
 ``finish_reason``; with ``stream_options: {"include_usage": true}`` every chunk has ``usage``
 null and one more chunk carries it) and ``data: [DONE]``.
 
-Concurrent requests share the LLM's decode steps (its continuous batching). A client that
+Concurrent requests share the LLM's decode steps (its continuous batching); with
+``--workers N`` the LLM runs in an engine process and N fronts reach it
+(:mod:`~hetero.pipelines.serve_llm_link`). A client that
 disconnects cancels its request: the stream closes and its sequence's KV blocks return.
 Errors keep OpenAI's shape: 400 names the bad parameter (``context_length_exceeded`` past
 ``max_seq_len``), 404 ``model_not_found``, 429 (``Retry-After``) past ``max_waiting``
@@ -45,9 +47,10 @@ from hetero.errors import DeviceLostError, HeteroError, InputError, OverloadedEr
 
 from .kv_cache import KVCacheFullError
 from .llm import LLM, StreamPiece
-from .llm_model import ARCHITECTURES
+from .llm_model import ARCHITECTURES, load_model
 from .serve_base import (JSON_HEADER, BaseSettings, RequestError, Response, ServerBase, StreamResponse, dumps,
                          internal_error, log, token_id, unavailable)
+from .serve_llm_link import GenerationClient, GenerationEngine
 from .serve_metrics import import_serve
 
 _orjson: Any
@@ -132,12 +135,23 @@ class GenerateSettings(BaseSettings):
 
 
 class GenerateMetrics:
-    """The Prometheus metrics of a generation server (one process): requests by status, request
-    duration, time to first token, inter-token latency, tokens generated and prompted, and the
-    LLM's running and waiting sequences and KV blocks (read at scrape time from ``stats()``)."""
+    """The Prometheus metrics of a generation server: requests by status, request duration, time
+    to first token, inter-token latency, tokens generated and prompted, and the LLM's running
+    and waiting sequences and KV blocks.
 
-    def __init__(self, stats: Any) -> None:
+    In one process the gauges read ``stats()`` at scrape time. With several
+    (``PROMETHEUS_MULTIPROC_DIR`` set) ``/metrics`` sums every process's files, and the engine
+    process writes the gauges with :meth:`set_gauges` (``stats`` is then not read).
+    """
+
+    GAUGES = {"hetero_generate_running_sequences": ("Sequences decoding", "running"),
+              "hetero_generate_waiting_sequences": ("Sequences waiting to start", "waiting"),
+              "hetero_kv_cache_blocks_in_use": ("KV cache blocks held by sequences", "kv_blocks_used"),
+              "hetero_kv_cache_blocks": ("KV cache blocks in all", "kv_blocks_total")}
+
+    def __init__(self, stats: Any = None) -> None:
         prom = self.prom = import_serve()
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         reg = self.exposed = prom.CollectorRegistry()
         self.requests = prom.Counter("hetero_generate_requests", "Generation requests by HTTP status code (499: "
                                      "the client left first)", ["code"], registry=reg)
@@ -153,12 +167,21 @@ class GenerateMetrics:
         self.tokens = prom.Counter("hetero_generate_tokens", "Tokens generated", registry=reg)
         self.prompt_tokens = prom.Counter("hetero_generate_prompt_tokens", "Prompt tokens of the requests served",
                                           registry=reg)
-        gauges = {"hetero_generate_running_sequences": ("Sequences decoding", "running"),
-                  "hetero_generate_waiting_sequences": ("Sequences waiting to start", "waiting"),
-                  "hetero_kv_cache_blocks_in_use": ("KV cache blocks held by sequences", "kv_blocks_used"),
-                  "hetero_kv_cache_blocks": ("KV cache blocks in all", "kv_blocks_total")}
-        for name, (doc, field) in gauges.items():
-            prom.Gauge(name, doc, registry=reg).set_function(lambda f=field: getattr(stats(), f))
+        self.gauges = {field: prom.Gauge(name, doc, registry=reg, multiprocess_mode="livesum")
+                       for name, (doc, field) in self.GAUGES.items()}
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            self.exposed = prom.CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed)
+        elif stats is not None:
+            for field, gauge in self.gauges.items():
+                gauge.set_function(lambda f=field: getattr(stats(), f))
+
+    def set_gauges(self, stats: Any) -> None:
+        """Write the gauges from ``stats`` (the engine process of a multi-process server)."""
+        for field, gauge in self.gauges.items():
+            gauge.set(getattr(stats, field))
 
     def render(self) -> bytes:
         """The Prometheus text of ``exposed``."""
@@ -183,7 +206,10 @@ class GenerationServer(ServerBase):
     ``model``: an :class:`~hetero.pipelines.LLM` (left open at the end), or what it loads (a
     ``.gguf`` file, a Hugging Face directory, ``"smollm2"``: loaded here, closed when the
     server stops). ``runtime``: the :class:`hetero.Runtime` a loaded model runs on (default:
-    its own). The other keywords are :class:`GenerateSettings`' (or pass ``settings=``).
+    its own). ``engine``: the link to an engine process
+    (:class:`~hetero.pipelines.serve_llm_link.GenerationClient`) that generates for this
+    server, which then loads only the model's tokenizer and chat template, and parses,
+    tokenizes and streams (``--workers``). The other keywords are :class:`GenerateSettings`' (or pass ``settings=``).
     ``http_server`` names the HTTP server in front. ``running()`` starts it (warm-up in the
     background: /health says when it is done) and stops it.
     """
@@ -194,7 +220,8 @@ class GenerationServer(ServerBase):
     settings: GenerateSettings
 
     def __init__(self, model: LLM | str | os.PathLike[str] = "smollm2", *, runtime: hetero.Runtime | None = None,
-                 settings: GenerateSettings | None = None, http_server: str | None = None, **options: Any) -> None:
+                 engine: GenerationClient | None = None, settings: GenerateSettings | None = None,
+                 http_server: str | None = None, **options: Any) -> None:
         if settings is None:
             if isinstance(model, LLM):
                 options.setdefault("model_name", Path(str(model.model.path)).stem)
@@ -205,45 +232,62 @@ class GenerationServer(ServerBase):
             raise HeteroError(f"GenerationServer: give settings= or {', '.join(sorted(options))}, not both")
         import_serve()
         super().__init__(settings, http_server)
-        self._own_llm = not isinstance(model, LLM)
-        if isinstance(model, LLM):
-            if runtime is not None:
-                raise HeteroError("GenerationServer: give runtime= with a model to load, not with an LLM (it has "
-                                  "its runtime)")
-            self.llm = model
+        self.metrics = GenerateMetrics()
+        self.llm: LLM | None = None  # the LLM in this process (None with an engine process)
+        self.backend: GenerationEngine | GenerationClient
+        if engine is not None:
+            if runtime is not None or isinstance(model, LLM):
+                raise HeteroError("GenerationServer: give engine= with a model to tokenize for, not with an LLM "
+                                  "or a runtime (the engine process owns them)")
+            self.model = load_model(model)  # its tokenizer and chat template: the weights stay on the disk
+            self.backend = engine
         else:
-            self.llm = LLM(model, runtime=runtime, **settings.llm_options())
-        self.metrics = GenerateMetrics(self.llm.stats)
-        self._ready = False
-        self._lost: str | None = None
-        self._warmup_error: str | None = None
-        self.adapter: str | None = None
+            if isinstance(model, LLM):
+                if runtime is not None:
+                    raise HeteroError("GenerationServer: give runtime= with a model to load, not with an LLM (it "
+                                      "has its runtime)")
+                self.llm = model
+            else:
+                self.llm = LLM(model, runtime=runtime, **settings.llm_options())
+            self.model = self.llm.model
+            self.metrics = GenerateMetrics(self.llm.stats)
+            self.backend = GenerationEngine(self.llm, own=not isinstance(model, LLM))
 
     # -- state ----------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready
+        return self.backend.ready
 
     @property
     def lost(self) -> str | None:
-        return self._lost
+        return self.backend.lost
 
     @property
     def warmup_error(self) -> str | None:
-        return self._warmup_error
+        return self.backend.warmup_error
+
+    @property
+    def adapter(self) -> str | None:
+        return self.backend.adapter
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most positions a sequence takes (the engine's LLM's)."""
+        return self.backend.max_seq_len
 
     def info(self) -> dict[str, Any]:
         """What ``GET /info`` answers: the model kind and shape, max_seq_len, the KV cache, limits."""
-        s, llm, c = self.settings, self.llm, self.llm.config
-        st = llm.stats()
-        engine = llm.engine
+        s, f, st = self.settings, self.backend.facts, self.backend.stats()
         return {
-            "model": self.model_name, "kind": "generation", "architecture": c.arch, "layers": c.num_layers,
-            "hidden_size": c.hidden_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
-            "vocab_size": c.vocab_size, "weights": llm.model.weight_mode, "max_seq_len": llm.max_seq_len,
+            "model": self.model_name, "kind": "generation", "architecture": f.get("architecture"),
+            "layers": f.get("layers"), "hidden_size": f.get("hidden_size"), "heads": f.get("heads"),
+            "kv_heads": f.get("kv_heads"), "vocab_size": f.get("vocab_size"), "weights": f.get("weights"),
+            "max_seq_len": f.get("max_seq_len"),
             "kv_cache": {"blocks": st.kv_blocks_total, "blocks_in_use": st.kv_blocks_used,
-                         "block_size": engine.block_size, "dtype": engine.kv_dtype, "bytes": engine.kv_cache_bytes},
-            "running": st.running, "waiting": st.waiting, "max_batch_tokens": llm.max_batch_tokens,
+                         "block_size": f.get("block_size"), "dtype": f.get("kv_dtype"),
+                         "bytes": f.get("kv_cache_bytes")},
+            "running": st.running, "waiting": st.waiting, "tokens_generated": st.tokens_generated,
+            "max_batch_tokens": f.get("max_batch_tokens"),
             "max_waiting": s.max_waiting, "default_max_tokens": s.default_max_tokens, "adapter": self.adapter,
             "ready": self.ready, "max_request_bytes": s.max_request_bytes, "models": list(s.model_ids),
             "http_server": self.http_server, "hetero_version": hetero.__version__, "worker_pid": os.getpid(),
@@ -252,36 +296,15 @@ class GenerationServer(ServerBase):
     # -- lifecycle ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[GenerationServer]:
-        """Start (warm-up in the background); on exit, :meth:`stop` (drain), then close the LLM
-        when the server loaded it."""
+        """Start (warm-up in the background, or the link to the engine process); on exit,
+        :meth:`stop` (drain), then close the LLM when the server loaded it."""
         self.open_lifecycle()
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._warmup)
-                try:
-                    yield self
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await self.stop()
-                    tg.cancel_scope.cancel()
-        finally:
-            if self._own_llm:
+        async with self.backend.running():
+            try:
+                yield self
+            finally:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.llm.close)
-
-    async def _warmup(self) -> None:
-        """Compile the step's kernels and capture it (a two-token generation), then ``ready``."""
-        llm = self.llm
-        try:
-            summary = await anyio.to_thread.run_sync(lambda: llm.runtime.device().summary)
-            self.adapter = str(summary["summary"])
-            ids = llm.encode("Hello") or [0]
-            await llm.agenerate(ids[:1], max_tokens=2)
-            self._ready = True
-        except HeteroError as e:
-            self._warmup_error = str(e)
-            if isinstance(e, DeviceLostError):
-                self._lost = f"the GPU device was lost: {e}"
+                    await self.stop()
 
     # -- the routes -------------------------------------------------------------------------------
     async def post(self, path: str, body: bytes) -> Response | StreamResponse:
@@ -320,10 +343,9 @@ class GenerationServer(ServerBase):
 
     async def _complete(self, ask: _Ask, t0: float) -> Response:
         try:
-            c = await self.llm.agenerate(ask.ids, **ask.sampling)
+            c = await self.backend.agenerate(ask.ids, **ask.sampling)
         except Exception as e:  # noqa: BLE001 - refusals become their status; the rest a 500
             raise self.refusal(e, ask) from e
-        assert not isinstance(c, list)
         m = self.metrics
         if c.ttft_s is not None:
             m.ttft.observe(c.ttft_s)
@@ -341,7 +363,7 @@ class GenerationServer(ServerBase):
 
     async def _open_stream(self, ask: _Ask, t0: float) -> StreamResponse:
         """The stream's first piece is awaited here, so that a refusal (429, 400) is an HTTP status."""
-        pieces = self.llm.stream(ask.ids, **ask.sampling)
+        pieces = self.backend.stream(ask.ids, **ask.sampling)
         try:
             first = await pieces.__anext__()
         except BaseException as e:
@@ -362,8 +384,8 @@ class GenerationServer(ServerBase):
         if isinstance(e, InputError):
             return RequestError(400, f"'{where}': {e}", where)
         if isinstance(e, DeviceLostError):
-            self._lost = f"the GPU device was lost: {e}"
-            return unavailable(f"{self._lost}; restart the server")
+            self.backend.mark_lost(e)
+            return unavailable(f"the GPU device was lost: {e}; restart the server")
         if isinstance(e, RuntimeClosedError):
             return unavailable(f"the server is shutting down: {e}")
         return e
@@ -395,7 +417,7 @@ class GenerationServer(ServerBase):
             ids = await self._chat_ids(body)
         else:
             ids = await self._prompt_ids(body)
-        limit = self.llm.max_seq_len
+        limit = self.max_seq_len
         where = "messages" if chat else "prompt"
         if len(ids) >= limit:
             raise RequestError(400, f"'{where}' has {len(ids)} tokens; this model's max_seq_len is {limit}, and "
@@ -419,7 +441,7 @@ class GenerationServer(ServerBase):
                                    "messages")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _content(m.get("content"), i)})
-        model = self.llm.model
+        model = self.model
         try:
             if sum(len(m["content"]) for m in out) > THREAD_TOKENIZE_CHARS:
                 return list(await anyio.to_thread.run_sync(model.chat_ids, out))
@@ -435,7 +457,7 @@ class GenerationServer(ServerBase):
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a list of one prompt
         if isinstance(p, list) and p and all(token_id(t) for t in p):
-            vocab = self.llm.config.vocab_size
+            vocab = self.model.config.vocab_size
             bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(400, f"'prompt' holds the token id {bad}, outside this model's vocabulary of "
@@ -446,8 +468,8 @@ class GenerationServer(ServerBase):
         if not isinstance(p, str):
             raise RequestError(400, "'prompt' must be a string or a non-empty list of token ids, got "
                                f"{type(p).__name__}", "prompt")
-        ids = (await anyio.to_thread.run_sync(self.llm.encode, p) if len(p) > THREAD_TOKENIZE_CHARS
-               else self.llm.encode(p))
+        ids = (await anyio.to_thread.run_sync(self.model.encode, p) if len(p) > THREAD_TOKENIZE_CHARS
+               else self.model.encode(p))
         if not ids:
             raise RequestError(400, "'prompt' has no tokens (an empty string, and the model adds no BOS); send text",
                                "prompt")

@@ -1,7 +1,8 @@
 """The process supervisor of ``hetero serve --workers N``: N HTTP fronts on one port, engines behind them.
 
 The parent process binds nothing but a probe of the port; it starts ``engines`` engine
-processes (each owns a Runtime, a device of its own, and the batcher) and ``workers`` front
+processes (each owns a Runtime, a device of its own, and the batcher; for a generation model
+one engine process owns the LLM, :mod:`~hetero.pipelines.serve_llm_link`) and ``workers`` front
 processes (each parses, tokenizes and answers behind its own HTTP server, all listening on
 the port with SO_REUSEPORT). It watches them: a process that exits on its own stops the
 others and the server exits with status 1. SIGTERM and SIGINT stop the fronts first (they
@@ -22,8 +23,11 @@ import anyio
 from hetero.errors import HeteroError
 
 from .serve_app import EmbeddingServer, ServeSettings
+from .serve_base import BaseSettings
 from .serve_engine import EmbeddingEngine, EngineClient
 from .serve_http import freeze_heap_when_ready, listen_socket, resolve_backend, resolve_http, run_on, serve
+from .serve_llm import GenerateMetrics, GenerateSettings, GenerationServer
+from .serve_llm_link import GenerationClient, GenerationEngine
 from .serve_metrics import ServeMetrics
 
 __all__ = ["check_engines", "front_environment", "serve_workers"]
@@ -39,16 +43,25 @@ def front_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _front_main(settings: ServeSettings, host: str, port: int, backend: str, http: str, address_file: str,
+def _front_main(settings: BaseSettings, host: str, port: int, backend: str, http: str, address_file: str,
                 secret: bytes) -> None:
     front_environment()
-    server = EmbeddingServer(settings.model, settings=settings, engine=EngineClient(address_file, secret))
+    server: EmbeddingServer | GenerationServer
+    if isinstance(settings, GenerateSettings):
+        server = GenerationServer(settings.model, settings=settings, engine=GenerationClient(address_file, secret))
+    else:
+        assert isinstance(settings, ServeSettings)
+        server = EmbeddingServer(settings.model, settings=settings, engine=EngineClient(address_file, secret))
     serve(server, host, port, backend, http=http, reuse_port=True)
 
 
-def _engine_main(settings: ServeSettings, address_file: str, secret: bytes, backend: str) -> None:
+def _engine_main(settings: BaseSettings, address_file: str, secret: bytes, backend: str) -> None:
     from .embed_weights import get_model
 
+    if isinstance(settings, GenerateSettings):
+        _generation_engine_main(settings, address_file, secret, backend)
+        return
+    assert isinstance(settings, ServeSettings)
     s = settings
     metrics = ServeMetrics(lambda: 0, lambda: 0)  # several processes: the gauges are set, not read
     engine = EmbeddingEngine(get_model(s.model), int8=s.int8, max_batch_tokens=s.max_batch_tokens,
@@ -72,7 +85,26 @@ def _engine_main(settings: ServeSettings, address_file: str, secret: bytes, back
     run_on(backend, main)
 
 
-def serve_workers(settings: ServeSettings | Mapping[str, Any], host: str, port: int, backend: str, workers: int,
+def _generation_engine_main(settings: GenerateSettings, address_file: str, secret: bytes, backend: str) -> None:
+    from .llm import LLM
+
+    metrics = GenerateMetrics()  # several processes: the gauges are set, not read
+    engine = GenerationEngine(LLM(settings.model, **settings.llm_options()), own=True, gauges=metrics.set_gauges)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent sends SIGTERM once the fronts have drained
+
+    async def main() -> None:
+        async with engine.running(), anyio.create_task_group() as tg:
+            tg.start_soon(freeze_heap_when_ready, engine)
+            await tg.start(engine.serve_fronts, address_file, secret)
+            with anyio.open_signal_receiver(signal.SIGTERM) as received:
+                async for _ in received:
+                    break
+            tg.cancel_scope.cancel()
+
+    run_on(backend, main)
+
+
+def serve_workers(settings: BaseSettings | Mapping[str, Any], host: str, port: int, backend: str, workers: int,
                   ready: Callable[[str], None] | None = None, *, engines: int = 1, http: str = "auto") -> int:
     """Serve with ``workers`` HTTP front processes listening on one port (SO_REUSEPORT: the kernel
     spreads connections over them) and ``engines`` engine processes that embed for them.
@@ -81,7 +113,9 @@ def serve_workers(settings: ServeSettings | Mapping[str, Any], host: str, port: 
     device of its own) and the batcher, so the sentences of every front it serves share its
     GPU batches (:mod:`hetero.pipelines.serve_engine`). Front ``i`` uses engine ``i %
     engines``: one engine's host work is bound by one interpreter lock, several share the GPU.
-    ``settings``: a :class:`ServeSettings` (or a mapping of its fields). ``http``: the fronts'
+    ``settings``: a :class:`ServeSettings` (or a mapping of its fields), or a
+    :class:`~hetero.pipelines.serve_llm.GenerateSettings` for a generation model (one engine
+    process, whose LLM decodes the sequences of every front in the same steps). ``http``: the fronts'
     HTTP server (:data:`~hetero.pipelines.serve_http.HTTP_SERVERS`).
     /metrics sums every process's counters, histograms and gauges; /health and /info answer
     for the front that took the connection. SIGTERM or SIGINT shut down gracefully: the fronts
@@ -94,8 +128,11 @@ def serve_workers(settings: ServeSettings | Mapping[str, Any], host: str, port: 
     import tempfile
 
     check_engines(engines, workers)
-    if not isinstance(settings, ServeSettings):
+    if not isinstance(settings, BaseSettings):
         settings = ServeSettings(**settings)
+    if isinstance(settings, GenerateSettings) and engines != 1:
+        raise HeteroError(f"--engines {engines}: a generation model runs in one engine process (its LLM batches "
+                          "every front's sequences); drop --engines")
     backend = resolve_backend(backend)  # an error here, not in each process
     http = resolve_http(http, backend)
     probe = listen_socket(host, port, reuse_port=True, listen=False)  # a port that is taken fails here

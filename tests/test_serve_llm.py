@@ -7,6 +7,7 @@ taken away, so that every generation runs to its ``max_tokens`` (counts are exac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -343,8 +344,8 @@ async def test_429_past_max_waiting_and_the_metrics(gguf: Path, shared_rt: heter
 def test_the_serve_command_checks_its_options(gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["serve", "--help"]) == 0
     assert "/v1/chat/completions" in capsys.readouterr().out
-    assert cli_main(["serve", "--model", str(gguf), "--workers", "2"]) == 1
-    assert "one process for now" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(gguf), "--workers", "2", "--engines", "2"]) == 1
+    assert "a generation model runs in one engine process" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(gguf), "--int8"]) == 1
     assert "--int8 is an option of embedding models" in capsys.readouterr().err
     assert cli_main(["serve", "--model", "minilm", "--kv-cache-bytes", "1M"]) == 1
@@ -411,3 +412,145 @@ def test_bench_generate_serve_runs_on_the_tiny_model(capsys: pytest.CaptureFixtu
     assert [levels[c]["tokens"] for c in (1, 3)] == [1 * 5 * 2, 3 * 5 * 2]
     assert all(levels[c]["aggregate_over_generate"] > 0 and levels[c]["ttft_p99_ms"] > 0 for c in (1, 3))
     assert lines[-1]["targets"] == "issue 44" and lines[-1]["c1_ttft_over_stream"] > 0
+
+
+SECRET = b"s" * 32
+
+
+@pytest.mark.anyio
+async def test_the_engine_link_carries_streams_errors_and_cancels(llm: LLM, tmp_path: Path) -> None:
+    """A front's GenerationClient through the loopback link to a GenerationEngine: the same tokens as
+    the LLM alone (one request, and four at once), the LLM's refusals as the same exceptions, and a
+    stream closed early cancels its sequence in the engine."""
+    from hetero.errors import InputError, RuntimeClosedError
+    from hetero.pipelines.serve_llm_link import GenerationClient, GenerationEngine
+
+    engine = GenerationEngine(llm)
+    address = str(tmp_path / "engine.port")
+    prompts = [llm.encode(t) for t in ("The quick brown fox", "def f(x):", "A", "What is")]
+    want = [await llm.agenerate(p, max_tokens=8) for p in prompts]
+    serving = anyio.CancelScope()
+
+    async def serve_fronts(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with serving:
+            await engine.serve_fronts(address, SECRET, task_status=task_status)
+
+    async with engine.running(), anyio.create_task_group() as tg:
+        await tg.start(serve_fronts)
+        client = GenerationClient(address, SECRET)
+        async with client.running():
+            with anyio.fail_after(60):
+                while not client.ready:
+                    await anyio.sleep(0.01)
+            assert client.max_seq_len == llm.max_seq_len and client.facts["layers"] == 2
+            got = await client.agenerate(prompts[0], max_tokens=8, temperature=0.0)
+            assert (got.text, got.token_ids, got.finish_reason) == (want[0].text, want[0].token_ids, "length")
+            assert got.prompt_tokens == len(prompts[0])
+            together: dict[int, Any] = {}
+
+            async def one(i: int) -> None:
+                together[i] = [p async for p in client.stream(prompts[i], max_tokens=8)]
+
+            async with anyio.create_task_group() as inner:
+                for i in range(4):
+                    inner.start_soon(one, i)
+            for i in range(4):
+                assert "".join(p.text for p in together[i]) == want[i].text
+                assert [p.token_id for p in together[i]] == want[i].token_ids
+                assert together[i][-1].finish_reason == "length"
+            with pytest.raises(InputError, match="out of range"):
+                await client.agenerate([1, 10 ** 6], max_tokens=2)
+            before = llm.stats().tokens_generated
+            async with contextlib.aclosing(client.stream(prompts[0], max_tokens=200)) as s:  # type: ignore[type-var]
+                n = 0
+                async for _ in s:
+                    n += 1
+                    if n == 3:
+                        break
+            with anyio.fail_after(30):
+                while not idle(llm):
+                    await anyio.sleep(0.01)
+            assert llm.stats().tokens_generated - before < 100
+            serving.cancel()  # the engine stops serving: the front says so and refuses what follows
+            with anyio.fail_after(30):
+                while client.lost is None:
+                    await anyio.sleep(0.01)
+            assert "engine process stopped" in client.lost and not client.ready
+            with pytest.raises(RuntimeClosedError, match="engine process stopped"):
+                await client.agenerate(prompts[0], max_tokens=2)
+
+
+def test_workers_serve_generation_through_one_engine(gguf: Path, tmp_path: Path, shared_rt: hetero.Runtime) -> None:
+    """``hetero serve --model FILE.gguf --workers 2``: both fronts answer what the LLM generates alone
+    (streaming and not), /metrics sums the fronts and shows the engine's gauges, a client that hangs
+    up cancels its sequence in the engine, SIGTERM stops all."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from bench.serve import free_port
+
+    with LLM(gguf, runtime=shared_rt, kv_cache_bytes=KV) as alone:
+        want = alone.generate(alone.model.chat_ids(CHAT), max_tokens=6)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "serve", "--model", str(gguf), "--port", str(port),
+                             "--kv-cache-bytes", "1M", "--workers", "2", "--http", "hypercorn"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        deadline = time.monotonic() + 120
+        pids: set[int] = set()
+        while len(pids) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    pids.add(httpx.get(url + "/info", timeout=5).json()["worker_pid"])
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        for stream in (False, True) * 3:  # new connections: spread over the fronts
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "temperature": 0,
+                                                               "stream": stream}, timeout=30)
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(e) for e in sse_events(r.content)[:-1]]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            else:
+                text = r.json()["choices"][0]["message"]["content"]
+            assert text == want.text
+        info = httpx.get(url + "/info", timeout=5).json()
+        assert info["kv_cache"]["blocks"] == 127 and info["max_seq_len"] == 256
+        before = info["tokens_generated"]
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            body = json.dumps({"prompt": "A", "max_tokens": 200, "stream": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while got.count(b"data: ") < 3:
+                got += sock.recv(65536)
+        while True:  # the engine's counts reach the fronts four times a second
+            assert time.monotonic() < deadline + 60
+            info = httpx.get(url + "/info", timeout=5).json()
+            if info["running"] == 0 and info["kv_cache"]["blocks_in_use"] == 0 and info["tokens_generated"] > before:
+                break
+            time.sleep(0.05)
+        assert info["tokens_generated"] - before < 100
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert metric(metrics, 'hetero_generate_requests_total{code="200"}') == 6  # summed over the fronts
+        assert metric(metrics, "hetero_kv_cache_blocks") == 127  # set by the engine process
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log.seek(0)
+        out = log.read()
+        assert "2 front processes and an engine process" in out and "hetero serve: stopped" in out, out
+        assert "Traceback" not in out, out
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
