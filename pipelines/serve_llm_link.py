@@ -15,8 +15,9 @@ LLM's :class:`GenerationStats`-like record), ``facts`` (the model's shape and th
 for ``/info``) and the state ``ready``, ``lost``, ``warmup_error``, ``adapter``.
 
 The link is TCP on the loopback interface, begun with a secret as the embedding engine's
-link is (the engine writes its port to an address file in a private directory). Frames are
-``u32 body length | u8 kind | body`` in the machine's byte order:
+link is (the engine writes its port to an address file in a private directory). Frames
+(:class:`~hetero.pipelines.serve_link.FrameLink`) are ``u32 body length | u8 kind | body`` in
+the machine's byte order:
 
 - ``HELLO`` (front to engine, first): the secret;
 - ``GENERATE`` (front to engine): ``u64 request id | u32 n | n x int32 token ids |`` JSON sampling;
@@ -53,18 +54,16 @@ from hetero.errors import DeviceLostError, HeteroError, InputError, OverloadedEr
 
 from .kv_cache import KVCacheFullError
 from .llm import LLM, Completion, StreamPiece
+from .serve_link import FrameLink
 
 __all__ = ["GenerationClient", "GenerationEngine", "LinkStats", "error_kind", "raise_kind"]
 
-_HEADER = struct.Struct("=IB")
 _ID = struct.Struct("=Q")
 _PIECE = struct.Struct("=QiBI")
 _COUNT = struct.Struct("=I")
 _HELLO, _GENERATE, _CANCEL, _PIECES, _ERROR, _STATUS = 1, 2, 3, 4, 5, 6
 _FINISH = {None: 0, "stop": 1, "length": 2}
 _FINISH_OF = {v: k for k, v in _FINISH.items()}
-_RECEIVE_BYTES = 1 << 20
-_MAX_FRAME = 1 << 28  # a prompt of max_seq_len ids, or the pieces of one pass, stay far below it
 STATUS_EVERY_S = 0.25
 
 # The errors a generation may end with, by the name that crosses the link.
@@ -104,70 +103,25 @@ def _stats_dict(llm: LLM) -> dict[str, int]:
     return {f.name: int(getattr(st, f.name)) for f in dataclasses.fields(LinkStats)}
 
 
-class _Link:
-    """Frames over one byte stream: ``send`` gathers them, one writer task writes them in one call."""
+class _Link(FrameLink):
+    """A generation link: the pieces queued while the writer waited leave as one PIECES frame."""
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
-        self.stream = stream
-        self.closed = False
-        self._out = bytearray()
-        self._wake = anyio.Event()
+        super().__init__(stream, "generation link")
         self._pieces: list[tuple[int, StreamPiece]] = []
 
-    def send(self, kind: int, *parts: bytes) -> None:
-        self._flush_pieces()  # what was queued before goes first
-        self._put(kind, *parts)
-        self._wake.set()
+    def piece(self, rid: int, p: StreamPiece) -> None:
+        """Queue a piece of request ``rid``."""
+        self._pieces.append((rid, p))
+        self.wake()
 
-    def _put(self, kind: int, *parts: bytes) -> None:
-        self._out += _HEADER.pack(sum(len(p) for p in parts), kind)
-        for p in parts:
-            self._out += p
-
-    def _flush_pieces(self) -> None:
+    def gather(self) -> None:
         if self._pieces:
             pieces, self._pieces = self._pieces, []
             texts = [p.text.encode("utf-8") for _, p in pieces]
             heads = b"".join(_PIECE.pack(rid, -1 if p.token_id is None else p.token_id, _FINISH[p.finish_reason],
                                          len(t)) for (rid, p), t in zip(pieces, texts))
-            self._put(_PIECES, _COUNT.pack(len(pieces)), heads, *texts)
-
-    def piece(self, rid: int, p: StreamPiece) -> None:
-        """Queue a piece of request ``rid``: the pieces of one pass leave as one PIECES frame."""
-        self._pieces.append((rid, p))
-        self._wake.set()
-
-    async def writer(self) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            while True:
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                self._flush_pieces()
-                data, self._out = self._out, bytearray()
-                if data:
-                    await self.stream.send(bytes(data))
-
-    async def frames(self, first_limit: int = _MAX_FRAME) -> AsyncIterator[tuple[int, bytes]]:
-        """``(kind, body)`` of each frame received, until the other side closes."""
-        buf = bytearray()
-        limit = first_limit
-        while True:
-            try:
-                buf += await self.stream.receive(_RECEIVE_BYTES)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return
-            pos = 0
-            while len(buf) - pos >= _HEADER.size:
-                size, kind = _HEADER.unpack_from(buf, pos)
-                if size > limit:
-                    raise HeteroError(f"generation link: a frame of {size} bytes, more than the {limit} allowed")
-                limit = _MAX_FRAME
-                end = pos + _HEADER.size + size
-                if end > len(buf):
-                    break
-                yield kind, bytes(buf[pos + _HEADER.size:end])
-                pos = end
-            del buf[:pos]
+            self.put(_PIECES, _COUNT.pack(len(pieces)), heads, *texts)
 
 
 def parse_pieces(body: bytes) -> list[tuple[int, StreamPiece]]:
