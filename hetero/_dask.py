@@ -49,6 +49,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
 import os
 import pickle
 import socket
@@ -116,7 +117,10 @@ class WorkerStats:
     ``busy_s`` counts the wall seconds during which at least one chunk was running on the
     worker (host time, not GPU time); ``cpu_s`` is the worker process's CPU time (every
     thread), ``submissions`` its device's GPU submissions, ``uptime_s`` the seconds since
-    setup. Differences of two snapshots describe what happened between them.
+    setup. ``run_s`` sums, over chunks, the wall seconds a chunk spent in ``rt.map`` on the
+    worker's event loop, and ``hop_s`` the rest of its task: handing the chunk to that loop
+    and back (the portal), and finding its graph. Differences of two snapshots describe
+    what happened between them.
     """
 
     chunks: int
@@ -125,6 +129,8 @@ class WorkerStats:
     cpu_s: float
     submissions: int
     uptime_s: float
+    run_s: float = 0.0
+    hop_s: float = 0.0
 
 
 # -- worker side ------------------------------------------------------------------------------------------------
@@ -155,6 +161,7 @@ class HeteroPlugin(WorkerPlugin):
         self._busy_since = 0  # perf_counter_ns when _active became 1
         self._busy_ns = 0
         self._chunks = self._runs = 0
+        self._run_ns = self._hop_ns = 0
         self._setup_ns = time.perf_counter_ns()
         self._graph_cache: collections.OrderedDict[str, Graph] = collections.OrderedDict()
         self._graph_lock = threading.Lock()
@@ -194,7 +201,7 @@ class HeteroPlugin(WorkerPlugin):
             raise
         self._portal_cm, self._portal, self.runtime = cm, portal, rt
         with self._count_lock:
-            self._busy_ns = self._chunks = self._runs = 0
+            self._busy_ns = self._chunks = self._runs = self._run_ns = self._hop_ns = 0
             self._busy_since = self._setup_ns = time.perf_counter_ns()
 
     def _stop(self) -> None:
@@ -217,30 +224,44 @@ class HeteroPlugin(WorkerPlugin):
                 self._graph_cache.move_to_end(token)
             return graph
 
-    def run_chunk(self, graph: Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
-        """Run ``inputs`` through ``graph`` on this worker's Runtime: ``(results, packed error or None)``."""
+    def run_chunk(self, graph: Graph, inputs: list[Any], max_in_flight: int,
+                  started_ns: int | None = None) -> tuple[list[Any], Any, tuple[float, float]]:
+        """Run ``inputs`` through ``graph`` on this worker's Runtime.
+
+        Returns ``(results, packed error or None, (task_s, run_s))``: ``run_s`` is the wall
+        time in ``rt.map`` on the worker's event loop, ``task_s`` the whole task's since
+        ``started_ns`` (a ``perf_counter_ns``; default: this call), the client's measure of
+        what the worker spent on the chunk.
+        """
+        t0 = time.perf_counter_ns() if started_ns is None else started_ns
         rt, portal = self.runtime, self._portal
         if rt is None or portal is None:
             raise ClusterError("this worker's HeteroPlugin is not set up (or was torn down)")
+        loop_ns = [0, 0]
 
         async def collect() -> tuple[list[Any], Any]:
+            loop_ns[0] = time.perf_counter_ns()
             out: list[Any] = []
             try:
                 async for r in rt.map(graph, inputs, max_in_flight=max_in_flight):
                     out.append(r)
             except Exception as e:  # noqa: BLE001 - every failure travels back at its place in the order
                 return out, _pack_error(e)
+            finally:
+                loop_ns[1] = time.perf_counter_ns()
             return out, None
 
         self._count(+1)
         results: list[Any] = []
         try:
             results, err = portal.call(collect)
-            return results, err
         finally:
-            self._count(-1, len(results))
+            run_ns = loop_ns[1] - loop_ns[0] if loop_ns[1] else 0
+            task_ns = time.perf_counter_ns() - t0
+            self._count(-1, len(results), run_ns, task_ns - run_ns)
+        return results, err, (task_ns / 1e9, run_ns / 1e9)
 
-    def _count(self, step: int, runs: int = 0) -> None:
+    def _count(self, step: int, runs: int = 0, run_ns: int = 0, hop_ns: int = 0) -> None:
         now = time.perf_counter_ns()
         with self._count_lock:
             if step > 0 and self._active == 0:
@@ -249,6 +270,8 @@ class HeteroPlugin(WorkerPlugin):
             if step < 0:
                 self._chunks += 1
                 self._runs += runs
+                self._run_ns += run_ns
+                self._hop_ns += hop_ns
                 if self._active == 0:
                     self._busy_ns += now - self._busy_since
 
@@ -283,8 +306,10 @@ class HeteroPlugin(WorkerPlugin):
         with self._count_lock:
             busy = self._busy_ns + (now - self._busy_since if self._active else 0)
             chunks, runs, since = self._chunks, self._runs, self._setup_ns
+            run_ns, hop_ns = self._run_ns, self._hop_ns
         return WorkerStats(chunks=chunks, runs=runs, busy_s=busy / 1e9, cpu_s=time.process_time(),
-                           submissions=rt.device().submission.submissions, uptime_s=(now - since) / 1e9)
+                           submissions=rt.device().submission.submissions, uptime_s=(now - since) / 1e9,
+                           run_s=run_ns / 1e9, hop_s=hop_ns / 1e9)
 
     def _require(self) -> Runtime:
         if self.runtime is None:
@@ -306,10 +331,12 @@ def _graph_bytes(token: str, payload: bytes) -> tuple[str, bytes]:
     return token, payload
 
 
-def _run_chunk(graph: tuple[str, bytes] | Graph, inputs: list[Any], max_in_flight: int) -> tuple[list[Any], Any]:
-    """The cluster task: a chunk of whole graph runs on the worker's Runtime."""
+def _run_chunk(graph: tuple[str, bytes] | Graph, inputs: list[Any],
+               max_in_flight: int) -> tuple[list[Any], Any, tuple[float, float]]:
+    """The cluster task: a chunk of whole graph runs on the worker's Runtime (with its timing)."""
+    t0 = time.perf_counter_ns()
     plugin = _plugin(get_worker())
-    return plugin.run_chunk(graph if isinstance(graph, Graph) else plugin.graph(*graph), inputs, max_in_flight)
+    return plugin.run_chunk(graph if isinstance(graph, Graph) else plugin.graph(*graph), inputs, max_in_flight, t0)
 
 
 def _worker_adapter(dask_worker: Any) -> WorkerAdapter:
@@ -372,13 +399,129 @@ def _unpack_error(packed: tuple[str, Any, str | None, BaseException | None]) -> 
 
 # -- client side ------------------------------------------------------------------------------------------------
 DEFAULT_CHUNK_SIZE = 16
-"""Graph runs per cluster task (:class:`DaskRuntime`). Each task costs a scheduler round trip
-(~5 ms while tasks overlap) and ends with a tail in which its last runs leave the worker's
-GPU part idle: longer chunks amortize both; shorter ones balance the last chunks of a map
-across workers."""
+"""The fixed chunk size :class:`DaskRuntime` used before chunk sizes adapted, for programs that
+pin one (``DaskRuntime(chunk_size=DEFAULT_CHUNK_SIZE)``). By default (``chunk_size=None``)
+the size follows the measured run time; see :class:`ChunkTuning` for the rule."""
 DEFAULT_WORKER_IN_FLIGHT = 4
 """Runs in flight inside one chunk on its worker (the worker's ``rt.map``), as ``rt.map``'s
 own default: enough to keep the GPU fed while the host records the next runs."""
+CHUNK_ROUND_TRIPS = 20
+"""An adaptive chunk runs for at least this many client round trips (:class:`ChunkTuning`)."""
+CHUNK_MIN_S = 0.05
+"""... and for at least this many seconds,"""
+CHUNK_MAX_S = 1.0
+"""... but for at most this many, so that the last chunks of a map balance across workers."""
+MAX_CHUNK_SIZE = 4096
+"""The largest chunk an adaptive size chooses (results wait on the worker until fetched)."""
+MAX_IN_FLIGHT = 32
+"""The most chunks per worker an adaptive map keeps in flight."""
+
+
+@dataclass(frozen=True)
+class ChunkTuning:
+    """How a :class:`DaskRuntime` sizes the chunks of one graph's maps (:meth:`DaskRuntime.tuning`).
+
+    The rule, for ``chunk_size=None`` (the default) and maps without ``max_in_flight``:
+
+    - ``run_s``: seconds per run on the worker, the median over the last three chunks of
+      ``rt.map``'s wall time on the worker divided by the chunk's runs (with
+      ``tasks_per_worker`` chunks sharing a worker, each chunk's share of it);
+    - ``round_trip_s``: what a chunk costs the client beyond the worker's time on it:
+      submission, scheduling, the wire both ways and fetching its results; the smallest
+      seen (a chunk that waited in the worker's queue measures more);
+    - ``chunk_size`` = ``target_s / run_s`` runs, at least ``worker_in_flight`` (so the
+      chunk's own pipeline fills) and at most :data:`MAX_CHUNK_SIZE`, where ``target_s`` =
+      :data:`CHUNK_ROUND_TRIPS` round trips, within [:data:`CHUNK_MIN_S`,
+      :data:`CHUNK_MAX_S`]: the per-chunk cost stays a few percent of a chunk, and a map's
+      last chunk is short enough to balance across workers;
+    - ``max_in_flight`` (chunks per worker) = ``tasks_per_worker`` running, one being
+      fetched and yielded, and enough queued behind them to cover a round trip:
+      ``tasks_per_worker + 1 + ceil(tasks_per_worker * round_trip_s / (chunk_size * run_s))``.
+
+    Before the first chunk of a graph comes back, chunks hold ``worker_in_flight`` runs and
+    ``tasks_per_worker + 2`` are in flight per worker. The measurements are kept per graph
+    for the DaskRuntime's life, so a second map starts where the first ended. An explicit
+    ``DaskRuntime(chunk_size=...)`` or ``map(..., max_in_flight=...)`` is used as given.
+    ``chunks`` counts the chunks measured; ``fixed`` is True when ``chunk_size`` was given.
+    """
+
+    chunk_size: int
+    max_in_flight: int
+    run_s: float | None
+    round_trip_s: float | None
+    chunks: int
+    fixed: bool
+
+
+class _Tuner:
+    """The measurements behind :class:`ChunkTuning` for one graph (thread-safe: maps run anywhere)."""
+
+    def __init__(self, fixed: int | None, min_size: int, tasks_per_worker: int) -> None:
+        self.fixed, self.min_size, self.tasks = fixed, min_size, tasks_per_worker
+        self._runs: collections.deque[float] = collections.deque(maxlen=3)
+        self._round_trip: float | None = None
+        self._chunks = 0
+        self._lock = threading.Lock()
+
+    def observe(self, runs: int, run_s: float, task_s: float, latency_s: float, fetch_s: float) -> None:
+        """A chunk of ``runs`` came back: ``run_s``/``task_s`` on the worker, ``latency_s`` from
+        submission to done and ``fetch_s`` to fetch its results, both on the client."""
+        if runs <= 0:
+            return
+        with self._lock:
+            self._chunks += 1
+            self._runs.append(max(run_s, 1e-9) / runs)
+            trip = max(0.0, latency_s - task_s) + max(0.0, fetch_s)
+            self._round_trip = trip if self._round_trip is None else min(self._round_trip, trip)
+
+    def tuning(self) -> ChunkTuning:
+        with self._lock:
+            run_s = sorted(self._runs)[len(self._runs) // 2] if self._runs else None
+            trip, chunks = self._round_trip, self._chunks
+        size = self.fixed if self.fixed is not None else self._size(run_s, trip)
+        return ChunkTuning(chunk_size=size, max_in_flight=self._in_flight(size, run_s, trip), run_s=run_s,
+                           round_trip_s=trip, chunks=chunks, fixed=self.fixed is not None)
+
+    def _size(self, run_s: float | None, trip: float | None) -> int:
+        if run_s is None or trip is None:
+            return self.min_size
+        target = min(CHUNK_MAX_S, max(CHUNK_MIN_S, CHUNK_ROUND_TRIPS * trip))
+        return max(self.min_size, min(MAX_CHUNK_SIZE, int(target / run_s)))
+
+    def _in_flight(self, size: int, run_s: float | None, trip: float | None) -> int:
+        if run_s is None or trip is None:
+            return self.tasks + 2
+        return min(MAX_IN_FLIGHT, self.tasks + 1 + math.ceil(self.tasks * trip / max(size * run_s, 1e-9)))
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """A submitted chunk: its future, its runs, when it was sent and when it was seen done (client clock)."""
+
+    future: Future
+    runs: int
+    sent_at: float
+    done_at: float | None = None
+
+    def stamp(self, _fut: Future) -> None:
+        self.done_at = time.perf_counter()
+
+
+@dataclass(eq=False)
+class _MapState:
+    """One map's graph, its graph task, its tuner and its in-flight rule."""
+
+    graph: Graph
+    gfut: Future
+    tuner: _Tuner
+    per_worker: int | None  # the caller's max_in_flight, else None: the tuner's
+    workers: int
+
+    def limit(self) -> int:
+        """Chunks in flight at most, now (the tuner's advice changes as chunks come back)."""
+        per = self.per_worker if self.per_worker is not None else self.tuner.tuning().max_in_flight
+        return per * self.workers
+
 
 class DaskRuntime:
     """Runs graphs on a dask.distributed cluster, keeping :class:`hetero.Runtime`'s contract.
@@ -386,7 +529,8 @@ class DaskRuntime:
     ``client`` is a synchronous ``distributed.Client`` whose workers carry a
     :class:`HeteroPlugin` and declare ``resource`` (``dask worker ADDR --resources
     wgpu=1``, or :class:`LocalWGPUCluster`). ``chunk_size`` graph runs make one cluster
-    task; ``worker_in_flight`` of them run at once on the worker (its ``rt.map``);
+    task (default None: sized from the measured run time and round trip, see
+    :class:`ChunkTuning`); ``worker_in_flight`` of them run at once on the worker (its ``rt.map``);
     ``tasks_per_worker`` chunks run at once on a worker that declares one unit of the
     resource. ``workers`` (addresses) keeps the chunks on those of the workers: they go
     elsewhere only while none of them is alive (a lost worker's chunks are still retried).
@@ -398,7 +542,7 @@ class DaskRuntime:
     close the client.
     """
 
-    def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int = DEFAULT_CHUNK_SIZE,
+    def __init__(self, client: Client, *, resource: str = "wgpu", chunk_size: int | None = None,
                  worker_in_flight: int = DEFAULT_WORKER_IN_FLIGHT, tasks_per_worker: int = 2,
                  workers: Sequence[str] | None = None) -> None:
         if not isinstance(client, Client):
@@ -410,7 +554,8 @@ class DaskRuntime:
             raise ValueError(f"resource must be a non-empty string, got {resource!r}")
         self.client = client
         self.resource = resource
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size: int | None = None if chunk_size is None else check_positive_int(
+            "chunk_size", chunk_size, rule="an integer >= 1 or None (adaptive)")
         self.worker_in_flight = check_positive_int("worker_in_flight", worker_in_flight)
         self.tasks_per_worker = check_positive_int("tasks_per_worker", tasks_per_worker)
         if workers is not None and (isinstance(workers, str) or not workers
@@ -418,6 +563,7 @@ class DaskRuntime:
             raise ValueError(f"workers must be a non-empty sequence of worker addresses, got {workers!r}")
         self._only: tuple[str, ...] | None = None if workers is None else tuple(workers)
         self._graphs: dict[int, tuple[Graph, int, Future]] = {}
+        self._tuners: dict[int, tuple[Graph, _Tuner]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -441,6 +587,7 @@ class DaskRuntime:
         with self._lock:
             self._closed = True
             graphs, self._graphs = self._graphs, {}
+            self._tuners = {}
         for _, _, fut in graphs.values():
             fut.release()
 
@@ -529,33 +676,57 @@ class DaskRuntime:
             old[2].release()
         return fut
 
-    def _prepare(self, graph: Graph, max_in_flight: int | None) -> tuple[Future, int]:
+    def tuning(self, graph: Graph) -> ChunkTuning:
+        """How the next map of ``graph`` sizes its chunks and how many it keeps in flight per worker
+        (:class:`ChunkTuning`: the rule and what was measured so far)."""
+        return self._tuner(graph).tuning()
+
+    def _tuner(self, graph: Graph) -> _Tuner:
+        with self._lock:
+            hit = self._tuners.get(id(graph))
+            if hit is None or hit[0] is not graph:
+                hit = self._tuners[id(graph)] = (graph, _Tuner(self.chunk_size, self.worker_in_flight,
+                                                               self.tasks_per_worker))
+            return hit[1]
+
+    def _prepare(self, graph: Graph, max_in_flight: int | None) -> _MapState:
         if not isinstance(graph, Graph):
             raise GraphError(f"run() expects a hetero.Graph, got {type(graph).__name__}")
         workers = self.workers()
-        per_worker = 2 if max_in_flight is None else check_positive_int("max_in_flight", max_in_flight)
-        return self._graph_future(graph, workers), per_worker * len(workers)
+        per_worker = None if max_in_flight is None else check_positive_int("max_in_flight", max_in_flight)
+        return _MapState(graph, self._graph_future(graph, workers), self._tuner(graph), per_worker, len(workers))
 
-    def _submit(self, gfut: Future, chunk: list[Any]) -> Future:
-        return self.client.submit(_run_chunk, gfut, chunk, self.worker_in_flight, pure=False,
-                                  resources={self.resource: 1.0 / self.tasks_per_worker},
-                                  workers=None if self._only is None else list(self._only),
-                                  allow_other_workers=self._only is not None)
+    def _submit(self, state: _MapState, chunk: list[Any]) -> _Chunk:
+        sent = time.perf_counter()
+        fut = self.client.submit(_run_chunk, state.gfut, chunk, self.worker_in_flight, pure=False,
+                                 resources={self.resource: 1.0 / self.tasks_per_worker},
+                                 workers=None if self._only is None else list(self._only),
+                                 allow_other_workers=self._only is not None)
+        c = _Chunk(fut, len(chunk), sent)
+        fut.add_done_callback(c.stamp)  # on the client's loop thread, as soon as the scheduler says so
+        return c
 
     @staticmethod
-    def _chunk_result(graph: Graph, fut: Future) -> tuple[list[Any], Any]:
-        """The chunk's ``(results, packed error)`` (blocking: fetches the results from the worker)."""
+    def _chunk_result(state: _MapState, c: _Chunk) -> tuple[list[Any], Any]:
+        """The chunk's ``(results, packed error)`` (blocking: fetches the results from the worker),
+        measured into the graph's tuner."""
+        t0 = time.perf_counter()
         try:
-            return fut.result()
+            results, err, (task_s, run_s) = c.future.result()
         except HeteroError:
             raise
         except Exception as e:  # noqa: BLE001 - KilledWorker, CancelledError, a lost connection
-            raise ClusterError(f"a chunk of graph {graph.name!r} failed on the cluster: {type(e).__name__}: {e}") \
-                from e
+            raise ClusterError(f"a chunk of graph {state.graph.name!r} failed on the cluster: "
+                               f"{type(e).__name__}: {e}") from e
+        fetched = time.perf_counter()
+        if err is None:
+            state.tuner.observe(c.runs, run_s, task_s, (c.done_at or t0) - c.sent_at, fetched - max(t0, c.done_at or t0))
+        return results, err
 
-    def _chunks(self, inputs: Iterable[Mapping[str, Any]]) -> Iterator[list[Any]]:
+    @staticmethod
+    def _chunks(state: _MapState, inputs: Iterable[Mapping[str, Any]]) -> Iterator[list[Any]]:
         source = iter(inputs)
-        while chunk := list(itertools.islice(source, self.chunk_size)):
+        while chunk := list(itertools.islice(source, state.tuner.tuning().chunk_size)):
             yield chunk
 
     # -- running (async) ------------------------------------------------------------
@@ -572,42 +743,44 @@ class DaskRuntime:
                   max_in_flight: int | None = None) -> AsyncGenerator[Any, None]:
         """Run ``graph`` over many inputs on the cluster; yield results in input order.
 
-        Inputs go out in chunks of ``chunk_size``; at most ``max_in_flight`` chunks per
-        worker holding the resource (counted when the map starts; default 2) are
-        submitted or waiting to be yielded, so a slow consumer holds the producer back.
-        The first failure is raised at its place in the order and stops the runs behind it.
+        Inputs go out in chunks (``chunk_size``, else sized as :class:`ChunkTuning` says);
+        at most ``max_in_flight`` chunks per worker holding the resource (counted when the
+        map starts; default: as :class:`ChunkTuning` says, from the measured run time and
+        round trip) are submitted or waiting to be yielded, so a slow consumer holds the
+        producer back. The first failure is raised at its place in the order and stops the
+        runs behind it.
         """
-        gfut, limit = await anyio.to_thread.run_sync(self._prepare, graph, max_in_flight)
-        pending: collections.deque[Future] = collections.deque()
-        chunks = self._chunks(inputs)
+        state = await anyio.to_thread.run_sync(self._prepare, graph, max_in_flight)
+        pending: collections.deque[_Chunk] = collections.deque()
+        chunks = self._chunks(state, inputs)
         try:
             for chunk in itertools.chain([None], chunks):  # None: first fill before any wait
                 if chunk is not None:
-                    pending.append(self._submit(gfut, chunk))
-                if len(pending) < limit:
+                    pending.append(self._submit(state, chunk))
+                if len(pending) < state.limit():
                     continue
-                async for r in self._drain_head(graph, pending):
+                async for r in self._drain_head(state, pending):
                     yield r
             while pending:
-                async for r in self._drain_head(graph, pending):
+                async for r in self._drain_head(state, pending):
                     yield r
         finally:
-            for f in pending:
-                f.release()
+            for c in pending:
+                c.future.release()
 
-    async def _drain_head(self, graph: Graph, pending: collections.deque[Future]) -> AsyncIterator[Any]:
-        head = pending[0]
+    async def _drain_head(self, state: _MapState, pending: collections.deque[_Chunk]) -> AsyncIterator[Any]:
+        head = pending[0].future
         if not head.done():
             done = anyio.Event()
             call = loop_caller()
             head.add_done_callback(lambda _f: call(done.set))
             await done.wait()
-        results, err = await anyio.to_thread.run_sync(self._chunk_result, graph, head)
+        results, err = await anyio.to_thread.run_sync(self._chunk_result, state, pending[0])
         for r in results:
             yield r
         if err is not None:
             raise _unpack_error(err)
-        pending.popleft().release()
+        pending.popleft().future.release()
 
     # -- running (sync) -------------------------------------------------------------
     def run_sync(self, graph: Graph, /, **inputs: Any) -> Any:
@@ -621,25 +794,25 @@ class DaskRuntime:
                  max_in_flight: int | None = None) -> Iterator[Any]:
         """:meth:`map` from synchronous code: a generator of results in input order."""
         self._not_in_loop("map_sync")
-        gfut, limit = self._prepare(graph, max_in_flight)
-        pending: collections.deque[Future] = collections.deque()
+        state = self._prepare(graph, max_in_flight)
+        pending: collections.deque[_Chunk] = collections.deque()
         try:
-            for chunk in self._chunks(inputs):
-                pending.append(self._submit(gfut, chunk))
-                while len(pending) >= limit:
-                    yield from self._drain_head_sync(graph, pending)
+            for chunk in self._chunks(state, inputs):
+                pending.append(self._submit(state, chunk))
+                while len(pending) >= state.limit():
+                    yield from self._drain_head_sync(state, pending)
             while pending:
-                yield from self._drain_head_sync(graph, pending)
+                yield from self._drain_head_sync(state, pending)
         finally:
-            for f in pending:
-                f.release()
+            for c in pending:
+                c.future.release()
 
-    def _drain_head_sync(self, graph: Graph, pending: collections.deque[Future]) -> Iterator[Any]:
-        results, err = self._chunk_result(graph, pending[0])
+    def _drain_head_sync(self, state: _MapState, pending: collections.deque[_Chunk]) -> Iterator[Any]:
+        results, err = self._chunk_result(state, pending[0])
         yield from results
         if err is not None:
             raise _unpack_error(err)
-        pending.popleft().release()
+        pending.popleft().future.release()
 
     @staticmethod
     def _not_in_loop(what: str) -> None:
