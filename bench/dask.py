@@ -2,6 +2,7 @@
 
     python -m bench dask [--n 100000] [--batch 128] [--chunk-size 16] [--worker-in-flight 4]
                           [--model random|tiny|minilm|DIR]
+    python -m bench dask --profile ...      (the parts of a worker's time: bench/dask_profile.py)
 
 Every figure embeds the same real sentences (stdlib docstrings, bench._corpus) after a
 warm-up pass on each runtime (each worker in turn), best of ``--repeat`` passes (the first
@@ -93,6 +94,10 @@ def warm_workers(client: Any, model: Any, warm: list[str], batch: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--profile" in (sys.argv[1:] if argv is None else argv):
+        from .dask_profile import main as profile
+
+        return profile(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m bench dask", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100_000, help="sentences (default: %(default)s)")
