@@ -73,7 +73,7 @@ from .errors import GraphError, HeteroError, NoAdapterError, StageError, _own_re
 
 _own_reducers()  # importing distributed (above) replaced the reducers of hetero's errors
 
-__all__ = ["ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter",
+__all__ = ["ChunkTuning", "ClusterError", "DaskRuntime", "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter",
            "WorkerStats", "dask_setup", "ensure_plugin"]
 
 PLUGIN_NAME = "hetero"
@@ -165,6 +165,8 @@ class HeteroPlugin(WorkerPlugin):
         self._setup_ns = time.perf_counter_ns()
         self._graph_cache: collections.OrderedDict[str, Graph] = collections.OrderedDict()
         self._graph_lock = threading.Lock()
+        self._kept: dict[Any, Any] = {}
+        self._keep_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"runtime_options": self.runtime_options}
@@ -207,6 +209,12 @@ class HeteroPlugin(WorkerPlugin):
     def _stop(self) -> None:
         rt, cm = self.runtime, self._portal_cm
         self.runtime = self._portal = self._portal_cm = None
+        with self._keep_lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for obj in kept:  # what lived on the Runtime goes before it
+            close = getattr(obj, "close", None)
+            if callable(close):
+                close()
         if rt is not None:
             rt.close()
         if cm is not None:
@@ -260,6 +268,30 @@ class HeteroPlugin(WorkerPlugin):
             task_ns = time.perf_counter_ns() - t0
             self._count(-1, len(results), run_ns, task_ns - run_ns)
         return results, err, (task_ns / 1e9, run_ns / 1e9)
+
+    def keep(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The object kept under ``key`` on this worker, made by ``make()`` on first use (blocking).
+
+        For what a task builds on the worker's Runtime and the next tasks reuse (a loaded
+        model, say): it lives as long as the Runtime, and its ``close()``, if it has one, is
+        called at teardown, before the Runtime closes. One ``make`` runs at a time.
+        """
+        self._require()
+        with self._keep_lock:
+            if key not in self._kept:
+                self._kept[key] = make()
+            return self._kept[key]
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``await fn(self, *args, **kwargs)`` on this worker's event loop; its result (blocking)."""
+        portal = self._portal
+        if self.runtime is None or portal is None:
+            raise ClusterError("this worker's HeteroPlugin is not set up (or was torn down)")
+        self._count(+1)
+        try:
+            return portal.call(functools.partial(fn, self, *args, **kwargs))
+        finally:
+            self._count(-1)
 
     def _count(self, step: int, runs: int = 0, run_ns: int = 0, hop_ns: int = 0) -> None:
         now = time.perf_counter_ns()
@@ -337,6 +369,16 @@ def _run_chunk(graph: tuple[str, bytes] | Graph, inputs: list[Any],
     t0 = time.perf_counter_ns()
     plugin = _plugin(get_worker())
     return plugin.run_chunk(graph if isinstance(graph, Graph) else plugin.graph(*graph), inputs, max_in_flight, t0)
+
+
+def _call_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The cluster task of :meth:`DaskRuntime.call`: ``(result, None)`` or ``(None, packed error)``
+    (an error travels as data, as a chunk's does: dask's own error path turns some into strings)."""
+    plugin = _plugin(get_worker())
+    try:
+        return plugin.call(fn, *args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - raised again on the client
+        return None, _pack_error(e)
 
 
 def _worker_adapter(dask_worker: Any) -> WorkerAdapter:
@@ -769,18 +811,63 @@ class DaskRuntime:
                 c.future.release()
 
     async def _drain_head(self, state: _MapState, pending: collections.deque[_Chunk]) -> AsyncIterator[Any]:
-        head = pending[0].future
-        if not head.done():
-            done = anyio.Event()
-            call = loop_caller()
-            head.add_done_callback(lambda _f: call(done.set))
-            await done.wait()
+        await _done(pending[0].future)
         results, err = await anyio.to_thread.run_sync(self._chunk_result, state, pending[0])
         for r in results:
             yield r
         if err is not None:
             raise _unpack_error(err)
         pending.popleft().future.release()
+
+    # -- a task of its own ----------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``await fn(plugin, *args, **kwargs)`` as one cluster task on a worker; its result.
+
+        For work that is not a graph's runs, such as a pipeline that drives the worker's
+        Runtime itself: ``fn`` is an async function (a module-level one pickles by
+        reference), run on the worker's event loop with that worker's :class:`HeteroPlugin`
+        (its ``runtime``, and ``keep`` for what later calls reuse). The task asks for
+        ``1 / tasks_per_worker`` of the resource, as a chunk does, and stays on ``workers=``
+        when given. An exception it raises is raised here; a lost task raises
+        :class:`ClusterError`.
+        """
+        fut = await anyio.to_thread.run_sync(self._submit_call, fn, args, kwargs)
+        try:
+            await _done(fut)
+            return await anyio.to_thread.run_sync(self._call_result, fn, fut)
+        finally:
+            fut.release()
+
+    def call_sync(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` from synchronous code (not from inside a running event loop)."""
+        self._not_in_loop("call_sync")
+        fut = self._submit_call(fn, args, kwargs)
+        try:
+            return self._call_result(fn, fut)
+        finally:
+            fut.release()
+
+    def _submit_call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future:
+        if not callable(fn):
+            raise TypeError(f"DaskRuntime.call() expects an async function, got {type(fn).__name__}")
+        self.workers()  # no worker with the resource: ClusterError now, not a task waiting forever
+        return self.client.submit(_call_task, fn, args, kwargs, pure=False,
+                                  resources={self.resource: 1.0 / self.tasks_per_worker},
+                                  workers=None if self._only is None else list(self._only),
+                                  allow_other_workers=self._only is not None)
+
+    @staticmethod
+    def _call_result(fn: Callable[..., Any], fut: Future) -> Any:
+        try:
+            result, err = fut.result()
+        except HeteroError:
+            raise
+        except Exception as e:  # noqa: BLE001 - KilledWorker, CancelledError, a lost connection
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise ClusterError(f"a call of {name} failed on the cluster: {type(e).__name__}: {e}") from e
+        if err is not None:
+            raise _unpack_error(err)
+        return result
 
     # -- running (sync) -------------------------------------------------------------
     def run_sync(self, graph: Graph, /, **inputs: Any) -> Any:
@@ -820,6 +907,15 @@ class DaskRuntime:
         if lib is not None:
             raise HeteroError(f"DaskRuntime.{what}() cannot be called inside a running {lib} event loop; "
                               f"use 'async with DaskRuntime(client) as drt' and the async methods")
+
+
+async def _done(fut: Future) -> None:
+    """Wait for ``fut`` without blocking the caller's loop (asyncio or trio) or the client's thread."""
+    if not fut.done():
+        done = anyio.Event()
+        call = loop_caller()
+        fut.add_done_callback(lambda _f: call(done.set))
+        await done.wait()
 
 
 # -- a local cluster, one worker per adapter -------------------------------------------------------------------

@@ -8,8 +8,10 @@ on a worker started from the command line (``dask_setup``). See docs/dask.md.
 
 from __future__ import annotations
 
-from ._dask import (ClusterError, DEFAULT_CHUNK_SIZE, DEFAULT_WORKER_IN_FLIGHT, DaskRuntime, HeteroPlugin,
-                    LocalWGPUCluster, PLUGIN_NAME, WorkerAdapter, WorkerStats, dask_setup, ensure_plugin)
+from ._dask import (ChunkTuning, ClusterError, DEFAULT_CHUNK_SIZE, DEFAULT_WORKER_IN_FLIGHT, DaskRuntime,
+                    HeteroPlugin, LocalWGPUCluster, PLUGIN_NAME, WorkerAdapter, WorkerStats, dask_setup,
+                    ensure_plugin)
 
-__all__ = ["ClusterError", "DEFAULT_CHUNK_SIZE", "DEFAULT_WORKER_IN_FLIGHT", "DaskRuntime", "HeteroPlugin",
-           "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter", "WorkerStats", "dask_setup", "ensure_plugin"]
+__all__ = ["ChunkTuning", "ClusterError", "DEFAULT_CHUNK_SIZE", "DEFAULT_WORKER_IN_FLIGHT", "DaskRuntime",
+           "HeteroPlugin", "LocalWGPUCluster", "PLUGIN_NAME", "WorkerAdapter", "WorkerStats", "dask_setup",
+           "ensure_plugin"]
