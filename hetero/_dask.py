@@ -4,8 +4,12 @@ Policy, in the words of the code below:
 
 - **A cluster task is a chunk of whole graph runs.** Dask costs milliseconds per task and
   hetero microseconds per stage, and a stage's tensors cannot leave their device, so a
-  task never holds a single stage: it runs ``chunk_size`` inputs through the worker's
+  task never holds a single stage: it runs a chunk of inputs through the worker's
   :class:`~hetero.Runtime` with ``rt.map``.
+- **Chunk sizes follow measurements.** Each chunk returns the worker's time on it; by
+  default a chunk lasts about 20 client round trips (0.05 to 1 s) of the measured run time,
+  and enough chunks are in flight to cover a round trip (:class:`ChunkTuning` states the
+  rule). Explicit ``chunk_size`` and ``max_in_flight`` are used as given.
 - **One Runtime per worker.** :class:`HeteroPlugin` creates it (and its device) in
   ``setup``, runs it on an event loop of its own (an anyio blocking portal) and closes
   it in ``teardown``. Task threads hand their chunk to that loop and wait.
@@ -35,6 +39,9 @@ Policy, in the words of the code below:
   can show that no two workers share one. :meth:`DaskRuntime.worker_stats` returns each
   worker's counters since its plugin was set up (:class:`WorkerStats`: chunks, runs, the
   seconds a chunk was running, the process's CPU time, GPU submissions).
+- **Work that is not a graph** (a pipeline driving the worker's Runtime itself, such as
+  text generation) runs as one task through :meth:`DaskRuntime.call`, with
+  :meth:`HeteroPlugin.keep` for what later tasks on that worker reuse.
 - **Any event loop.** The client must be a synchronous ``distributed.Client`` (its own
   loop runs in a thread). Futures are awaited through done-callbacks that wake the
   caller's loop (asyncio or trio) without blocking the client's thread; results are
