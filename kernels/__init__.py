@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hetero.kernels.decoder import (GPUWeight, add_rmsnorm, embedding, gather_rows, kv_cache, kv_write, linear,
-                                        linear_swiglu, paged_attention, rmsnorm, rope, rope_kv, sample,
+                                        linear_rope_kv, linear_swiglu, paged_attention, rmsnorm, rope, rope_kv, sample,
                                         sampling_params, silu_mul, upload_weight)
     from hetero.kernels.quant import (BLOCK, BLOCK_BYTES, KINDS, PackedWeight, concat_rows, pack,
                                       quantize_q8_0_blocks, unpack)
 
-_DECODER = ("GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear", "linear_swiglu",
-            "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight")
+_DECODER = ("GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear", "linear_rope_kv",
+            "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight")
 _QUANT = ("BLOCK", "BLOCK_BYTES", "KINDS", "PackedWeight", "concat_rows", "pack", "quantize_q8_0_blocks", "unpack")
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "kv_cache",
     "kv_write",
     "linear",
+    "linear_rope_kv",
     "linear_swiglu",
     "pack",
     "paged_attention",

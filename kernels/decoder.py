@@ -127,9 +127,9 @@ from hetero.kernels import decoder_wgsl as W
 from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
 
-# linear_rope_kv joins __all__ together with its re-export in hetero.kernels (whose __all__ mirrors this one)
+# hetero.kernels re-exports this list (its __all__ mirrors this one; a test checks both ways)
 __all__ = ["GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear",
-           "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample",
+           "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample",
            "sampling_params", "silu_mul", "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------

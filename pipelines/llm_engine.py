@@ -14,9 +14,10 @@ A :class:`DecoderEngine` owns what every generation of one model on one runtime 
 **A step** takes, for each of ``S`` sequences, the next ``n`` of its tokens not yet in the
 cache (a prompt chunk, or the one token sampled last step): ``T`` rows in all. For each row
 the host gives its token id, position, cache slot and sequence; for each sequence its block
-table and the row of its last token. The GPU stage embeds the rows, runs every layer (six
-dispatches: QKV with the RMSNorm folded in, RoPE with the KV-cache write, paged attention,
-the output projection with the residual add, gate/up with SwiGLU, down with the residual
+table and the row of its last token. The GPU stage embeds the rows, runs every layer (QKV with
+the RMSNorm folded in and RoPE with the KV-cache write in its epilogue, one dispatch for decode
+rows (:func:`~hetero.kernels.decoder.linear_rope_kv`), two past ``GEMV_MAX_M``; paged attention;
+the output projection with the residual add; gate/up with SwiGLU; down with the residual
 add), gathers each sequence's last row, applies the final RMSNorm and the output head, and
 samples (greedy, temperature, top-k, top-p; a seeded counter-based hash, so a seed
 reproduces a sample). Only the ``S`` token ids come back to the host.
@@ -189,8 +190,8 @@ def _forward(gpu: GPUContext, ids: Tensor, pos: Tensor, slots: Tensor, tables: T
     eps = c.rms_norm_eps
     h = D.embedding(gpu, r.embed, ids)
     for lay in r.layers:
-        qkv = D.linear(gpu, h, lay.qkv, bias=lay.qkv_bias, norm=lay.attn_norm, eps=eps)
-        q = D.rope_kv(gpu, qkv, pos, r.inv_freq, lay.k_cache, lay.v_cache, slots, heads=c.num_heads)
+        q = D.linear_rope_kv(gpu, h, lay.qkv, pos, r.inv_freq, lay.k_cache, lay.v_cache, slots,
+                             heads=c.num_heads, bias=lay.qkv_bias, norm=lay.attn_norm, eps=eps)
         att = D.paged_attention(gpu, q, lay.k_cache, lay.v_cache, tables, seqs, pos)
         h = D.linear(gpu, att, lay.o, bias=lay.o_bias, residual=h)
         mlp = D.linear_swiglu(gpu, h, lay.gate, lay.up, norm=lay.mlp_norm, eps=eps)
