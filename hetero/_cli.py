@@ -50,7 +50,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # anywhere once hetero's code runs: while parsing, working or closing
         print("hetero: interrupted", file=sys.stderr)
+        _forget_unhandled_interrupt()
         return 130
+
+
+def _forget_unhandled_interrupt() -> None:
+    """Keep the exit status the interrupt handler returns.
+
+    An interrupt that ends code run through ``PyRun_*`` (an extension module's import may run
+    some) leaves the interpreter a note to end the process by SIGINT at exit, whatever status
+    ``main`` returns; running an empty string the same way clears that note."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyRun_SimpleStringFlags(b"", None)
+    except Exception:  # no ctypes, or an interpreter without the C API
+        pass
 
 
 def _main(argv: Sequence[str] | None) -> int:
