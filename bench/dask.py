@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed passes per figure, best kept (default: %(default)s; the first pass over the "
                          "corpus also captures its batch shapes)")
     args = ap.parse_args(argv)
-    from hetero.dask import DEFAULT_CHUNK_SIZE, DEFAULT_WORKER_IN_FLIGHT
+    from hetero.dask import DEFAULT_WORKER_IN_FLIGHT
 
-    args.chunk_size = args.chunk_size or [DEFAULT_CHUNK_SIZE]
+    # None: DaskRuntime's adaptive chunk size (ChunkTuning), the default a user gets
+    chunk_sizes: list[int | None] = list(args.chunk_size or [None])
     args.worker_in_flight = args.worker_in_flight or [DEFAULT_WORKER_IN_FLIGHT]
 
     import numpy as np
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         adapters = list_adapters()
         label = adapter_labels(adapters)[[a.summary for a in adapters].index(dev.summary["summary"])]
         emit(**adapter_fields(dev), selector=label, sentences=len(texts), mean_words=round(words, 1),
-             batch=args.batch, chunk_size=args.chunk_size[0], worker_in_flight=args.worker_in_flight[0],
+             batch=args.batch, chunk_size=chunk_sizes[0] or "adaptive", worker_in_flight=args.worker_in_flight[0],
              model=str(args.model))
         out: dict[str, Any] = {}
         local_s = best_of(lambda: out.update(local=embed(texts, model=model, batch_size=args.batch, runtime=rt)),
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         with LocalWGPUCluster(workers, adapter=label) as cluster, Client(cluster) as client:
             client.register_plugin(HeteroPlugin())
             warm_workers(client, model, warm, args.batch)
-            sweep = [(c, w) for c in args.chunk_size for w in args.worker_in_flight] if workers == 1 \
-                else [(args.chunk_size[0], args.worker_in_flight[0])]
+            sweep = [(c, w) for c in chunk_sizes for w in args.worker_in_flight] if workers == 1 \
+                else [(chunk_sizes[0], args.worker_in_flight[0])]
             for chunk_size, in_flight in sweep:
                 with DaskRuntime(client, chunk_size=chunk_size, worker_in_flight=in_flight) as drt:
                     s = best_of(lambda: out.update(dask=embed(texts, model=model, batch_size=args.batch,
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate = len(texts) / s
                 rates[workers] = max(rates.get(workers, 0.0), rate)
                 ref = local_rate if workers == 1 else rates[1]
-                emit(figure=f"dask-{workers}", workers=workers, chunk_size=chunk_size, worker_in_flight=in_flight,
+                emit(figure=f"dask-{workers}", workers=workers, chunk_size=chunk_size or "adaptive",
+                     worker_in_flight=in_flight,
                      s=round(s, 3), sentences_per_s=round(rate, 1), ratio=round(rate / ref, 3),
                      against="local" if workers == 1 else "dask-1 (best)", max_abs_diff=diff)
             if workers == 1:

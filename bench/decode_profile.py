@@ -196,7 +196,9 @@ def step_inputs(shape: Shape, batch: int, context: int) -> tuple[dict[str, np.nd
 def forward(gpu: Any, r: Resident, shape: Shape, layers: int, ids: Any, pos: Any, slots: Any, tables: Any,
             seqs: Any, last: Any, params: Any) -> Tensor:
     """The LLM's decode step (pipelines.llm_engine's forward): embedding, six dispatches a layer, the
-    last rows, the head with the final norm, greedy sampling."""
+    last rows, the head with the final norm, greedy sampling. The QKV projection and RoPE + KV write
+    stay two dispatches here so that each is timed alone; the engine fuses them (linear_rope_kv) for
+    steps of at most GEMV_MAX_M rows."""
     eps = shape.eps
     h = D.embedding(gpu, r.embed, ids)
     for n in range(layers):
