@@ -93,6 +93,7 @@ _EXPORTS = {
     "Node": "_graph",
     "MapResults": "_runtime",
     "Runtime": "_runtime",
+    "StartedRun": "_runtime",
     "RuntimeOptions": "_runtime",
     "run": "_runtime",
     "MemoryStats": "_gpu.pool",
@@ -131,7 +132,7 @@ if TYPE_CHECKING:
     from ._gpu.tensor import Tensor
     from ._graph import Graph, Input, Node
     from ._placement import PerfModel, Placement
-    from ._runtime import MapResults, Runtime, RuntimeOptions, run
+    from ._runtime import MapResults, Runtime, RuntimeOptions, StartedRun, run
     from ._stats import RunStats, StageStats
     from .errors import (
         DeviceLostError,
@@ -204,6 +205,7 @@ __all__ = [
     "RuntimeOptions",
     "StageError",
     "StageStats",
+    "StartedRun",
     "Tensor",
     "run",
 ]

@@ -27,7 +27,7 @@ from ._trace import Tracer
 from ._files import write_error
 from .errors import DeviceLostError, GraphError, HeteroError, RuntimeClosedError
 
-__all__ = ["MapResults", "Runtime", "RuntimeOptions", "run"]
+__all__ = ["MapResults", "Runtime", "RuntimeOptions", "StartedRun", "run"]
 
 log = logging.getLogger("hetero")
 
@@ -300,13 +300,25 @@ class Runtime:
 
     async def run(self, graph: Graph, /, **inputs: Any) -> Any:
         """Run ``graph`` once with the given inputs; return its output (a tuple for several)."""
-        try:
-            return await self._start(graph, inputs).wait()
-        finally:
-            if self._tracer is not None:
-                tracer = self._tracer
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(tracer.maybe_write)
+        return await self.start(graph, **inputs).result()
+
+    def start(self, graph: Graph, /, **inputs: Any) -> StartedRun:
+        """Start a run of ``graph`` now and return at once; ``await started.result()`` for its output.
+
+        Call it on an event loop's thread (the run belongs to that loop). Its stages are
+        routed before ``start`` returns, so runs started one after another from one thread
+        are recorded in that order: with one GPU recording thread (``gpu_threads=1``, the
+        default) the GPU runs their work in that order too, and a later run may read what an
+        earlier one wrote to a resident tensor. Await or :meth:`~StartedRun.cancel` every
+        started run: until then it holds its outputs. Bad inputs raise here, as ``run``'s do.
+        """
+        return StartedRun(self, self._start(graph, inputs))
+
+    async def _after_run(self) -> None:
+        if self._tracer is not None:
+            tracer = self._tracer
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(tracer.maybe_write)
 
     def batcher(self, graph: Graph, /, *, max_batch_size: int = 64, max_wait: float = 0.0,
                 cost: Callable[[Mapping[str, Any]], int] | None = None, max_cost: int | None = None,
@@ -444,6 +456,48 @@ class Runtime:
             for r in pending:
                 await r.settled()
                 r.forget_values()
+
+
+class StartedRun:
+    """A run begun by :meth:`Runtime.start`: ``await result()`` once for its output or error."""
+
+    def __init__(self, runtime: Runtime, run: Run) -> None:
+        self._runtime = runtime
+        self._run = run
+        self._taken = False
+
+    @property
+    def done(self) -> bool:
+        """True once the run has completed, failed or been cancelled."""
+        return bool(self._run.stopped)
+
+    async def result(self) -> Any:
+        """Wait for the run to end; its output (a tuple for several), or raise its error.
+
+        Cancelling the wait stops the run. A second call raises :class:`~hetero.HeteroError`:
+        the run's values are let go once they are returned.
+        """
+        if self._taken:
+            raise HeteroError(f"run {self._run.seq} of {self._run.plan.name!r}: its result was already taken; "
+                              "result() returns once")
+        self._taken = True
+        try:
+            return await self._run.wait()
+        finally:
+            await self._runtime._after_run()
+
+    async def cancel(self) -> None:
+        """Stop the run (if it has not ended) and wait until its memory is back; its result is dropped."""
+        if self._taken:
+            return
+        self._taken = True
+        self._run.stop()
+        await self._run.settled()
+        self._run.forget_values()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "running"
+        return f"<StartedRun {self._run.seq} of {self._run.plan.name!r}: {state}>"
 
 
 class MapResults:

@@ -239,3 +239,63 @@ async def test_process_stage_retries_follow_retry_on(tmp_path: Path) -> None:
     with hetero.Runtime(cpu_threads=1, cpu_processes=1) as rt:
         with pytest.raises(StageError, match="failed after 2 attempts: ValueError: second"):
             await rt.run(g, x=str(tmp_path / "marker"))
+
+
+async def test_start_returns_before_the_run_ends_and_result_waits(rt: hetero.Runtime) -> None:
+    release = threading.Event()
+
+    def work(i: int) -> int:
+        release.wait(WAIT)
+        return i + 1
+
+    g = hetero.Graph("started")
+    g.output(g.cpu(work, g.input("i"), name="work"))
+    first, second = rt.start(g, i=1), rt.start(g, i=2)
+    assert not first.done and not second.done
+    assert "running" in repr(first)
+    release.set()
+    assert await second.result() == 3
+    assert await first.result() == 2
+    assert first.done
+    with pytest.raises(hetero.HeteroError, match="already taken"):
+        await first.result()
+
+
+async def test_start_raises_bad_inputs_at_once_and_errors_at_result(rt: hetero.Runtime) -> None:
+    def boom(i: int) -> int:
+        raise ValueError(f"bad {i}")
+
+    g = hetero.Graph("startfail")
+    g.output(g.cpu(boom, g.input("i"), name="boom"))
+    with pytest.raises(hetero.HeteroError, match="i"):
+        rt.start(g)  # the input is missing
+    started = rt.start(g, i=7)
+    with pytest.raises(StageError, match="bad 7"):
+        await started.result()
+
+
+async def test_cancelling_a_started_run_stops_what_it_has_not_begun(rt: hetero.Runtime) -> None:
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first(i: int) -> int:
+        release.wait(WAIT)
+        ran.append("first")
+        return i
+
+    def second(i: int) -> int:
+        ran.append("second")
+        return i
+
+    g = hetero.Graph("startcancel")
+    g.output(g.cpu(second, g.cpu(first, g.input("i"), name="first"), name="second"))
+    started = rt.start(g, i=1)
+    threading.Timer(0.2, release.set).start()  # "first" ends after the run was stopped
+    await started.cancel()
+    await started.cancel()  # a second cancel does nothing
+    assert started.done
+    release.wait(WAIT)
+    await anyio.sleep(0.2)
+    assert "second" not in ran
+    with pytest.raises(hetero.HeteroError, match="already taken"):
+        await started.result()
