@@ -33,10 +33,11 @@ op                                  what (and what it fuses)
 ``paged_attention(q, k_cache,``     causal grouped-query attention over a paged KV cache, one
 ``v_cache, block_tables,``          dispatch (online softmax), or split along the keys with a
 ``query_seq, query_pos, scale)``    combine pass (flash-decoding) when there are few queries
-``embedding(table, ids)``           rows of a (quantized) table, dequantized
+``embedding(table, ids,``           rows of a (quantized) table, dequantized; ``src``/``prev``
+``src, prev)``                      take some ids from a tensor an earlier ``sample`` kept
 ``gather_rows(x, rows)``            rows of a float32 [T, H] tensor (the last token of each
                                     sequence, before the output head)
-``sample(logits, params)``          a token id a row: greedy, or temperature / top-k / top-p and
+``sample(logits, params, keep)``    a token id a row: greedy, or temperature / top-k / top-p and
                                     a seeded Gumbel-max; ``sampling_params(...)`` builds params
 ==================================  ============================================================
 
@@ -838,15 +839,30 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
 
 
 # -- embedding ------------------------------------------------------------------------------------
-def embedding(gpu: GPUContext, table: PackedWeight | GPUWeight, ids: Tensor | np.ndarray) -> Tensor:
+def embedding(gpu: GPUContext, table: PackedWeight | GPUWeight, ids: Tensor | np.ndarray, *,
+              src: Tensor | np.ndarray | None = None, prev: Tensor | None = None) -> Tensor:
     """Rows ``ids`` (int32 [T]) of a [V, H] table of any kind, dequantized -> float32 [T, H].
 
     Ids outside [0, V) give rows of zeros on the GPU; ids given as a numpy array are
     checked on the host, and out-of-range ones raise.
+
+    ``src`` (int32 [T]) with ``prev`` (an int32 [P] tensor, as ``sample(..., keep=prev)``
+    left it) chains steps without the host: row t embeds ``prev[src[t]]`` where
+    ``src[t] >= 0``, ``ids[t]`` where it is negative (a ``src`` of P or more gives zeros).
     """
     kind, (v, h) = _weight("embedding", "table", table)
     s = _arr("embedding", "ids", ids, _I32, 1)
     t = s[0]
+    if (src is None) != (prev is None):
+        raise ValueError("embedding: src and prev go together (row t takes prev[src[t]] where src[t] >= 0)")
+    n_prev = 0
+    if src is not None:
+        if _arr("embedding", "src", src, _I32, 1) != (t,):
+            raise ValueError(f"embedding: src of shape {tuple(src.shape)} must be ({t},) (one entry an id)")
+        (n_prev,) = _arr("embedding", "prev", prev, _I32, 1)
+        if isinstance(src, np.ndarray) and t and int(src.max()) >= n_prev:
+            raise ValueError(f"embedding: src must be < {n_prev} (prev's length) where it is >= 0, got "
+                             f"{int(src.max())}")
     if isinstance(ids, np.ndarray) and t and (int(ids.min()) < 0 or int(ids.max()) >= v):
         raise ValueError(f"embedding: ids must be in [0, {v}) (the table's rows), got [{int(ids.min())}, "
                          f"{int(ids.max())}]")
@@ -855,9 +871,12 @@ def embedding(gpu: GPUContext, table: PackedWeight | GPUWeight, ids: Tensor | np
     if t == 0:
         return out
     units, blocks = _units(kind, h)
-    kern = gpu.kernel(W.embedding(kind), "main", label=f"decoder.embedding.{kind}")
+    chained = src is not None
+    kern = gpu.kernel(W.embedding(kind, chained), "main",
+                      label=f"decoder.embedding.{kind}{'.chained' if chained else ''}")
+    extra = (_dev(gpu, src), _dev(gpu, prev)) if chained else ()
     gpu.dispatch(kern, _groups(t * units, 64), _dev(gpu, ids), *_weight_tensors(gpu, table), out,
-                 struct.pack("<8I", t, h, units, blocks, v, 0, 0, 0))
+                 struct.pack("<8I", t, h, units, blocks, v, n_prev, 0, 0), *extra)
     return out
 
 
@@ -932,14 +951,25 @@ def sampling_params(temperature: Sequence[float] | float, top_k: Sequence[int] |
     return out
 
 
-def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.ndarray) -> Tensor:
+def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.ndarray, *,
+           keep: Tensor | None = None) -> Tensor:
     """One token id a row of ``logits`` (float32 [S, V]) -> int32 [S], with per-row ``params``
-    (uint32 [S, 8], from :func:`sampling_params`): greedy, or temperature / top-k / top-p sampling."""
+    (uint32 [S, 8], from :func:`sampling_params`): greedy, or temperature / top-k / top-p sampling.
+
+    ``keep`` (an int32 [>= S] tensor, resident): the ids are written there too, where a later
+    stage's ``embedding(..., src=, prev=keep)`` reads them on the GPU."""
     s, v = _arr("sample", "logits", logits, _F32, 2)
     ps = _arr("sample", "params", params, np.dtype(np.uint32), 2)
     if ps != (s, 8):
         raise ValueError(f"sample: params of shape {ps} must be ({s}, 8) (one row of sampling_params per logits "
                          "row)")
+    if keep is not None:
+        if isinstance(keep, np.ndarray):
+            raise ValueError("sample: keep must be a resident tensor (gpu.resident), not a host array: the ids "
+                             "written there stay on the GPU")
+        (nk,) = _arr("sample", "keep", keep, _I32, 1)
+        if nk < s:
+            raise ValueError(f"sample: keep holds {nk} ids, fewer than the {s} rows sampled")
     if v == 0 and s:
         raise ValueError("sample: logits have no columns (vocab 0); nothing to sample")
     _fits(gpu, "sample", "logits", (s, v))
@@ -954,9 +984,10 @@ def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.nda
     sg = sg if sg and wg // sg * 16 <= 4096 else 0  # the histogram scratch holds 16 bins a subgroup
     regs = _groups(v, 4 * wg) if vec else 0
     regs = regs if regs <= SAMPLE_REGS else 0
-    kern = gpu.kernel(W.sample(vec, wg, sg, regs), "main",
+    kern = gpu.kernel(W.sample(vec, wg, sg, regs, keep is not None), "main",
                       label=f"decoder.sample.t{wg}{'.vec4' if vec else ''}{f'.sg{sg}' if sg else ''}"
-                      f"{f'.r{regs}' if regs else ''}")
-    gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0))
+                      f"{f'.r{regs}' if regs else ''}{'.keep' if keep is not None else ''}")
+    gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0),
+                 *(() if keep is None else (keep,)))
     return out
 

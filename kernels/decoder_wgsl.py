@@ -1110,16 +1110,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 # -- embedding ------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def embedding(kind: str) -> str:
+def embedding(kind: str, chained: bool = False) -> str:
     """out[t, :] = the dequantized row ids[t] of the table: a thread per (row, unit of 8 weights).
-    Ids outside [0, V) give rows of zeros."""
+    Ids outside [0, V) give rows of zeros. ``chained``: row t's id is ``prev[src[t]]`` where
+    ``src[t] >= 0`` (``p.np`` entries in prev; past them, id -1: zeros), ``ids[t]`` elsewhere."""
     decl, used = weight_decls(kind, 1, "0")
+    chain = (f"@group(0) @binding({3 + used}) var<storage, read> src: array<i32>;\n"
+             f"@group(0) @binding({4 + used}) var<storage, read> prev: array<i32>;\n") if chained else ""
+    pick = """var id = ids[t];
+    let from_prev = src[t];
+    if (from_prev >= 0) { id = select(-1, prev[u32(from_prev)], u32(from_prev) < p.np); }""" if chained \
+        else "let id = ids[t];"
     return (_COMMON + """
-struct Params { t: u32, h: u32, units: u32, blocks: u32, v: u32, pad0: u32, pad1: u32, pad2: u32 }
+struct Params { t: u32, h: u32, units: u32, blocks: u32, v: u32, np: u32, pad1: u32, pad2: u32 }
 @group(0) @binding(0) var<storage, read> ids: array<i32>;
 """ + decl + f"""@group(0) @binding({1 + used}) var<storage, read_write> out: array<f32>;
 @group(0) @binding({2 + used}) var<uniform> p: Params;
-""" + weight_fns(kind, "0") + _xoff(kind) + """
+""" + chain + weight_fns(kind, "0") + _xoff(kind) + """
 fn put(t: u32, k: u32, v: vec4<f32>) {
     for (var c = 0u; c < 4u; c++) { if (k + c < p.h) { out[t * p.h + k + c] = v[c]; } }
 }
@@ -1130,7 +1137,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (idx >= p.t * p.units) { return; }
     let t = idx / p.units;
     let u = idx % p.units;
-    let id = ids[t];
+    """ + pick + """
     let o = xoff(u);
     if (id < 0 || u32(id) >= p.v) {
         put(t, o.x, vec4<f32>(0.0));
@@ -1205,7 +1212,7 @@ _GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0
 
 
 @lru_cache(maxsize=None)
-def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0) -> str:
+def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0, keep: bool = False) -> str:
     """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max.
 
     ``vec`` (V % 4 == 0): the row is read as vec4s, four tokens a load; each thread still
@@ -1214,8 +1221,9 @@ def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0) -> str:
     ``sg``: the radix histograms are summed with subgroupAdd (the smallest subgroup size; 0:
     through workgroup memory only). ``regs`` (with ``vec``): the row is read once into
     ``regs`` vec4 registers a thread (V <= 4 * wg * regs) and every later pass walks those,
-    not memory.
+    not memory. ``keep``: each row's id is also written to ``keep`` (binding 4).
     """
+    kept = " keep[row] = out[row];" if keep else ""
 
     def each(body: str) -> str:
         """A loop over this thread's tokens of the row: ``body`` sees ``i`` and ``v`` (NaN as -inf)."""
@@ -1279,6 +1287,7 @@ struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
 @group(0) @binding(1) var<storage, read> rp: array<u32>;
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
 @group(0) @binding(3) var<uniform> p: Params;
+{"@group(0) @binding(4) var<storage, read_write> keep: array<i32>;" if keep else ""}
 var<workgroup> rf: array<f32, {wg}>;
 var<workgroup> ru: array<u32, {wg}>;
 const WG: u32 = {wg}u;
@@ -1353,7 +1362,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     {each("if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }")}
     let best = argmax(li, bv, bi);
     if (!(temp > 0.0)) {{
-        if (li == 0u) {{ out[row] = i32(best); }}
+        if (li == 0u) {{ out[row] = i32(best);{kept} }}
         return;
     }}
     let mx = logit(row, best);
@@ -1378,7 +1387,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var gi = 0xffffffffu;
     {each(_GUMBEL)}
     let pick = argmax(li, gv, gi);
-    if (li == 0u) {{ out[row] = i32(pick); }}
+    if (li == 0u) {{ out[row] = i32(pick);{kept} }}
 }}
 """
     return src

@@ -484,6 +484,53 @@ async def test_embedding_every_kind_and_tied_head(shared_rt: hetero.Runtime) -> 
         await call(shared_rt, lambda gpu, x: D.embedding(gpu, pw, np.array([10], np.int32)), x=x)
 
 
+@ASYNCIO_ONLY
+async def test_sampled_ids_kept_on_the_gpu_feed_the_next_runs_embedding(shared_rt: hetero.Runtime) -> None:
+    """sample(keep=) in one run, embedding(src=, prev=) in the next, started back to back: the second
+    reads what the first wrote (one recording thread runs them in the order started)."""
+    v, h = 50, 32
+    pw = make_weight("q8_0", rand((v, h), 74))
+    kept: dict[str, Any] = {}
+
+    def keeper(gpu: Any) -> Any:
+        if "ids" not in kept:
+            kept["ids"] = gpu.resident(np.full(8, -7, np.int32))
+        return kept["ids"]
+
+    def first(gpu: Any, logits: Any, p: Any) -> Any:
+        return D.sample(gpu, logits, p, keep=keeper(gpu))
+
+    def second(gpu: Any, ids: Any, src: Any) -> Any:
+        return D.embedding(gpu, D.upload_weight(gpu, pw), ids, src=src, prev=keeper(gpu))
+
+    g1, g2 = hetero.Graph("keep"), hetero.Graph("chain")
+    g1.output(g1.gpu(first, g1.input("logits"), g1.input("p"), name="sample"))
+    g2.output(g2.gpu(second, g2.input("ids"), g2.input("src"), name="embed"))
+    table = unpack(pw)
+    for round_ in range(3):
+        logits = rand((3, v), 75 + round_)
+        ids = np.array([4, 0, 9, 0, 1], np.int32)
+        src = np.array([-1, 2, -1, 0, 5], np.int32)  # rows 1 and 3 from the first run; 5: past the 3 kept
+        a = shared_rt.start(g1, logits=logits, p=D.sampling_params(0.0, rows=3))
+        b = shared_rt.start(g2, ids=ids, src=src)
+        toks, e = await a.result(), await b.result()
+        np.testing.assert_array_equal(toks, logits.argmax(-1))
+        want = table[[4, int(toks[2]), 9, int(toks[0]), 1]]
+        np.testing.assert_array_equal(e[[0, 1, 2, 3]], want[[0, 1, 2, 3]])
+        assert np.all(e[4] == 0)  # src 5 is past the 3 rows kept there: keep[5] still holds -7, a zero row
+    with pytest.raises(hetero.StageError, match="embedding: src and prev go together"):
+        await call(shared_rt, lambda gpu, ids: D.embedding(gpu, pw, ids, src=ids), ids=ids)
+    with pytest.raises(hetero.StageError, match=r"embedding: src must be < 8 \(prev's length\)"):
+        await call(shared_rt, lambda gpu, ids: D.embedding(gpu, pw, ids, src=np.array([0, 8, 0, 0, 0], np.int32),
+                                                           prev=keeper(gpu)), ids=ids)
+    with pytest.raises(hetero.StageError, match=r"sample: keep holds 8 ids, fewer than the 9 rows"):
+        await call(shared_rt, lambda gpu, l: D.sample(gpu, l, D.sampling_params(0.0, rows=9), keep=keeper(gpu)),
+                   l=rand((9, v), 79))
+    with pytest.raises(hetero.StageError, match="sample: keep must be a resident tensor"):
+        await call(shared_rt, lambda gpu, l: D.sample(gpu, l, D.sampling_params(0.0, rows=1),
+                                                      keep=np.zeros(4, np.int32)), l=rand((1, v), 80))
+
+
 # -- sampling -----------------------------------------------------------------------------------------
 def _mix32(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.uint64) & 0xFFFFFFFF
