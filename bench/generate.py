@@ -402,18 +402,27 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         rt = hetero.Runtime()
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
-        with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH, prefill_chunk=PREFILL_BATCH) as llm:
-            emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1), layers=lm.config.num_layers,
-                 hidden=lm.config.hidden_size, matrices=dict(kinds), file_MiB=round(f.stat().st_size / 2**20, 1))
-            if with_hf:
-                ids = prompts(1, 64, vocab, 4)[0]
-                greedy = llm.generate(ids, max_tokens=64).token_ids
-                checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
-            fig = hetero_gguf(llm, vocab, a)
-            step_bytes = llm.engine.packed.nbytes
+        modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
+        figs: dict[bool, dict[str, Any]] = {}
+        for pipeline in modes:
+            with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH, prefill_chunk=PREFILL_BATCH,
+                     pipeline=pipeline) as llm:
+                if not figs:
+                    emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
+                         layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
+                         file_MiB=round(f.stat().st_size / 2**20, 1))
+                if with_hf and not figs:
+                    ids = prompts(1, 64, vocab, 4)[0]
+                    greedy = llm.generate(ids, max_tokens=64).token_ids
+                    checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
+                figs[pipeline] = hetero_gguf(llm, vocab, a)
+                step_bytes = llm.engine.packed.nbytes
+                emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, **figs[pipeline])
         rt.close()
+        fig = figs[modes[0]]
         mine[f] = fig
-        emit(**label, side="hetero", weights="auto", **fig)
+        if len(figs) == 2:  # overlapping steps against one step at a time, same file, same run
+            ratios(f.stem + " (pipeline on / off)", figs[True], figs[False], "hetero pipeline=False")
         if bw is not None and step_bytes:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
@@ -508,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-transformers", action="store_true", help="skip the transformers reference on GGUF files")
     g.add_argument("--no-profile", action="store_true", help="skip the traced step profile")
     g.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds")
+    g.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
+                   help="LLM(pipeline=): steps overlap (on, the default), one at a time (off), or both in turn")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:

@@ -144,6 +144,10 @@ class LLM:
     ``max_running`` sequences decode at once, a step takes at most ``prefill_chunk`` prompt
     rows while some sequence decodes, and ``max_waiting`` sequences may wait to start (past
     it a call raises :class:`~hetero.errors.OverloadedError`; ``None``: no limit).
+    ``pipeline``: start each step before the last one's tokens come back, the token read on
+    the GPU (the default; the same results). Steps run one at a time with ``pipeline=False``,
+    on a runtime with ``gpu_timing`` (each sequence is told its steps' GPU time) or with more
+    than one GPU recording thread (``gpu_threads``: the order of steps would not be kept).
     """
 
     def __init__(self, model: LoadedModel | str | os.PathLike[str] = "smollm2", *,
@@ -151,7 +155,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, kv_cache_dtype: str = "f32",
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_running: int = DEFAULT_MAX_RUNNING, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, pipeline: bool = True) -> None:
         check_positive_int("LLM: max_batch_tokens", max_batch_tokens)
         check_positive_int("LLM: max_running", max_running)
         check_positive_int("LLM: prefill_chunk", prefill_chunk)
@@ -191,9 +195,16 @@ class LLM:
         self._loop = GenerationLoop(self.engine, eos=self.config.eos_token_ids, max_seq_len=self.max_seq_len,
                                     max_batch_tokens=max_batch_tokens, max_running=max_running,
                                     prefill_chunk=prefill_chunk, max_waiting=max_waiting,
-                                    timing=bool(self.runtime.options.gpu_timing), gpu_ms=self._last_gpu_ms)
+                                    timing=bool(self.runtime.options.gpu_timing), gpu_ms=self._last_gpu_ms,
+                                    pipeline=pipeline)
 
     # -- the model ------------------------------------------------------------------------------
+    @property
+    def pipeline(self) -> bool:
+        """Whether steps overlap (``pipeline=True``, and neither ``gpu_timing`` nor several GPU
+        recording threads turned it off)."""
+        return self._loop.pipeline
+
     @property
     def config(self) -> LlamaConfig:
         """The model's hyperparameters."""

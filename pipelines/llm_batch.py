@@ -20,6 +20,16 @@ event loop, started on the first submission and stopped by :meth:`GenerationLoop
    than ``prefill_chunk`` prompt rows while some sequence decodes, so that a long prompt
    costs each running stream a short step, not a stall. All of it is one engine step (one
    captured GPU stage); only the sampled ids come back.
+
+   *Steps overlap* (``pipeline``): step n+1 is started before step n's ids come back, so the
+   host plans, feeds and records it while the GPU runs step n. A sequence that step n
+   samples for gets its row in step n+1 at once, its token read on the GPU from step n's
+   output (:class:`~hetero.pipelines.llm_engine.StepRow` ``src``), unless the host already
+   knows that token is its last (``max_tokens``, ``max_seq_len``). Only an end-of-sequence
+   token or a stop string, seen one step late, costs a row of wasted work: that row's token
+   is dropped, and nothing it wrote is read. Results are the same as with serial steps
+   (sampling depends only on the seed and the token's index). Jobs (logits passes) run with
+   no step in flight.
 4. *Deliver.* Each new token is detokenized and checked against its sequence's stop
    strings and limits here, in the loop; each caller is handed its pieces on its own event
    loop. A sequence that ends (end-of-sequence token, stop string, ``max_tokens``,
@@ -47,7 +57,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 
+from hetero import StartedRun
 from hetero.errors import OverloadedError, RuntimeClosedError
 from hetero.lowlevel import loop_caller
 
@@ -208,6 +220,15 @@ class _Job:
     done: Callable[[Any, BaseException | None], None]
 
 
+@dataclass(eq=False)
+class _Step:
+    """A started engine step: its run, its rows, and the (ticket, sequence) of each row."""
+
+    run: StartedRun
+    rows: list[StepRow]
+    takers: list[tuple[Ticket, SeqState]]
+
+
 class GenerationLoop:
     """The engine thread of one LLM (see the module doc).
 
@@ -218,7 +239,7 @@ class GenerationLoop:
     def __init__(self, engine: DecoderEngine, *, eos: Sequence[int], max_seq_len: int, max_batch_tokens: int,
                  max_running: int = DEFAULT_MAX_RUNNING, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_waiting: int | None = None, timing: bool = False,
-                 gpu_ms: Callable[[], float] | None = None) -> None:
+                 gpu_ms: Callable[[], float] | None = None, pipeline: bool = True) -> None:
         self.engine = engine
         self.eos = frozenset(int(e) for e in eos)
         self.max_seq_len = max_seq_len
@@ -228,6 +249,9 @@ class GenerationLoop:
         self.max_waiting = max_waiting
         self.timing = timing
         self._gpu_ms = gpu_ms
+        # steps overlap only where the engine's steps run in the order started, and not while each
+        # step's GPU time is read back for its sequences (it would be the overlapping step's)
+        self.pipeline = bool(pipeline) and engine.chains_in_order and not timing
         self._lock = threading.Lock()  # guards what callers hand over: _inbox, _cancels, _jobs, _queued, _closed
         self._inbox: list[Ticket] = []
         self._cancels: list[Ticket] = []
@@ -242,6 +266,7 @@ class GenerationLoop:
         # the thread's own state
         self._waiting: deque[tuple[Ticket, SeqState]] = deque()
         self._running: list[tuple[Ticket, SeqState]] = []
+        self._ahead: _Step | None = None  # the step started and not yet taken back
         self._keys = 0
         self._tokens = 0
         self._prompt_tokens = 0
@@ -344,6 +369,9 @@ class GenerationLoop:
                 self._closed = True
             raise
         finally:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:  # its memory back before the loop ends
+                await ahead.run.cancel()
             self._fail_all(self._closed_error())
             with self._lock:
                 self._call = None
@@ -361,7 +389,7 @@ class GenerationLoop:
             for job in jobs:
                 await self._run_job(job)
             self._admit()
-            if not self._running:
+            if not self._running and self._ahead is None:
                 with self._lock:
                     idle = not (self._inbox or self._cancels or self._jobs or self._closed)
                 if idle:  # deferred jobs wait for room that only a finishing sequence frees
@@ -413,6 +441,7 @@ class GenerationLoop:
         if self._waiting or not self.engine.reserve(job.tokens):  # in turn: after the sequences queued before it
             self._deferred.append(job)
             return
+        await self._drain()
         self._keys += 1
         key = ("hetero.llm.job", id(self), self._keys)
         value, error = None, None
@@ -438,41 +467,99 @@ class GenerationLoop:
             self._prompt_tokens += len(s.prompt)
             self._running.append((t, s))
 
-    def _plan(self) -> tuple[list[StepRow], list[tuple[Ticket, SeqState]]]:
-        """This step's rows: every decoding sequence's one token, then prompt chunks, oldest first."""
-        decoding = [x for x in self._running if len(x[1].ids) - x[1].fed == 1]
-        filling = [x for x in self._running if len(x[1].ids) - x[1].fed > 1]
+    def _plan(self, ahead: _Step | None) -> tuple[list[StepRow], list[tuple[Ticket, SeqState]]]:
+        """This step's rows: every decoding sequence's one token, then prompt chunks, oldest first.
+
+        With ``ahead`` (the step in flight) each sequence is taken as it will be once that step's
+        rows are in the cache: one it samples for decodes its token straight from that step's
+        output row, unless the host knows that token ends it.
+        """
+        in_flight = {id(s): (j, row) for j, ((_, s), row) in enumerate(zip(ahead.takers, ahead.rows))} \
+            if ahead is not None else {}
+        decoding: list[tuple[Ticket, SeqState, int, int, int]] = []  # (ticket, seq, fed, generated, src)
+        filling: list[tuple[Ticket, SeqState, int]] = []
+        for t, s in self._running:
+            if t.cancelled:
+                continue
+            fed, gen = s.fed, len(s.generated)
+            hit = in_flight.get(id(s))
+            if hit is not None:
+                j, row = hit
+                fed += len(row.tokens)
+                if fed >= len(s.ids):  # the step in flight samples this sequence's next token
+                    if gen + 1 >= s.sampling.max_tokens or len(s.ids) + 1 >= self.max_seq_len:
+                        continue  # ... and it is the last
+                    decoding.append((t, s, fed, gen + 1, j))
+                    continue
+            if len(s.ids) - fed == 1:
+                decoding.append((t, s, fed, gen, -1))
+            else:
+                filling.append((t, s, fed))
         budget = self.max_batch_tokens - len(decoding)
         if decoding:
             budget = min(budget, self.prefill_chunk)
         rows: list[StepRow] = []
         takers: list[tuple[Ticket, SeqState]] = []
-        for t, s in decoding + filling:
-            n = min(len(s.ids) - s.fed, max(budget, 0) if len(s.ids) - s.fed > 1 else 1)
+        for t, s, fed, gen, src in decoding:
+            sp = s.sampling
+            tokens = [0] if src >= 0 else s.ids[fed:fed + 1]
+            rows.append(StepRow(s.key, tokens, fed, sp.temperature, sp.top_k, sp.top_p, s.seed, gen, src))
+            takers.append((t, s))
+        for t, s, fed in filling:
+            n = min(len(s.ids) - fed, budget)
             if n < 1:
                 break
             sp = s.sampling
-            rows.append(StepRow(s.key, s.ids[s.fed:s.fed + n], s.fed, sp.temperature, sp.top_k, sp.top_p, s.seed,
+            rows.append(StepRow(s.key, s.ids[fed:fed + n], fed, sp.temperature, sp.top_k, sp.top_p, s.seed,
                                 len(s.generated)))
             takers.append((t, s))
-            if n > 1 or len(s.ids) - s.fed > 1:
-                budget -= n
+            budget -= n
         return rows, takers
 
     async def _step(self) -> None:
-        rows, takers = self._plan()
+        """Start the next step; take back the one before it (pipelined), or this one (serial)."""
+        ahead, self._ahead = self._ahead, None
+        rows, takers = self._plan(ahead)
+        started: _Step | None = None
+        if rows:
+            try:
+                started = _Step(self.engine.launch(rows), rows, takers)
+            except Exception as e:  # it could not start: the sequences it was for fail
+                self._fail_tickets(takers, e)
+        if ahead is not None:
+            self._ahead = started
+            await self._take(ahead)
+        elif started is not None:
+            if self.pipeline:
+                self._ahead = started
+            else:
+                await self._take(started)
+
+    async def _drain(self) -> None:
+        """Take back the step in flight, if any."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await self._take(ahead)
+
+    def _fail_tickets(self, takers: list[tuple[Ticket, SeqState]], error: BaseException) -> None:
+        for t in {id(t): t for t, _ in takers}.values():
+            self._drop(t)
+            t.post(error)
+
+    async def _take(self, st: _Step) -> None:
+        """A started step's ids: each sequence still running takes its token."""
         try:
-            out = await self.engine.step(rows)
+            out = np.asarray(await st.run.result())
         except Exception as e:  # the step failed: so do the sequences it ran
-            for t in {id(t): t for t, _ in takers}.values():
-                self._drop(t)
-                t.post(e)
+            self._fail_tickets([x for x in st.takers if x[1].reserved], e)
             return
         self._steps += 1
         now = time.perf_counter()
         gpu_ms = self._gpu_ms() if self.timing and self._gpu_ms is not None else 0.0
         batches: dict[int, tuple[Ticket, list[tuple[SeqState, StreamPiece]]]] = {}
-        for (t, s), row, tok in zip(takers, rows, out):
+        for (t, s), row, tok in zip(st.takers, st.rows, out):
+            if not s.reserved or s.finish is not None:  # it ended (or failed, or was cancelled) meanwhile
+                continue
             s.fed += len(row.tokens)
             s.gpu_ms += gpu_ms
             if s.fed < len(s.ids) or t.cancelled:  # a prompt chunk: no token yet

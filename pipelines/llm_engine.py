@@ -9,7 +9,9 @@ A :class:`DecoderEngine` owns what every generation of one model on one runtime 
   blocks out. Block 0 is the engine's scratch block: the padding rows of a step write there,
   and no sequence ever holds it;
 * two graphs of one captured GPU stage each: a forward step that samples one token a sequence
-  (``step``), and one that returns the logits (``logits``).
+  (``step``), and one that returns the logits (``logits``);
+* the kept ids: a resident int32 buffer where each step's sample also writes its ids, so that
+  the next step can embed them without the host (``StepRow.src``).
 
 **A step** takes, for each of ``S`` sequences, the next ``n`` of its tokens not yet in the
 cache (a prompt chunk, or the one token sampled last step): ``T`` rows in all. For each row
@@ -21,6 +23,16 @@ the output projection with the residual add; gate/up with SwiGLU; down with the 
 add), gathers each sequence's last row, applies the final RMSNorm and the output head, and
 samples (greedy, temperature, top-k, top-p; a seeded counter-based hash, so a seed
 reproduces a sample). Only the ``S`` token ids come back to the host.
+
+**Steps chain on the GPU.** A row may name, instead of its token, the row of the previous
+step's output that holds it (``StepRow.src``): the step's embedding reads that id from the
+kept ids. So the host starts step n+1 (:meth:`DecoderEngine.launch`) before step n's ids
+come back, and the GPU runs the two back to back. The rule that makes it sound: with one
+GPU recording thread (``gpu_threads=1``), runs started one after another run on the GPU in
+that order (:meth:`hetero.Runtime.start`), so step n's sample and KV writes precede step
+n+1's reads. Blocks a sequence gives back while a later step is in flight are written by
+that step only before any step started after it, which is the only kind that can hand them
+to another sequence.
 
 **Shapes are bucketed** so that the captured stage replays: ``T`` and ``S`` are rounded up
 (:func:`bucket`) and the block tables' width to a power of two. Padding rows read token 0 at
@@ -49,13 +61,15 @@ from hetero.lowlevel import GPUContext, Tensor, device_of
 from .kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCacheFullError, default_kv_cache_bytes, kv_block_bytes, kv_pool_size
 from .llm_model import LlamaConfig, LoadedModel, WeightTensor
 
-__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "DecoderEngine", "PackedDecoder", "StepRow", "bucket",
-           "default_num_blocks", "pack_decoder"]
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "MAX_STEP_SEQS", "DecoderEngine", "PackedDecoder",
+           "StepRow", "bucket", "default_num_blocks", "pack_decoder"]
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 """Most rows (prompt tokens and decode tokens together) one step takes; longer prompts are chunked."""
 CPU_KV_CACHE_BYTES = 256 << 20
 """The default KV budget on a CPU adapter (its memory is the host's)."""
+MAX_STEP_SEQS = 4096
+"""Most sequences one step samples for (the kept ids' length)."""
 
 _SCRATCH = ("hetero.llm", "scratch")  # the pool key of the scratch block
 
@@ -177,18 +191,22 @@ class _Resident:
     norm: Tensor
     head: D.GPUWeight
     inv_freq: Tensor
+    kept_ids: Tensor  # int32 [MAX_STEP_SEQS]: the last step's sampled ids
 
 
 # ---------------------------------------------------------------------------------------------
 # The forward step (a captured GPU stage)
 
 
-def _forward(gpu: GPUContext, ids: Tensor, pos: Tensor, slots: Tensor, tables: Tensor, seqs: Tensor, last: Tensor,
-             params: Tensor, engine: DecoderEngine, logits_only: bool) -> Tensor:
+def _forward(gpu: GPUContext, ids: Tensor, src: Tensor, pos: Tensor, slots: Tensor, tables: Tensor, seqs: Tensor,
+             last: Tensor, params: Tensor, engine: DecoderEngine, logits_only: bool) -> Tensor:
     r = engine.resident(gpu)
     c = engine.config
     eps = c.rms_norm_eps
-    h = D.embedding(gpu, r.embed, ids)
+    if logits_only:
+        h = D.embedding(gpu, r.embed, ids)
+    else:
+        h = D.embedding(gpu, r.embed, ids, src=src, prev=r.kept_ids)
     for lay in r.layers:
         q = D.linear_rope_kv(gpu, h, lay.qkv, pos, r.inv_freq, lay.k_cache, lay.v_cache, slots,
                              heads=c.num_heads, bias=lay.qkv_bias, norm=lay.attn_norm, eps=eps)
@@ -199,16 +217,16 @@ def _forward(gpu: GPUContext, ids: Tensor, pos: Tensor, slots: Tensor, tables: T
     logits = D.linear(gpu, D.gather_rows(gpu, h, last), r.head, norm=r.norm, eps=eps)
     if logits_only:
         return logits
-    return D.sample(gpu, logits, params)
+    return D.sample(gpu, logits, params, keep=r.kept_ids)
 
 
 def _graph(engine: DecoderEngine, logits_only: bool) -> hetero.Graph:
     """::
 
-        ids, pos, slots, tables, seqs, last, params --> forward (gpu, captured) --> tokens | logits
+        ids, src, pos, slots, tables, seqs, last, params --> forward (gpu, captured) --> tokens | logits
     """
     g = hetero.Graph("llm.logits" if logits_only else "llm.step")
-    names = ("ids", "pos", "slots", "tables", "seqs", "last", "params")
+    names = ("ids", "src", "pos", "slots", "tables", "seqs", "last", "params")
     g.output(g.gpu(_forward, *[g.input(n) for n in names], engine, logits_only,
                    name="logits" if logits_only else "forward", capture=True))
     return g
@@ -217,7 +235,11 @@ def _graph(engine: DecoderEngine, logits_only: bool) -> hetero.Graph:
 @dataclass
 class StepRow:
     """One sequence's part of a step: ``tokens`` (ids entering the cache at ``start`` .. ``start + n - 1``)
-    and its sampling parameters for the token after them."""
+    and its sampling parameters for the token after them.
+
+    ``src`` >= 0: the row's one token is the one the previous step sampled in its output row
+    ``src`` (still on the GPU); ``tokens`` then holds one placeholder id.
+    """
 
     key: Any
     tokens: Sequence[int]
@@ -227,6 +249,7 @@ class StepRow:
     top_p: float = 1.0
     seed: int = 0
     step: int = 0
+    src: int = -1
 
 
 class DecoderEngine:
@@ -304,7 +327,7 @@ class DecoderEngine:
                                          weight(lay.gate), weight(lay.up), weight(lay.down),
                                          gpu.resident(lay.attn_norm), gpu.resident(lay.mlp_norm), kc, vc))
         return _Resident(weight(p.embed), tuple(layers), gpu.resident(p.norm), weight(p.head),
-                         gpu.resident(p.inv_freq))
+                         gpu.resident(p.inv_freq), gpu.resident(np.zeros(MAX_STEP_SEQS, np.int32)))
 
     # -- capacity -------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -350,10 +373,14 @@ class DecoderEngine:
         """The graph inputs of one step over ``rows`` (their blocks taken in the pool)."""
         bs = self.block_size
         n_seq = len(rows)
+        if n_seq > MAX_STEP_SEQS:
+            raise ValueError(f"DecoderEngine: a step of {n_seq} sequences is more than MAX_STEP_SEQS "
+                             f"({MAX_STEP_SEQS}); run fewer at once")
         n_rows = sum(len(r.tokens) for r in rows)
         s_b = bucket(n_seq)
         t_b = max(bucket(n_rows), s_b)
         ids = np.zeros(t_b, np.int32)
+        src = np.full(t_b, -1, np.int32)
         pos = np.zeros(t_b, np.int32)
         slots = np.zeros(t_b, np.int32)  # padding rows write slot 0 of the scratch block
         seqs = np.zeros(t_b, np.int32)
@@ -363,9 +390,14 @@ class DecoderEngine:
         with self._lock:
             for j, r in enumerate(rows):
                 n = len(r.tokens)
+                if r.src >= 0 and n != 1:
+                    raise ValueError(f"DecoderEngine: a row fed from the previous step holds one token, got {n}")
                 table = self.pool.append(r.key, n) if n else self.pool.table(r.key)
                 blocks = table.block_ids
-                ids[t:t + n] = r.tokens
+                if r.src >= 0:
+                    src[t] = r.src
+                else:
+                    ids[t:t + n] = r.tokens
                 p = np.arange(r.start, r.start + n, dtype=np.int64)
                 pos[t:t + n] = p
                 slots[t:t + n] = np.asarray(blocks, np.int64)[p // bs] * bs + p % bs
@@ -382,13 +414,25 @@ class DecoderEngine:
                                    [r.top_p for r in rows] + [1.0] * (s_b - n_seq),
                                    [r.seed for r in rows] + [0] * (s_b - n_seq),
                                    [r.step for r in rows] + [0] * (s_b - n_seq))
-        return {"ids": ids, "pos": pos, "slots": slots, "tables": tab, "seqs": seqs, "last": last,
+        return {"ids": ids, "src": src, "pos": pos, "slots": slots, "tables": tab, "seqs": seqs, "last": last,
                 "params": params}
+
+    def launch(self, rows: Sequence[StepRow]) -> hetero.StartedRun:
+        """Start one step over ``rows`` now (on the caller's event loop); its result holds the next
+        token of each in its first ``len(rows)`` entries. A row with ``src`` reads the step started
+        just before this one."""
+        return self.runtime.start(self.step_graph, **self.feed(rows))
 
     async def step(self, rows: Sequence[StepRow]) -> np.ndarray:
         """Run one step over ``rows``: the next token of each (int32 [len(rows)])."""
-        out = await self.runtime.run(self.step_graph, **self.feed(rows))
+        out = await self.launch(rows).result()
         return np.asarray(out[:len(rows)])
+
+    @property
+    def chains_in_order(self) -> bool:
+        """Whether steps started back to back run on the GPU in that order (one GPU recording
+        thread), so that a row may take its token from the step before (``StepRow.src``)."""
+        return self.runtime.options.gpu_threads == 1
 
     async def logits(self, key: Any, ids: Sequence[int], start: int) -> np.ndarray:
         """Feed ``ids`` of sequence ``key`` at positions ``start ..``; the logits of every row ([n, vocab])."""

@@ -228,3 +228,94 @@ async def test_closing_the_llm_fails_a_running_stream(model, shared_rt):
                 await anyio.to_thread.run_sync(llm.close)
     with pytest.raises(RuntimeClosedError):
         await llm.agenerate(PROMPTS[0], max_tokens=2)
+
+
+# -- overlapping steps (pipeline) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def serial(model, shared_rt):
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV, pipeline=False) as llm:
+        assert not llm.pipeline
+        yield llm
+
+
+def test_overlapping_steps_start_each_step_before_the_last_is_taken(llm, serial, monkeypatch):
+    assert llm.pipeline
+    events: list[str] = []
+
+    def watch(target):
+        launch = target.engine.launch
+
+        def launched(rows):
+            started = launch(rows)
+            events.append(f"launch:{sum(r.src >= 0 for r in rows)}")
+            result = started.result
+
+            async def taken():
+                events.append("take")
+                return await result()
+            started.result = taken
+            return started
+        monkeypatch.setattr(target.engine, "launch", launched)
+
+    watch(llm)
+    assert llm.generate(PROMPTS[0], max_tokens=5).token_ids == serial.generate(PROMPTS[0], max_tokens=5).token_ids
+    # the prompt's step, then four steps each started before the one before it is taken (its one
+    # row read on the GPU), the last token known in advance: no fifth
+    assert events == ["launch:0", "launch:1", "take", "launch:1", "take", "launch:1", "take", "launch:1", "take",
+                      "take"]
+    events.clear()
+    watch(serial)
+    serial.generate(PROMPTS[0], max_tokens=3)
+    assert events == ["launch:0", "take", "launch:0", "take", "launch:0", "take"]
+    assert idle(llm) and idle(serial)
+
+
+@pytest.mark.anyio
+async def test_overlapping_steps_give_serial_steps_tokens(llm, serial):
+    """Greedy and seeded sampling, prompts of many lengths sharing steps, different max_tokens and a
+    stop string: the same tokens and text either way."""
+    kw = [dict(max_tokens=3 + i, temperature=0.0 if i % 2 else 0.9, seed=i, top_k=5 * (i % 3))
+          for i in range(len(PROMPTS))]
+
+    async def all_of(target):
+        out = [None] * len(PROMPTS)
+
+        async def one(i):
+            out[i] = await target.agenerate(PROMPTS[i], **kw[i])
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+        return out
+
+    a, b = await all_of(llm), await all_of(serial)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in a] == [(c.token_ids, c.text, c.finish_reason) for c in b]
+    stop = b[3].text[2:4]  # a stop string inside one greedy answer: it ends there both ways
+    x = await llm.agenerate(PROMPTS[3], max_tokens=kw[3]["max_tokens"], stop=stop)
+    y = await serial.agenerate(PROMPTS[3], max_tokens=kw[3]["max_tokens"], stop=stop)
+    assert (x.text, x.finish_reason, x.token_ids) == (y.text, y.finish_reason, y.token_ids)
+    assert idle(llm) and idle(serial)
+
+
+def test_an_end_of_sequence_token_seen_a_step_late_wastes_one_row(model, shared_rt, alone, monkeypatch):
+    """The step after an end-of-sequence token was already started with the sequence in it: its
+    token is dropped, the blocks come back, and a sequence that joins next gets its own tokens."""
+    eos = alone[1][4]
+    m = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,)))
+    with LLM(m, runtime=shared_rt, kv_cache_bytes=KV) as llm, \
+            LLM(m, runtime=shared_rt, kv_cache_bytes=KV, pipeline=False) as ref:
+        launches = {"llm": 0, "ref": 0}
+        for name, target in (("llm", llm), ("ref", ref)):
+            def counted(rows, launch=target.engine.launch, name=name):
+                launches[name] += 1
+                return launch(rows)
+            monkeypatch.setattr(target.engine, "launch", counted)
+        want = ref.generate(PROMPTS[1], max_tokens=12)
+        got = llm.generate(PROMPTS[1], max_tokens=12)
+        assert got.finish_reason == want.finish_reason == "stop"
+        assert got.token_ids == want.token_ids == alone[1][:alone[1].index(eos)]
+        assert idle(llm)
+        assert launches["llm"] == launches["ref"] + 1 == len(got.token_ids) + 2  # one step of wasted work
+        both = llm.generate([PROMPTS[1], PROMPTS[2]], max_tokens=12)
+        assert [c.token_ids for c in both] == [c.token_ids for c in ref.generate([PROMPTS[1], PROMPTS[2]],
+                                                                                  max_tokens=12)]
+        assert idle(llm)
