@@ -539,7 +539,11 @@ def test_workers_serve_generation_through_one_engine(gguf: Path, tmp_path: Path,
             time.sleep(0.05)
         assert info["tokens_generated"] - before < 100
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        assert metric(metrics, 'hetero_generate_requests_total{code="200"}') == 6  # summed over the fronts
+        # summed over the fronts: the six above, and the stream whose client hung up: 499, or 200 where its
+        # sampled tokens (no seed, temperature 1) reached an end-of-sequence token before the hang-up landed
+        ok = metric(metrics, 'hetero_generate_requests_total{code="200"}')
+        gone = metric(metrics, 'hetero_generate_requests_total{code="499"}') if 'code="499"' in metrics else 0
+        assert ok in (6, 7) and ok + gone == 7, (ok, gone)
         assert metric(metrics, "hetero_kv_cache_blocks") == 127  # set by the engine process
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
