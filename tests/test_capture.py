@@ -15,6 +15,7 @@ import pytest
 
 import hetero
 from hetero import ops
+from hetero._gpu import capture as capture_mod
 
 pytestmark = pytest.mark.anyio
 
@@ -554,11 +555,16 @@ async def test_a_trace_of_stages_only_times_no_dispatch(tmp_path: Any, monkeypat
         hetero.Runtime(trace_dispatches="no")  # type: ignore[arg-type]
 
 
-async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups(rt: hetero.Runtime) -> None:
-    """Alternating inputs miss the last replay's bind groups, but each op keeps the groups
-    of the buffers it bound before: no bind-cache lookup, and the results stay right."""
+@pytest.mark.parametrize("sets", [2, capture_mod._MEMOS + 2])
+async def test_replays_over_buffers_seen_before_reuse_their_bind_groups(rt: hetero.Runtime, sets: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs taking turns (as overlapping runs take turns with their buffers) miss the last
+    replay's bind groups. Up to ``_MEMOS`` sets of buffers each find a recent replay's groups
+    whole (no walk over the ops, which first checks that the buffers are hetero's); more sets
+    walk the ops, each of which keeps the groups of the buffers it bound before. Either way no
+    bind-cache lookup, and the results stay right."""
     inputs: dict[int, hetero.Tensor] = {}
-    data = {k: np.arange(256, dtype=np.float32) * (k + 1) for k in (0, 1)}
+    data = {k: np.arange(256, dtype=np.float32) * (k + 1) for k in range(sets)}
 
     def pick(gpu: hetero.GPUContext, k: int) -> hetero.Tensor:
         if k not in inputs:
@@ -575,13 +581,23 @@ async def test_replays_over_buffers_seen_before_reuse_each_ops_bind_groups(rt: h
     g = hetero.Graph("alternate")
     g.output(g.gpu(twice, g.gpu(pick, g.input("k"), name="pick"), name="twice", capture=True))
     binds = rt.device().binds
-    for k in (0, 1, 0, 1):  # capture, then one replay over each input's buffers
+    for k in [*range(sets), *range(sets)]:  # capture, then one replay over each input's buffers
         np.testing.assert_allclose(await rt.run(g, k=k), 3.0 * (2.0 * data[k] + 1.0) + 1.0)
     lookups = binds.hits + binds.misses
-    for k in (0, 1, 0, 1, 0):
+    walks = 0
+    is_stable = binds.is_stable
+
+    def counted(buffer: Any) -> bool:
+        nonlocal walks
+        walks += 1
+        return is_stable(buffer)
+
+    monkeypatch.setattr(binds, "is_stable", counted)
+    for k in [*range(sets), *range(sets), 0]:
         np.testing.assert_allclose(await rt.run(g, k=k), 3.0 * (2.0 * data[k] + 1.0) + 1.0)
         assert rt.stats().stage("twice").capture == "replayed"
     assert binds.hits + binds.misses == lookups
+    assert (walks == 0) == (sets <= capture_mod._MEMOS)
 
 
 async def test_float_arguments_match_captures_by_bit_pattern(shared_rt: hetero.Runtime) -> None:

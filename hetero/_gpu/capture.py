@@ -80,6 +80,10 @@ ARG, TEMP, CONST = 0, 1, 2
 Slot = tuple[int, Any, int, int]  # (kind, ref, offset, size): ref is an arg/temp index or a buffer
 # Bind groups an op keeps for the buffers of recent replays (see Capture._op_groups).
 _OP_GROUPS = 32
+# Whole replays' bind groups a capture keeps, by the buffers they bound (see Capture._memos): runs
+# that overlap (a step started before the previous one returned) take turns with two or three
+# sets of buffers, and each set must find its groups without the per-op walk.
+_MEMOS = 4
 
 
 class CaptureTarget(Protocol):
@@ -160,8 +164,7 @@ class Capture:
     """A stage's captured work for one signature."""
 
     __slots__ = ("ops", "temps", "block_of", "block_bytes", "uploads", "result", "workgroups", "work", "consts",
-                 "_memo_key", "_memo_groups", "_memo_handles", "_memo_gen", "_op_groups", "_op_gen", "_lock", "_requests",
-                 "_prefer")
+                 "_memos", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[int, np.ndarray | None]], result: Any,
                  consts: list[Any], created: list[int]) -> None:
@@ -177,10 +180,9 @@ class Capture:
         for op in ops:
             self.work[op.kernel.key] = self.work.get(op.kernel.key, 0) + op.total
         self.consts = consts  # buffers bound as constants: kept alive with the capture
-        self._memo_key: tuple[Any, ...] | None = None
-        self._memo_groups: list[Any] = []
-        self._memo_handles: list[passcmd.Handle] = []  # their native handles
-        self._memo_gen = -1
+        # The bind groups (and their native handles) of the last _MEMOS replays over distinct
+        # buffers, by those buffers and offsets, with the bind cache's generation they were made in.
+        self._memos: dict[tuple[Any, ...], tuple[int, list[Any], list[passcmd.Handle]]] = {}
         # Per op, bind groups by the (buffer id, offset) of its entries, for replays over other
         # buffers than the last one's; valid while the bind cache's generation is _op_gen.
         self._op_groups: list[dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]] = [{} for _ in ops]
@@ -465,14 +467,15 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
     """Each op's bind group over this replay's arguments and blocks: their native handles, and the
     groups (to keep referenced while the handles are issued: another replay may swap the memo).
 
-    Those of the previous replay when every buffer is the same (and the bind cache destroyed
+    Those of one of the last few replays over the same buffers (and the bind cache destroyed
     none since); else each op's own, by the buffers it binds now; else through the bind cache.
     """
     key = tuple((t.buffer, t.offset) for t in flat) + tuple((b.buffer, b.offset) for b in blocks)
-    with cap._lock:
-        if cap._memo_key == key and cap._memo_gen == binds.generation:
-            return cap._memo_handles, cap._memo_groups
     gen = binds.generation
+    with cap._lock:
+        memo = cap._memos.get(key)
+        if memo is not None and memo[0] == gen:
+            return memo[2], memo[1]
     stable = all(binds.is_stable(t.buffer) for t in flat)
     with cap._lock:
         if cap._op_gen != gen:
@@ -511,7 +514,11 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
     handles = [_handle(g) for g in groups]
     if stable:
         with cap._lock:
-            cap._memo_key, cap._memo_groups, cap._memo_handles, cap._memo_gen = key, groups, handles, gen
+            memos = cap._memos
+            memos.pop(key, None)
+            while len(memos) >= _MEMOS:
+                del memos[next(iter(memos))]  # the oldest
+            memos[key] = (gen, groups, handles)
     return handles, groups
 
 
