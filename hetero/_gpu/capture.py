@@ -22,8 +22,8 @@ be resubmitted, so a replay re-issues the captured dispatches into this run's en
   share a block: no dispatch binds two temporaries of one block, and a stage holds
   fewer blocks (waits for memory and the budget apply to them as to any block); a
   temporary in the stage's result has a block of its own. Uploads are re-issued with
-  the captured data (through one staging buffer); bind groups are reused from the
-  previous replay when every buffer is the same one and the pool destroyed nothing
+  the captured data (through one staging buffer); bind groups are reused from
+  one of the last few replays over the same buffers, if the pool destroyed nothing
   since (the common case once runs settle), else found per op or through the bind
   cache; and the dispatches are issued straight through wgpu-native's C functions
   (``SetPipeline``, ``SetBindGroup``, ``DispatchWorkgroups``, called so that they keep
