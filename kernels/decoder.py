@@ -54,9 +54,12 @@ product is ``d * sum(q x) + m * sum(x)``). Lanes are sized for about
 :data:`GEMV_LANE_CHUNKS` chunks each; their partial sums meet by ``subgroupShuffleXor``
 where the device has the ``subgroup`` feature (:data:`USE_SUBGROUPS`; a slot then lies in
 one subgroup, so lanes are at most its smallest size) or by a workgroup-memory tree.
-:data:`GEMV_IMPL` ``"units"`` selects the earlier GEMV (a workgroup of
-:data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
-64, ... of each row), kept so that the bench and the tests compare the two. For larger M
+Rows of :data:`GEMV_UNITS_MIN_K` weights or more take the *units* GEMV instead (a workgroup
+of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
+64, ... of each row): on the H200 it spent 2.39 ms of GPU time on a decode step of the 1.07B
+Llama shape (K 2048 and 8192) against the lanes kernel's 3.32 ms, while on SmolLM2's (K 576 and
+1536) the lanes kernel's fused QKV, RoPE and KV write (30 dispatches fewer) counts for more
+(BENCHMARKS.md, twenty-third session). :data:`GEMV_IMPL` forces one of them. For larger M
 (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
 dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
 when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
@@ -108,7 +111,7 @@ the row's place in the batch. NaN logits count as -inf. Only the int32 ids need 
 back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
-:data:`GEMV_IMPL`, :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`,
+:data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`,
 :data:`GEMV_LANES_THREADS`, :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`,
 :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
@@ -146,10 +149,13 @@ GEMV_THREADS = 64
 """Threads of a workgroup of the ``units`` GEMV (a power of two)."""
 GEMV_ROWS = 4
 """Output rows a GEMV workgroup of the ``units`` kernel computes at M = 1 (fewer for larger M: registers)."""
-GEMV_IMPL = "lanes"
-"""The GEMV kernel: ``"lanes"`` (a few lanes a row, 16-byte weight loads, subgroup shuffles) or
-``"units"`` (the earlier kernel: a workgroup of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows,
-one word a thread a row). ``"units"`` is kept for the bench and the tests to compare against."""
+GEMV_IMPL = "auto"
+"""The GEMV kernel: ``"auto"`` (by the row's length, see :data:`GEMV_UNITS_MIN_K`), ``"lanes"`` (a
+few lanes a row, 16-byte weight loads, subgroup shuffles) or ``"units"`` (a workgroup of
+:data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, one word a thread a row), for every product."""
+GEMV_UNITS_MIN_K = 2048
+"""With ``GEMV_IMPL = "auto"``, products over rows of at least this many weights (K) take the units
+GEMV, shorter ones the lanes GEMV (and ``linear_rope_kv`` fuses only there)."""
 GEMV_LANES = 0
 """Lanes (threads) a row of the lanes GEMV; 0 chooses (see ``_lanes_shape``)."""
 GEMV_LANE_CHUNKS = 2
@@ -351,6 +357,15 @@ def _lanes_shape(chunks: int, sg: int) -> tuple[int, int, int]:
     return lanes, threads, max(1, int(GEMV_SLOT_ROWS))
 
 
+def _gemv_impl(op: str, k: int) -> str:
+    """The GEMV kernel (``"lanes"`` or ``"units"``) for rows of ``k`` weights, by :data:`GEMV_IMPL`."""
+    if GEMV_IMPL == "auto":
+        return "units" if k >= GEMV_UNITS_MIN_K else "lanes"
+    if GEMV_IMPL not in ("lanes", "units"):
+        raise ValueError(f"{op}: GEMV_IMPL must be 'auto', 'lanes' or 'units', got {GEMV_IMPL!r}")
+    return str(GEMV_IMPL)
+
+
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
                 kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
     swiglu = len(ws) == 2
@@ -362,8 +377,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     if path not in ("auto", "gemv", "tiled"):
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
-    if gemv and GEMV_IMPL not in ("lanes", "units"):
-        raise ValueError(f"{op}: GEMV_IMPL must be 'lanes' or 'units', got {GEMV_IMPL!r}")
+    impl = _gemv_impl(op, k) if gemv else None
     xt = _dev(gpu, x)
     inputs: list[Any] = [xt]  # x, the weights' arrays, the norm weight: what the products read
     for w in ws:
@@ -377,7 +391,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         extras.append(_dev(gpu, residual))
     flags = (swiglu, norm is not None, bias is not None, residual is not None)
     tag = "".join(t for t, f in zip((".swiglu", ".norm", ".bias", ".res"), flags) if f)
-    if gemv and GEMV_IMPL == "lanes":
+    if impl == "lanes":
         sg = _subgroups(gpu)
         chunks = blocks if kind not in _FLOAT_KINDS else units
         lanes, threads, slot_rows = _lanes_shape(chunks, sg)
@@ -711,7 +725,7 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
 
     ``w_qkv`` [(heads + 2 kv_heads) * D, K] (``concat_rows([wq, wk, wv])``); returns q
     [T, heads, D], rotated; k (rotated) and v go to ``slots`` of the caches. For T <= :data:`GEMV_MAX_M`
-    rows (with the lanes GEMV and D a multiple of 4) one dispatch of the lanes kernel whose slots
+    rows (where the lanes GEMV takes the product, and D a multiple of 4) one dispatch of the lanes kernel whose slots
     take the rows of two rotate_half pairs and write them in its epilogue; otherwise the two ops.
     """
     op = "linear_rope_kv"
@@ -725,7 +739,7 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
                          f"({heads} + 2*{hkv}) * {d} = {(heads + 2 * hkv) * d} rows")
     _rope_common(op, positions, inv_freq, m, d)
     _slots_check(op, slots, m, ks)
-    if m > GEMV_MAX_M or GEMV_IMPL != "lanes" or d % 4:
+    if m > GEMV_MAX_M or _gemv_impl(op, k) != "lanes" or d % 4:
         qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto")
         return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
     _fits(gpu, op, "q", (m, heads, d))

@@ -135,7 +135,8 @@ def test_lanes_shape_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 @ASYNCIO_ONLY
 async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """M <= 8: one lanes dispatch; M = 9 on path "gemv": two (8 rows, then 1); M = 9 (auto): the tiled kernel;
-    GEMV_IMPL = "units": the earlier GEMV, still right; an unknown GEMV_IMPL is refused."""
+    GEMV_IMPL = "units": the other GEMV, still right; "auto" takes it from GEMV_UNITS_MIN_K weights a row;
+    an unknown GEMV_IMPL is refused."""
     k, n = 64, 20
     pw = make_weight("q8_0", rand((n, k), 70))
     seen: list[list[str]] = []
@@ -161,8 +162,15 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
         got = await call(shared_rt, stage, x=x)
         close(f"units GEMV M={m}", got, *linear_ref(x, unpack(pw)))
     assert [labels[0].split(".")[2] for labels in seen] == ["gemv", "gemv"]
+    monkeypatch.setattr(D, "GEMV_IMPL", "auto")  # by K: rows of GEMV_UNITS_MIN_K weights or more take units
+    seen.clear()
+    for threshold in (k + 8, k):
+        monkeypatch.setattr(D, "GEMV_UNITS_MIN_K", threshold)
+        x = rand((1, k), 85)
+        close(f"auto GEMV, units from K={threshold}", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
+    assert [labels[0].split(".")[2] for labels in seen] == ["lanes", "gemv"]
     monkeypatch.setattr(D, "GEMV_IMPL", "fast")
-    with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'lanes' or 'units', got 'fast'"):
+    with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'auto', 'lanes' or 'units', got 'fast'"):
         await call(shared_rt, stage, x=rand((1, k), 90))
 
 
@@ -221,3 +229,31 @@ async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, 
                 assert len(fused_labels) == 1 and fused_labels[0].startswith(f"decoder.linear_rope_kv.lanes.{kind}.m{m}.")
             else:
                 assert [lb.split(".")[1] for lb in fused_labels] == ["linear", "rope_kv"]
+
+
+@ASYNCIO_ONLY
+async def test_linear_rope_kv_over_long_rows_is_the_units_gemv_then_rope_kv(shared_rt: hetero.Runtime,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where GEMV_IMPL "auto" gives the product to the units GEMV (rows of GEMV_UNITS_MIN_K weights or
+    more), linear_rope_kv is two dispatches, that GEMV then rope_kv, with the fused dispatch's q and caches."""
+    from tests.test_decoder_kernels import inv_freq
+
+    hq, hkv, d, hidden, nb, bs = 4, 2, 16, 64, 6, 4
+    w = make_weight("f16", rand(((hq + 2 * hkv) * d, hidden), 120, scale=0.3))
+    x = rand((1, hidden), 121)
+    pos, slots, f = np.array([7], np.int32), np.array([13], np.int32), inv_freq(d, 10000.0)
+    results, labels = [], []
+    for threshold in (hidden + 1, hidden):
+        monkeypatch.setattr(D, "GEMV_UNITS_MIN_K", threshold)
+
+        def stage(gpu: Any, x: Any, pos: Any, f: Any, slots: Any) -> Any:
+            kc, vc = D.kv_cache(gpu, nb, bs, hkv, d)
+            spy = Spy(gpu)
+            q = D.linear_rope_kv(spy, x, D.upload_weight(gpu, w), pos, f, kc, vc, slots, heads=hq)
+            labels.append(spy.labels)
+            return q, kc, vc
+        results.append([np.asarray(a) for a in await call(shared_rt, stage, x=x, pos=pos, f=f, slots=slots)])
+    assert [[".".join(lb.split(".")[1:3]) for lb in ls] for ls in labels] == [
+        ["linear_rope_kv.lanes"], ["linear.gemv", "rope_kv"]]
+    for name, a, b in zip(("q", "k_cache", "v_cache"), *results):
+        close(f"units linear_rope_kv {name}", b, a.astype(np.float64), np.abs(a).max(), rtol=1e-5)
