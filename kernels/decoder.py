@@ -56,10 +56,9 @@ where the device has the ``subgroup`` feature (:data:`USE_SUBGROUPS`; a slot the
 one subgroup, so lanes are at most its smallest size) or by a workgroup-memory tree.
 Rows of :data:`GEMV_UNITS_MIN_K` weights or more take the *units* GEMV instead (a workgroup
 of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
-64, ... of each row): on the H200 it spent 2.39 ms of GPU time on a decode step of the 1.07B
-Llama shape (K 2048 and 8192) against the lanes kernel's 3.32 ms, while on SmolLM2's (K 576 and
-1536) the lanes kernel's fused QKV, RoPE and KV write (30 dispatches fewer) counts for more
-(BENCHMARKS.md, twenty-third session). :data:`GEMV_IMPL` forces one of them. For larger M
+64, ... of each row): long rows keep its threads busy, and it is the faster of the two there
+on the H200, while for short rows the lanes kernel's fused QKV, RoPE and KV write (a dispatch
+fewer a layer) counts for more (BENCHMARKS.md). :data:`GEMV_IMPL` forces one of them. For larger M
 (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
 dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
 when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
