@@ -123,6 +123,11 @@ class SeqState:
     def generated(self) -> list[int]:
         return self.ids[len(self.prompt):]
 
+    @property
+    def n_generated(self) -> int:
+        """``len(generated)`` without the copy (read every step)."""
+        return len(self.ids) - len(self.prompt)
+
 
 def cut_at_stop(s: SeqState) -> bool:
     """End ``s``'s text before the first stop string in it (``finish = "stop"``); whether one was there.
@@ -481,7 +486,7 @@ class GenerationLoop:
         for t, s in self._running:
             if t.cancelled:
                 continue
-            fed, gen = s.fed, len(s.generated)
+            fed, gen = s.fed, s.n_generated
             hit = in_flight.get(id(s))
             if hit is not None:
                 j, row = hit
@@ -511,7 +516,7 @@ class GenerationLoop:
                 break
             sp = s.sampling
             rows.append(StepRow(s.key, s.ids[fed:fed + n], fed, sp.temperature, sp.top_k, sp.top_p, s.seed,
-                                len(s.generated)))
+                                s.n_generated))
             takers.append((t, s))
             budget -= n
         return rows, takers
@@ -587,7 +592,7 @@ class GenerationLoop:
         s.text += s.detok.push(tok)
         if cut_at_stop(s):
             return StreamPiece(_release_text(s, final=True), tok, "stop")
-        if len(s.generated) >= s.sampling.max_tokens or len(s.ids) >= self.max_seq_len:
+        if s.n_generated >= s.sampling.max_tokens or len(s.ids) >= self.max_seq_len:
             s.text += s.detok.flush()
             s.finish = "stop" if cut_at_stop(s) else "length"  # the flushed tail may hold a stop string
             return StreamPiece(_release_text(s, final=True), tok, s.finish)

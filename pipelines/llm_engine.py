@@ -386,25 +386,36 @@ class DecoderEngine:
         seqs = np.zeros(t_b, np.int32)
         last = np.zeros(s_b, np.int32)
         tables: list[list[int]] = []
+        # Rows of one token (every decoding sequence's) as tuples of Python ints, written into the arrays at
+        # once below: numpy's cost per small call would be most of a 64-row step's feed.
+        one: list[tuple[int, int, int, int, int, int]] = []  # (row, id, src, position, slot, sequence)
+        ends: list[int] = []
         t = 0
         with self._lock:
+            append, table_of = self.pool.append, self.pool.table
             for j, r in enumerate(rows):
                 n = len(r.tokens)
                 if r.src >= 0 and n != 1:
                     raise ValueError(f"DecoderEngine: a row fed from the previous step holds one token, got {n}")
-                table = self.pool.append(r.key, n) if n else self.pool.table(r.key)
-                blocks = table.block_ids
-                if r.src >= 0:
-                    src[t] = r.src
-                else:
+                blocks = (append(r.key, n) if n else table_of(r.key)).block_ids
+                if n == 1:
+                    p = r.start
+                    one.append((t, 0 if r.src >= 0 else r.tokens[0], r.src, p, blocks[p // bs] * bs + p % bs, j))
+                elif n:
                     ids[t:t + n] = r.tokens
-                p = np.arange(r.start, r.start + n, dtype=np.int64)
-                pos[t:t + n] = p
-                slots[t:t + n] = np.asarray(blocks, np.int64)[p // bs] * bs + p % bs
-                seqs[t:t + n] = j
-                last[j] = t + n - 1
+                    ps = np.arange(r.start, r.start + n, dtype=np.int64)
+                    pos[t:t + n] = ps
+                    slots[t:t + n] = np.asarray(blocks, np.int64)[ps // bs] * bs + ps % bs
+                    seqs[t:t + n] = j
+                ends.append(t + n - 1)
                 tables.append(list(blocks))
                 t += n
+        if one:
+            cols = np.array(one, np.int64).T
+            at = cols[0]
+            for arr, col in zip((ids, src, pos, slots, seqs), cols[1:]):
+                arr[at] = col
+        last[:n_seq] = ends
         width = 1 << max(0, (max((len(tb) for tb in tables), default=1) - 1).bit_length())
         tab = np.zeros((s_b, width), np.int32)  # padding entries are the scratch block
         for j, tb in enumerate(tables):
