@@ -57,9 +57,8 @@ one subgroup, so lanes are at most its smallest size) or by a workgroup-memory t
 Rows of :data:`GEMV_UNITS_MIN_K` weights or more take the *units* GEMV instead (a workgroup
 of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
 64, ... of each row): long rows keep its threads busy, and it is the faster of the two there
-on the H200, while for short rows the lanes kernel's fused QKV, RoPE and KV write (a dispatch
-fewer a layer) counts for more (BENCHMARKS.md). :data:`GEMV_IMPL` forces one of them. For larger M
-(prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
+on the H200, the lanes kernel for short rows (BENCHMARKS.md). :data:`GEMV_IMPL` forces one of
+them. For larger M (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
 dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
 when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
 (partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
@@ -154,7 +153,7 @@ few lanes a row, 16-byte weight loads, subgroup shuffles) or ``"units"`` (a work
 :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, one word a thread a row), for every product."""
 GEMV_UNITS_MIN_K = 2048
 """With ``GEMV_IMPL = "auto"``, products over rows of at least this many weights (K) take the units
-GEMV, shorter ones the lanes GEMV (and ``linear_rope_kv`` fuses only there)."""
+GEMV, shorter ones the lanes GEMV (``linear_rope_kv`` is one dispatch on either)."""
 GEMV_LANES = 0
 """Lanes (threads) a row of the lanes GEMV; 0 chooses (see ``_lanes_shape``)."""
 GEMV_LANE_CHUNKS = 2
@@ -724,8 +723,9 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
 
     ``w_qkv`` [(heads + 2 kv_heads) * D, K] (``concat_rows([wq, wk, wv])``); returns q
     [T, heads, D], rotated; k (rotated) and v go to ``slots`` of the caches. For T <= :data:`GEMV_MAX_M`
-    rows (where the lanes GEMV takes the product, and D a multiple of 4) one dispatch of the lanes kernel whose slots
-    take the rows of two rotate_half pairs and write them in its epilogue; otherwise the two ops.
+    rows (and D a multiple of 4) one dispatch of the GEMV kernel the product takes (see
+    :data:`GEMV_IMPL`), each slot (lanes) or workgroup (units) taking the rows of two rotate_half
+    pairs and writing them in its epilogue; otherwise the two ops.
     """
     op = "linear_rope_kv"
     m, k, n, kind = _linear_checks(op, gpu, x, [("w_qkv", w_qkv)], bias, None, norm, eps)
@@ -738,9 +738,10 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
                          f"({heads} + 2*{hkv}) * {d} = {(heads + 2 * hkv) * d} rows")
     _rope_common(op, positions, inv_freq, m, d)
     _slots_check(op, slots, m, ks)
-    if m > GEMV_MAX_M or _gemv_impl(op, k) != "lanes" or d % 4:
+    if m > GEMV_MAX_M or d % 4:
         qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto")
         return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
+    impl = _gemv_impl(op, k)
     _fits(gpu, op, "q", (m, heads, d))
     out = gpu.empty((m, heads, d), np.float32)
     if m == 0:
@@ -748,23 +749,30 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
     units, blocks = _units(kind, k)
     vec = k % 8 == 0
     sg = _subgroups(gpu)
-    lanes, threads, _ = _lanes_shape(blocks if kind not in _FLOAT_KINDS else units, sg)
-    unroll = max(1, int(GEMV_UNROLL))
     cache = "f16" if k_cache.dtype == _U32 else "f32"
-    src = W.linear_gemv_lanes(kind, m, 4, lanes, threads, unroll, vec, False, norm is not None, bias is not None,
-                              False, bool(sg), cache)
     tag = "".join(t for t, f in zip((".norm", ".bias"), (norm is not None, bias is not None)) if f)
-    kern = gpu.kernel(src, "main", label=f"decoder.linear_rope_kv.lanes.{kind}.m{m}.l{lanes}.t{threads}.u{unroll}"
-                      f".{cache}{tag}{'.sg' if sg else ''}")
+    quads = (heads + 2 * hkv) * d // 4  # the rows in fours: two rotate_half pairs each
+    if impl == "lanes":
+        lanes, threads, _ = _lanes_shape(blocks if kind not in _FLOAT_KINDS else units, sg)
+        unroll = max(1, int(GEMV_UNROLL))
+        src = W.linear_gemv_lanes(kind, m, 4, lanes, threads, unroll, vec, False, norm is not None, bias is not None,
+                                  False, bool(sg), cache)
+        label = f"decoder.linear_rope_kv.lanes.{kind}.m{m}.l{lanes}.t{threads}.u{unroll}"
+        groups = _groups(quads, threads // lanes)
+    else:
+        src = W.linear_gemv(kind, m, 4, GEMV_THREADS, vec, False, norm is not None, bias is not None, False, sg,
+                            cache)
+        label = f"decoder.linear_rope_kv.gemv.{kind}.m{m}"
+        groups = quads  # a workgroup a four rows
+    kern = gpu.kernel(src, "main", label=f"{label}.{cache}{tag}{f'.sg{sg}' if sg else ''}")
     inputs: list[Any] = [_dev(gpu, x), *_weight_tensors(gpu, w_qkv)]
     if norm is not None:
         inputs.append(_dev(gpu, norm))
     if bias is not None:
         inputs.append(_dev(gpu, bias))
     params = struct.pack("<5If6I", m, n, k, units, blocks, float(eps), 0, 0, d, int(heads), hkv, 0)
-    slots_total = (heads + 2 * hkv) * d // 4
-    gpu.dispatch(kern, _groups(slots_total, threads // lanes), *inputs, _dev(gpu, positions), _dev(gpu, inv_freq),
-                 _dev(gpu, slots), out, k_cache, v_cache, params)
+    gpu.dispatch(kern, groups, *inputs, _dev(gpu, positions), _dev(gpu, inv_freq), _dev(gpu, slots), out,
+                 k_cache, v_cache, params)
     return out
 
 

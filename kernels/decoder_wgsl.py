@@ -138,7 +138,7 @@ def _epilogue(swiglu: bool, bias: bool, residual: bool) -> str:
 
 @lru_cache(maxsize=None)
 def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swiglu: bool, norm: bool,
-                bias: bool, residual: bool, subgroups: int) -> str:
+                bias: bool, residual: bool, subgroups: int, rope: str = "") -> str:
     """y[M, N] = x[M, K] @ W.T for small M: a workgroup of ``threads`` per ``rows`` output rows.
 
     Thread t takes units t, t + threads, ... of every row of its workgroup (consecutive
@@ -149,14 +149,30 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     RMS-normalised on the fly (x * g, and the dot products scaled by
     1 / sqrt(mean(x^2) + eps), the sum of squares reduced with them).
     ``swiglu``: two weights (gate, up), y = silu(x Wg^T) * (x Wu^T).
+
+    ``rope`` (``"f32"`` or ``"f16"``: the KV cache's type; ``rows`` 4): the fused QKV projection with
+    RoPE and the KV-cache write, as :func:`linear_gemv_lanes` has it: workgroup w takes rows ``2j,
+    2j + 1, 2j + D/2, 2j + 1 + D/2`` of head w // (D/4) (j = w mod D/4), and its thread 0 rotates
+    and writes them for every activation row.
     """
+    if rope and (rows != 4 or swiglu or residual or rope not in ("f32", "f16")):
+        raise ValueError(f"linear_gemv: rope ({rope!r}) takes 4 rows a workgroup, no SwiGLU and no residual")
     nw = 2 if swiglu else 1
     vals = [f"a{w}_{r}_{m}" for w in range(nw) for r in range(rows) for m in range(mrows)]
     if norm:
         vals += [f"ss_{m}" for m in range(mrows)]
     nv = len(vals)
     lines = []
-    lines.append("    let n0 = hetero_workgroup_id(wid).x * ROWS;")
+    if rope:
+        lines.append("    let gs = hetero_workgroup_id(wid).x;")
+        lines.append("    let head = gs / (p.d / 4u);")
+        lines.append("    let i0 = (gs % (p.d / 4u)) * 2u;")
+        lines.append("    let half = p.d / 2u;")
+        lines.append("    let n0 = head * p.d + i0;")
+        row = ["n0", "n0 + 1u", "n0 + half", "n0 + half + 1u"]
+    else:
+        lines.append("    let n0 = hetero_workgroup_id(wid).x * ROWS;")
+        row = [f"n0 + {r}u" for r in range(rows)]
     for v in vals:
         lines.append(f"    var {v} = 0.0;")
     lines.append("    for (var u = li; u < p.units; u += WG) {")
@@ -172,9 +188,9 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
         for m in range(mrows):
             lines.append(f"        xa{m} *= ga; xb{m} *= gb;")
     for r in range(rows):
-        lines.append(f"        if (n0 + {r}u < p.n) {{")
+        lines.append(f"        if ({row[r]} < p.n) {{")
         for w in range(nw):
-            lines.append(f"            let w{w}_{r} = wunit{w}(n0 + {r}u, u);")
+            lines.append(f"            let w{w}_{r} = wunit{w}({row[r]}, u);")
             for m in range(mrows):
                 lines.append(f"            a{w}_{r}_{m} += dot(w{w}_{r}.lo, xa{m}) + dot(w{w}_{r}.hi, xb{m});")
         lines.append("        }")
@@ -218,6 +234,17 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
             lines.append("    workgroupBarrier();")
         args = ""
     lines.append("    workgroupBarrier();")
+    if rope:  # thread 0 rotates the four rows of every activation row and writes them
+        lines.append("    if (li == 0u) {")
+        for m in range(mrows):
+            sc = f"inverseSqrt(tot[{rows * mrows + m}u] / f32(p.k) + p.eps)" if norm else "1.0"
+            lines.append(f"        let sc{m} = {sc};")
+            for r in range(rows):
+                lines.append(f"        let a0_{r}_{m} = tot[{r * mrows + m}u];")
+        lines += _rope_epilogue(rope, mrows, bias)
+        lines.append("    }")
+        return _gemv_source(kind, lines, threads, rows, mrows, nv, red_size, args, vec, norm,
+                            _LINEAR_ROPE_PARAMS + _rope_io_decls(kind, vec, norm, bias, rope, weight_decls) + SINCOS)
     # outputs: thread j < rows * mrows writes (r, m)
     lines.append("    if (li < ROWS * MR) {")
     lines.append("        let r = li / MR;")
@@ -232,10 +259,17 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     lines.append(f"            store(p.m0 + m, n, tot[li], {a1}, scale);")
     lines.append("        }")
     lines.append("    }")
+    return _gemv_source(kind, lines, threads, rows, mrows, nv, red_size, args, vec, norm,
+                        _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
+                        + (weight_fns(kind, "1") if swiglu else "") + _epilogue(swiglu, bias, residual))
+
+
+def _gemv_source(kind: str, lines: list[str], threads: int, rows: int, mrows: int, nv: int, red_size: str,
+                 args: str, vec: bool, norm: bool, head: str) -> str:
+    """The units GEMV's WGSL around its body ``lines``; ``head``: its params, bindings and epilogue."""
     body = "\n".join(lines)
-    src = (_COMMON + _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
-           + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
-           + (_g_reader(vec) if norm else "") + _epilogue(swiglu, bias, residual)
+    src = (_COMMON + head + weight_fns(kind, "0") + _xoff(kind) + _x_reader(vec)
+           + (_g_reader(vec) if norm else "")
            + f"""
 const WG: u32 = {threads}u;
 const ROWS: u32 = {rows}u;
@@ -367,12 +401,13 @@ _LINEAR_ROPE_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blo
 """
 
 
-def _rope_io_decls(kind: str, vec: bool, norm: bool, bias: bool, cache: str) -> str:
-    """Bindings of the fused QKV + RoPE + KV write: x, the weight, [g], [bias], pos, inv_freq, slots, qo,
-    kc, vc, params."""
+def _rope_io_decls(kind: str, vec: bool, norm: bool, bias: bool, cache: str,
+                   decls: Callable[[str, int, str], tuple[str, int]] | None = None) -> str:
+    """Bindings of the fused QKV + RoPE + KV write: x, the weight (as ``decls`` declares it: the lanes
+    kernel's by default), [g], [bias], pos, inv_freq, slots, qo, kc, vc, params."""
     xt = "vec4<f32>" if vec else "f32"
     src = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
-    decl, b = lane_weight_decls(kind, 1, "0")
+    decl, b = (decls or lane_weight_decls)(kind, 1, "0")
     src += decl
     b += 1
     if norm:

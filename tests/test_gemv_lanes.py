@@ -175,14 +175,17 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("impl", ["lanes", "units"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
-async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, kind: str,
+async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, kind: str, impl: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused QKV + RoPE + KV write (one dispatch at M <= 8) against linear then rope_kv (two), which
-    the tests of test_decoder_kernels.py hold to numpy: q, and both caches whole, f32 and f16 caches,
-    M = 1, 3 (8 for f16 weights; rows at scattered positions and slots), the RMSNorm and Q/K/V biases
-    folded in, both reductions; M = 9 takes the two ops."""
+    """The fused QKV + RoPE + KV write (one dispatch at M <= 8, on either GEMV kernel) against linear then
+    rope_kv (two), which the tests of test_decoder_kernels.py hold to numpy: q, and both caches whole, f32
+    and f16 caches, M = 1, 3 (8 for f16 weights; rows at scattered positions and slots), the RMSNorm and
+    Q/K/V biases folded in, both reductions; M = 9 takes the two ops."""
     from tests.test_decoder_kernels import inv_freq
+
+    monkeypatch.setattr(D, "GEMV_IMPL", impl)
 
     hq, hkv, d, hidden, nb, bs = 4, 2, 16, 64, 6, 4
     w = make_weight(kind, rand(((hq + 2 * hkv) * d, hidden), 100, scale=0.3))
@@ -226,34 +229,9 @@ async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, 
                       np.abs(b).max(), rtol=rtol)
             fused_labels = labels[0]
             if m <= 8:
-                assert len(fused_labels) == 1 and fused_labels[0].startswith(f"decoder.linear_rope_kv.lanes.{kind}.m{m}.")
+                kernel = "lanes" if impl == "lanes" else "gemv"
+                assert len(fused_labels) == 1 and fused_labels[0].startswith(f"decoder.linear_rope_kv.{kernel}.{kind}.m{m}.")
             else:
                 assert [lb.split(".")[1] for lb in fused_labels] == ["linear", "rope_kv"]
 
 
-@ASYNCIO_ONLY
-async def test_linear_rope_kv_over_long_rows_is_the_units_gemv_then_rope_kv(shared_rt: hetero.Runtime,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where GEMV_IMPL "auto" gives the product to the units GEMV (rows of GEMV_UNITS_MIN_K weights or
-    more), linear_rope_kv is two dispatches, that GEMV then rope_kv, with the fused dispatch's q and caches."""
-    from tests.test_decoder_kernels import inv_freq
-
-    hq, hkv, d, hidden, nb, bs = 4, 2, 16, 64, 6, 4
-    w = make_weight("f16", rand(((hq + 2 * hkv) * d, hidden), 120, scale=0.3))
-    x = rand((1, hidden), 121)
-    pos, slots, f = np.array([7], np.int32), np.array([13], np.int32), inv_freq(d, 10000.0)
-    results, labels = [], []
-    for threshold in (hidden + 1, hidden):
-        monkeypatch.setattr(D, "GEMV_UNITS_MIN_K", threshold)
-
-        def stage(gpu: Any, x: Any, pos: Any, f: Any, slots: Any) -> Any:
-            kc, vc = D.kv_cache(gpu, nb, bs, hkv, d)
-            spy = Spy(gpu)
-            q = D.linear_rope_kv(spy, x, D.upload_weight(gpu, w), pos, f, kc, vc, slots, heads=hq)
-            labels.append(spy.labels)
-            return q, kc, vc
-        results.append([np.asarray(a) for a in await call(shared_rt, stage, x=x, pos=pos, f=f, slots=slots)])
-    assert [[".".join(lb.split(".")[1:3]) for lb in ls] for ls in labels] == [
-        ["linear_rope_kv.lanes"], ["linear.gemv", "rope_kv"]]
-    for name, a, b in zip(("q", "k_cache", "v_cache"), *results):
-        close(f"units linear_rope_kv {name}", b, a.astype(np.float64), np.abs(a).max(), rtol=1e-5)
