@@ -37,6 +37,11 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 * the step: dispatches a step and a layer (a traced run), and a step's wall time beside its
   GPU time (``gpu_timing``): host time is what the GPU waits.
 
+``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
+time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
+that ``hetero.kernels.decoder.GEMV_IMPL`` names. Each setting after the first is a ratio line
+against the first, same file, same run.
+
 With ``--vs-llama-cpp BIN_DIR`` (the kit's ``run.sh`` builds into ``.llm-build/build/bin``)
 llama-bench and llama-batched-bench run on the same files with the same sizes, and each
 hetero / llama.cpp ratio is a line. With torch on CUDA (and not ``--no-transformers``),
@@ -52,13 +57,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -403,26 +409,35 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        figs: dict[bool, dict[str, Any]] = {}
-        for pipeline in modes:
-            with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH, prefill_chunk=PREFILL_BATCH,
-                     pipeline=pipeline) as llm:
-                if not figs:
-                    emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
-                         layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
-                         file_MiB=round(f.stat().st_size / 2**20, 1))
-                if with_hf and not figs:
-                    ids = prompts(1, 64, vocab, 4)[0]
-                    greedy = llm.generate(ids, max_tokens=64).token_ids
-                    checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
-                figs[pipeline] = hetero_gguf(llm, vocab, a)
-                step_bytes = llm.engine.packed.nbytes
-                emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, **figs[pipeline])
+        figs: dict[tuple[str, bool], dict[str, Any]] = {}
+        for impl in a.gemv:
+            for pipeline in modes:
+                with gemv_impl(impl), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
+                                          prefill_chunk=PREFILL_BATCH, pipeline=pipeline) as llm:
+                    if not figs:
+                        emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
+                             layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
+                             file_MiB=round(f.stat().st_size / 2**20, 1))
+                    if with_hf and not figs:
+                        ids = prompts(1, 64, vocab, 4)[0]
+                        greedy = llm.generate(ids, max_tokens=64).token_ids
+                        checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
+                    fig = figs[impl, pipeline] = hetero_gguf(llm, vocab, a)
+                    step_bytes = llm.engine.packed.nbytes
+                    emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=impl, **fig)
         rt.close()
-        fig = figs[modes[0]]
+        first = (a.gemv[0], modes[0])
+        fig = figs[first]
         mine[f] = fig
-        if len(figs) == 2:  # overlapping steps against one step at a time, same file, same run
-            ratios(f.stem + " (pipeline on / off)", figs[True], figs[False], "hetero pipeline=False")
+        for impl, pipeline in figs:  # each setting against the first, same file, same run
+            if (impl, pipeline) == first:
+                continue
+            if impl == first[0]:
+                what = "pipeline on / off"
+            else:
+                what = f"gemv {first[0]} / {impl}" + ("" if pipeline == first[1] else ", pipeline on / off")
+            ratios(f"{f.stem} ({what})", fig, figs[impl, pipeline],
+                   f"hetero gemv={impl} pipeline={'on' if pipeline else 'off'}")
         if bw is not None and step_bytes:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
@@ -480,6 +495,28 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
                 torch.cuda.empty_cache()
 
 
+def _gemvs(text: str) -> list[str]:
+    impls = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in impls if x not in ("auto", "lanes", "units")]
+    if not impls or bad or len(set(impls)) != len(impls):
+        raise argparse.ArgumentTypeError(f"expected distinct auto, lanes or units, comma-separated; got {text!r}")
+    return impls
+
+
+@contextlib.contextmanager
+def gemv_impl(impl: str) -> Iterator[None]:
+    """``hetero.kernels.decoder.GEMV_IMPL`` set to ``impl`` while an LLM is made and timed (its step is
+    captured with the kernels it chooses then)."""
+    from hetero.kernels import decoder
+
+    old = decoder.GEMV_IMPL
+    decoder.GEMV_IMPL = impl
+    try:
+        yield
+    finally:
+        decoder.GEMV_IMPL = old
+
+
 def _ints(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x]
@@ -519,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds")
     g.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
                    help="LLM(pipeline=): steps overlap (on, the default), one at a time (off), or both in turn")
+    g.add_argument("--gemv", type=_gemvs, default=["auto"], metavar="IMPL[,IMPL...]",
+                   help="hetero.kernels.decoder.GEMV_IMPL for decode rows, in turn: auto (the default), lanes, units")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:
