@@ -59,7 +59,7 @@ from hetero.lowlevel import check_positive_int, running_loop
 from .kv_cache import DEFAULT_BLOCK_SIZE, KVCacheFullError
 from .llm_batch import (DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, GenerationLoop, GenerationStats, Sampling, SeqState,
                         StreamPiece, Ticket, new_seed, wait_released)
-from .llm_engine import DEFAULT_MAX_BATCH_TOKENS, DecoderEngine, default_num_blocks, pack_decoder
+from .llm_engine import DEFAULT_MAX_BATCH_TOKENS, MAX_STEPS_PER_RUN, DecoderEngine, default_num_blocks, pack_decoder
 from .llm_model import LlamaConfig, LoadedModel, load_model
 
 __all__ = ["LLM", "Completion", "GenerationStats", "StreamPiece"]
@@ -148,6 +148,13 @@ class LLM:
     the GPU (the default; the same results). Steps run one at a time with ``pipeline=False``,
     on a runtime with ``gpu_timing`` (each sequence is told its steps' GPU time) or with more
     than one GPU recording thread (``gpu_threads``: the order of steps would not be kept).
+    ``steps_per_run`` (1 to 4; default 1): decode steps one GPU run may take while every running
+    sequence decodes (no prompt to enter, none waiting for a place, that many tokens left to
+    each), each step's tokens embedded on the GPU from the step before: the host's fixed cost
+    of a run (planning, the inputs, submitting, the round trip) is shared by that many tokens
+    (each step's dispatches are still issued). The tokens are the
+    same; a sequence that ends inside a run has the rest of the run's tokens computed and
+    dropped, and a request arriving meanwhile joins when the run ends.
     """
 
     def __init__(self, model: LoadedModel | str | os.PathLike[str] = "smollm2", *,
@@ -155,8 +162,9 @@ class LLM:
                  kv_cache_bytes: int | None = None, kv_cache_dtype: str = "f32",
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_running: int = DEFAULT_MAX_RUNNING, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_waiting: int | None = None, pipeline: bool = True) -> None:
+                 max_waiting: int | None = None, pipeline: bool = True, steps_per_run: int = 1) -> None:
         check_positive_int("LLM: max_batch_tokens", max_batch_tokens)
+        check_positive_int("LLM: steps_per_run", steps_per_run, maximum=MAX_STEPS_PER_RUN)
         check_positive_int("LLM: max_running", max_running)
         check_positive_int("LLM: prefill_chunk", prefill_chunk)
         if max_waiting is not None:
@@ -196,9 +204,14 @@ class LLM:
                                     max_batch_tokens=max_batch_tokens, max_running=max_running,
                                     prefill_chunk=prefill_chunk, max_waiting=max_waiting,
                                     timing=bool(self.runtime.options.gpu_timing), gpu_ms=self._last_gpu_ms,
-                                    pipeline=pipeline)
+                                    pipeline=pipeline, steps_per_run=steps_per_run)
 
     # -- the model ------------------------------------------------------------------------------
+    @property
+    def steps_per_run(self) -> int:
+        """Most decode steps one GPU run takes (``steps_per_run=``)."""
+        return self._loop.steps_per_run
+
     @property
     def pipeline(self) -> bool:
         """Whether steps overlap (``pipeline=True``, and neither ``gpu_timing`` nor several GPU

@@ -30,6 +30,13 @@ event loop, started on the first submission and stopped by :meth:`GenerationLoop
    is dropped, and nothing it wrote is read. Results are the same as with serial steps
    (sampling depends only on the seed and the token's index). Jobs (logits passes) run with
    no step in flight.
+
+   *Several steps a run* (``steps_per_run`` k > 1): while every row decodes (no prompt chunk in
+   the step), no sequence waits for a place it could take, and each has k tokens left
+   (``max_tokens``, ``max_seq_len``), one engine run takes k decode steps, each step's tokens
+   embedded on the GPU from the step before; each sequence's cache positions for the k
+   tokens are taken first. Its tokens are delivered together; those past an end-of-sequence
+   token or a stop string are dropped. The tokens are the same as with one step a run.
 4. *Deliver.* Each new token is detokenized and checked against its sequence's stop
    strings and limits here, in the loop; each caller is handed its pieces on its own event
    loop. A sequence that ends (end-of-sequence token, stop string, ``max_tokens``,
@@ -232,6 +239,7 @@ class _Step:
     run: StartedRun
     rows: list[StepRow]
     takers: list[tuple[Ticket, SeqState]]
+    steps: int = 1  # decode steps the run takes (each row one token a step)
 
 
 class GenerationLoop:
@@ -244,7 +252,7 @@ class GenerationLoop:
     def __init__(self, engine: DecoderEngine, *, eos: Sequence[int], max_seq_len: int, max_batch_tokens: int,
                  max_running: int = DEFAULT_MAX_RUNNING, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_waiting: int | None = None, timing: bool = False,
-                 gpu_ms: Callable[[], float] | None = None, pipeline: bool = True) -> None:
+                 gpu_ms: Callable[[], float] | None = None, pipeline: bool = True, steps_per_run: int = 1) -> None:
         self.engine = engine
         self.eos = frozenset(int(e) for e in eos)
         self.max_seq_len = max_seq_len
@@ -257,6 +265,7 @@ class GenerationLoop:
         # steps overlap only where the engine's steps run in the order started, and not while each
         # step's GPU time is read back for its sequences (it would be the overlapping step's)
         self.pipeline = bool(pipeline) and engine.chains_in_order and not timing
+        self.steps_per_run = steps_per_run
         self._lock = threading.Lock()  # guards what callers hand over: _inbox, _cancels, _jobs, _queued, _closed
         self._inbox: list[Ticket] = []
         self._cancels: list[Ticket] = []
@@ -472,8 +481,10 @@ class GenerationLoop:
             self._prompt_tokens += len(s.prompt)
             self._running.append((t, s))
 
-    def _plan(self, ahead: _Step | None) -> tuple[list[StepRow], list[tuple[Ticket, SeqState]]]:
-        """This step's rows: every decoding sequence's one token, then prompt chunks, oldest first.
+    def _plan(self, ahead: _Step | None) -> tuple[list[StepRow], list[tuple[Ticket, SeqState]], int]:
+        """This step's rows: every decoding sequence's one token, then prompt chunks, oldest first;
+        and the decode steps the run takes (more than one only with ``steps_per_run``, when every
+        row decodes, no sequence waits for a place, and each has that many tokens left).
 
         With ``ahead`` (the step in flight) each sequence is taken as it will be once that step's
         rows are in the cache: one it samples for decodes its token straight from that step's
@@ -491,10 +502,11 @@ class GenerationLoop:
             if hit is not None:
                 j, row = hit
                 fed += len(row.tokens)
-                if fed >= len(s.ids):  # the step in flight samples this sequence's next token
-                    if gen + 1 >= s.sampling.max_tokens or len(s.ids) + 1 >= self.max_seq_len:
-                        continue  # ... and it is the last
-                    decoding.append((t, s, fed, gen + 1, j))
+                if fed >= len(s.ids):  # the step in flight samples this sequence's next tokens
+                    k = ahead.steps if ahead is not None else 1
+                    if gen + k >= s.sampling.max_tokens or len(s.ids) + k >= self.max_seq_len:
+                        continue  # ... and the last of them is its last
+                    decoding.append((t, s, fed + k - 1, gen + k, j))
                     continue
             if len(s.ids) - fed == 1:
                 decoding.append((t, s, fed, gen, -1))
@@ -519,16 +531,21 @@ class GenerationLoop:
                                 s.n_generated))
             takers.append((t, s))
             budget -= n
-        return rows, takers
+        steps = 1
+        if self.steps_per_run > 1 and decoding and len(rows) == len(decoding) \
+                and (not self._waiting or len(self._running) >= self.max_running):
+            left = min(min(s.sampling.max_tokens - gen, self.max_seq_len - fed - 1) for _, s, fed, gen, _ in decoding)
+            steps = max(1, min(self.steps_per_run, left))
+        return rows, takers, steps
 
     async def _step(self) -> None:
         """Start the next step; take back the one before it (pipelined), or this one (serial)."""
         ahead, self._ahead = self._ahead, None
-        rows, takers = self._plan(ahead)
+        rows, takers, steps = self._plan(ahead)
         started: _Step | None = None
         if rows:
             try:
-                started = _Step(self.engine.launch(rows), rows, takers)
+                started = _Step(self.engine.launch(rows, steps), rows, takers, steps)
             except Exception as e:  # it could not start: the sequences it was for fail
                 self._fail_tickets(takers, e)
         if ahead is not None:
@@ -554,23 +571,27 @@ class GenerationLoop:
     async def _take(self, st: _Step) -> None:
         """A started step's ids: each sequence still running takes its token."""
         try:
-            out = np.asarray(await st.run.result())
+            result = await st.run.result()
         except Exception as e:  # the step failed: so do the sequences it ran
             self._fail_tickets([x for x in st.takers if x[1].reserved], e)
             return
-        self._steps += 1
+        outs = [np.asarray(o) for o in result] if st.steps > 1 else [np.asarray(result)]
+        self._steps += st.steps
         now = time.perf_counter()
         gpu_ms = self._gpu_ms() if self.timing and self._gpu_ms is not None else 0.0
         batches: dict[int, tuple[Ticket, list[tuple[SeqState, StreamPiece]]]] = {}
-        for (t, s), row, tok in zip(st.takers, st.rows, out):
+        for i, ((t, s), row) in enumerate(zip(st.takers, st.rows)):
             if not s.reserved or s.finish is not None:  # it ended (or failed, or was cancelled) meanwhile
                 continue
-            s.fed += len(row.tokens)
+            s.fed += len(row.tokens) + st.steps - 1
             s.gpu_ms += gpu_ms
             if s.fed < len(s.ids) or t.cancelled:  # a prompt chunk: no token yet
                 continue
-            piece = self._accept(s, int(tok), now)
-            batches.setdefault(id(t), (t, []))[1].append((s, piece))
+            batch = batches.setdefault(id(t), (t, []))[1]
+            for out in outs:  # a run of several steps: its tokens past one that ends the sequence are dropped
+                batch.append((s, self._accept(s, int(out[i]), now)))
+                if s.finish is not None:
+                    break
         for x in [x for x in self._running if x[1].finish is not None]:  # blocks free before the caller hears
             self._running.remove(x)
             self._free(x[1])

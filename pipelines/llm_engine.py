@@ -34,6 +34,12 @@ n+1's reads. Blocks a sequence gives back while a later step is in flight are wr
 that step only before any step started after it, which is the only kind that can hand them
 to another sequence.
 
+**Several decode steps a run** (:meth:`DecoderEngine.launch`'s ``steps``, at most
+:data:`MAX_STEPS_PER_RUN`): a step graph whose one captured stage runs the forward step that
+many times over decode rows, each time embedding the ids the time before sampled (the kept
+ids), at the next position of each sequence (its blocks taken for all of them first). The
+host plans, feeds, records and waits once for that many tokens a sequence.
+
 **Shapes are bucketed** so that the captured stage replays: ``T`` and ``S`` are rounded up
 (:func:`bucket`) and the block tables' width to a power of two. Padding rows read token 0 at
 position 0 and write the scratch block; padding sequences' tables are all scratch.
@@ -61,7 +67,7 @@ from hetero.lowlevel import GPUContext, Tensor, device_of
 from .kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCacheFullError, default_kv_cache_bytes, kv_block_bytes, kv_pool_size
 from .llm_model import LlamaConfig, LoadedModel, WeightTensor
 
-__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "MAX_STEP_SEQS", "DecoderEngine", "PackedDecoder",
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "MAX_STEPS_PER_RUN", "MAX_STEP_SEQS", "DecoderEngine", "PackedDecoder",
            "StepRow", "bucket", "default_num_blocks", "pack_decoder"]
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -70,6 +76,8 @@ CPU_KV_CACHE_BYTES = 256 << 20
 """The default KV budget on a CPU adapter (its memory is the host's)."""
 MAX_STEP_SEQS = 4096
 """Most sequences one step samples for (the kept ids' length)."""
+MAX_STEPS_PER_RUN = 4
+"""Most decode steps one run of the step graph takes (:meth:`DecoderEngine.launch`'s ``steps``)."""
 
 _SCRATCH = ("hetero.llm", "scratch")  # the pool key of the scratch block
 
@@ -198,15 +206,10 @@ class _Resident:
 # The forward step (a captured GPU stage)
 
 
-def _forward(gpu: GPUContext, ids: Tensor, src: Tensor, pos: Tensor, slots: Tensor, tables: Tensor, seqs: Tensor,
-             last: Tensor, params: Tensor, engine: DecoderEngine, logits_only: bool) -> Tensor:
-    r = engine.resident(gpu)
-    c = engine.config
+def _logits(gpu: GPUContext, r: _Resident, c: LlamaConfig, h: Tensor, pos: Tensor, slots: Tensor, tables: Tensor,
+            seqs: Tensor, last: Tensor) -> Tensor:
+    """Every layer over the embedded rows ``h``, then the head over each sequence's last row."""
     eps = c.rms_norm_eps
-    if logits_only:
-        h = D.embedding(gpu, r.embed, ids)
-    else:
-        h = D.embedding(gpu, r.embed, ids, src=src, prev=r.kept_ids)
     for lay in r.layers:
         q = D.linear_rope_kv(gpu, h, lay.qkv, pos, r.inv_freq, lay.k_cache, lay.v_cache, slots,
                              heads=c.num_heads, bias=lay.qkv_bias, norm=lay.attn_norm, eps=eps)
@@ -214,10 +217,35 @@ def _forward(gpu: GPUContext, ids: Tensor, src: Tensor, pos: Tensor, slots: Tens
         h = D.linear(gpu, att, lay.o, bias=lay.o_bias, residual=h)
         mlp = D.linear_swiglu(gpu, h, lay.gate, lay.up, norm=lay.mlp_norm, eps=eps)
         h = D.linear(gpu, mlp, lay.down, residual=h)
-    logits = D.linear(gpu, D.gather_rows(gpu, h, last), r.head, norm=r.norm, eps=eps)
+    return D.linear(gpu, D.gather_rows(gpu, h, last), r.head, norm=r.norm, eps=eps)
+
+
+def _forward(gpu: GPUContext, ids: Tensor, src: Tensor, pos: Tensor, slots: Tensor, tables: Tensor, seqs: Tensor,
+             last: Tensor, params: Tensor, engine: DecoderEngine, logits_only: bool) -> Tensor:
+    r = engine.resident(gpu)
     if logits_only:
-        return logits
+        return _logits(gpu, r, engine.config, D.embedding(gpu, r.embed, ids), pos, slots, tables, seqs, last)
+    h = D.embedding(gpu, r.embed, ids, src=src, prev=r.kept_ids)
+    logits = _logits(gpu, r, engine.config, h, pos, slots, tables, seqs, last)
     return D.sample(gpu, logits, params, keep=r.kept_ids)
+
+
+def _forward_steps(gpu: GPUContext, ids: Tensor, src: Tensor, pos: Tensor, slots: Tensor, tables: Tensor,
+                   seqs: Tensor, last: Tensor, params: Tensor, *later: Tensor, engine: DecoderEngine) -> tuple[Tensor, ...]:
+    """Several decode steps in one run: ``later`` holds (src, pos, slots, params) of each step after
+    the first, whose rows embed the ids the step before sampled (read from the kept ids)."""
+    r = engine.resident(gpu)
+    h = D.embedding(gpu, r.embed, ids, src=src, prev=r.kept_ids)
+    out = [D.sample(gpu, _logits(gpu, r, engine.config, h, pos, slots, tables, seqs, last), params, keep=r.kept_ids)]
+    for k in range(0, len(later), 4):
+        src_k, pos_k, slots_k, params_k = later[k:k + 4]
+        h = D.embedding(gpu, r.embed, ids, src=src_k, prev=r.kept_ids)
+        logits = _logits(gpu, r, engine.config, h, pos_k, slots_k, tables, seqs, last)
+        out.append(D.sample(gpu, logits, params_k, keep=r.kept_ids))
+    return tuple(out)
+
+
+_STEP_INPUTS = ("ids", "src", "pos", "slots", "tables", "seqs", "last", "params")
 
 
 def _graph(engine: DecoderEngine, logits_only: bool) -> hetero.Graph:
@@ -226,9 +254,24 @@ def _graph(engine: DecoderEngine, logits_only: bool) -> hetero.Graph:
         ids, src, pos, slots, tables, seqs, last, params --> forward (gpu, captured) --> tokens | logits
     """
     g = hetero.Graph("llm.logits" if logits_only else "llm.step")
-    names = ("ids", "src", "pos", "slots", "tables", "seqs", "last", "params")
-    g.output(g.gpu(_forward, *[g.input(n) for n in names], engine, logits_only,
+    g.output(g.gpu(_forward, *[g.input(n) for n in _STEP_INPUTS], engine, logits_only,
                    name="logits" if logits_only else "forward", capture=True))
+    return g
+
+
+def _later_inputs(steps: int) -> list[str]:
+    return [f"{name}{k}" for k in range(1, steps) for name in ("src", "pos", "slots", "params")]
+
+
+def _steps_graph(engine: DecoderEngine, steps: int) -> hetero.Graph:
+    """::
+
+        ids, src, pos, slots, tables, seqs, last, params, (src, pos, slots, params) x (steps - 1)
+            --> forward (gpu, captured) --> (tokens,) x steps
+    """
+    g = hetero.Graph(f"llm.step{steps}")
+    g.output(g.gpu(_forward_steps, *[g.input(n) for n in (*_STEP_INPUTS, *_later_inputs(steps))],
+                   engine=engine, name="forward", capture=True))
     return g
 
 
@@ -277,6 +320,7 @@ class DecoderEngine:
         self._resident_lock = threading.Lock()
         self.step_graph = _graph(self, False)
         self.logits_graph = _graph(self, True)
+        self._steps_graphs = {k: _steps_graph(self, k) for k in range(2, MAX_STEPS_PER_RUN + 1)}
 
     @property
     def num_blocks(self) -> int:
@@ -369,13 +413,19 @@ class DecoderEngine:
         return self._reserved
 
     # -- a step ---------------------------------------------------------------------------------
-    def feed(self, rows: Sequence[StepRow]) -> dict[str, np.ndarray]:
-        """The graph inputs of one step over ``rows`` (their blocks taken in the pool)."""
+    def feed(self, rows: Sequence[StepRow], steps: int = 1) -> dict[str, np.ndarray]:
+        """The graph inputs of one step over ``rows`` (their blocks taken in the pool); with ``steps``
+        > 1, of that many decode steps in one run (every row one token: see :meth:`launch`)."""
         bs = self.block_size
         n_seq = len(rows)
         if n_seq > MAX_STEP_SEQS:
             raise ValueError(f"DecoderEngine: a step of {n_seq} sequences is more than MAX_STEP_SEQS "
                              f"({MAX_STEP_SEQS}); run fewer at once")
+        if not 1 <= steps <= MAX_STEPS_PER_RUN:
+            raise ValueError(f"DecoderEngine: steps must be from 1 to MAX_STEPS_PER_RUN ({MAX_STEPS_PER_RUN}), "
+                             f"got {steps}")
+        if steps > 1 and any(len(r.tokens) != 1 for r in rows):
+            raise ValueError("DecoderEngine: a run of several steps takes decode rows only (one token each)")
         n_rows = sum(len(r.tokens) for r in rows)
         s_b = bucket(n_seq)
         t_b = max(bucket(n_rows), s_b)
@@ -397,7 +447,7 @@ class DecoderEngine:
                 n = len(r.tokens)
                 if r.src >= 0 and n != 1:
                     raise ValueError(f"DecoderEngine: a row fed from the previous step holds one token, got {n}")
-                blocks = (append(r.key, n) if n else table_of(r.key)).block_ids
+                blocks = (append(r.key, n + steps - 1) if n else table_of(r.key)).block_ids
                 if n == 1:
                     p = r.start
                     one.append((t, 0 if r.src >= 0 else r.tokens[0], r.src, p, blocks[p // bs] * bs + p % bs, j))
@@ -425,14 +475,46 @@ class DecoderEngine:
                                    [r.top_p for r in rows] + [1.0] * (s_b - n_seq),
                                    [r.seed for r in rows] + [0] * (s_b - n_seq),
                                    [r.step for r in rows] + [0] * (s_b - n_seq))
-        return {"ids": ids, "src": src, "pos": pos, "slots": slots, "tables": tab, "seqs": seqs, "last": last,
+        feed = {"ids": ids, "src": src, "pos": pos, "slots": slots, "tables": tab, "seqs": seqs, "last": last,
                 "params": params}
+        if steps > 1:  # row t is sequence t: each later step embeds the id the step before sampled for it
+            self._feed_later(feed, rows, tables, steps)
+        return feed
 
-    def launch(self, rows: Sequence[StepRow]) -> hetero.StartedRun:
+    def _feed_later(self, feed: dict[str, np.ndarray], rows: Sequence[StepRow], tables: list[list[int]],
+                    steps: int) -> None:
+        bs = self.block_size
+        n_seq, t_b = len(rows), len(feed["ids"])
+        starts = np.array([r.start for r in rows], np.int64)
+        blocks = np.zeros((n_seq, max(len(tb) for tb in tables)), np.int64)
+        for j, tb in enumerate(tables):
+            blocks[j, :len(tb)] = tb
+        for k in range(1, steps):
+            src = np.full(t_b, -1, np.int32)
+            src[:n_seq] = np.arange(n_seq)
+            pos = np.zeros(t_b, np.int32)
+            slots = np.zeros(t_b, np.int32)
+            p = starts + k
+            pos[:n_seq] = p
+            slots[:n_seq] = blocks[np.arange(n_seq), p // bs] * bs + p % bs
+            params = feed["params"].copy()
+            params[:n_seq, 4] += k  # the sample's step: the token's index among the generated
+            feed.update({f"src{k}": src, f"pos{k}": pos, f"slots{k}": slots, f"params{k}": params})
+
+    def launch(self, rows: Sequence[StepRow], steps: int = 1) -> hetero.StartedRun:
         """Start one step over ``rows`` now (on the caller's event loop); its result holds the next
         token of each in its first ``len(rows)`` entries. A row with ``src`` reads the step started
-        just before this one."""
-        return self.runtime.start(self.step_graph, **self.feed(rows))
+        just before this one.
+
+        ``steps`` > 1: that many decode steps in one run (every row one token, and each sequence's
+        cache room for ``steps`` positions reserved); the result is a tuple of ``steps`` such arrays,
+        each step's rows embedding the ids the step before sampled, on the GPU.
+        """
+        graph = self.step_graph if steps == 1 else self._steps_graphs.get(steps)
+        if graph is None:
+            raise ValueError(f"DecoderEngine: steps must be from 1 to MAX_STEPS_PER_RUN ({MAX_STEPS_PER_RUN}), "
+                             f"got {steps}")
+        return self.runtime.start(graph, **self.feed(rows, steps))
 
     async def step(self, rows: Sequence[StepRow]) -> np.ndarray:
         """Run one step over ``rows``: the next token of each (int32 [len(rows)])."""

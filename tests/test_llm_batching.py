@@ -245,8 +245,8 @@ def test_overlapping_steps_start_each_step_before_the_last_is_taken(llm, serial,
     def watch(target):
         launch = target.engine.launch
 
-        def launched(rows):
-            started = launch(rows)
+        def launched(rows, steps=1):
+            started = launch(rows, steps)
             events.append(f"launch:{sum(r.src >= 0 for r in rows)}")
             result = started.result
 
@@ -305,9 +305,9 @@ def test_an_end_of_sequence_token_seen_a_step_late_wastes_one_row(model, shared_
             LLM(m, runtime=shared_rt, kv_cache_bytes=KV, pipeline=False) as ref:
         launches = {"llm": 0, "ref": 0}
         for name, target in (("llm", llm), ("ref", ref)):
-            def counted(rows, launch=target.engine.launch, name=name):
+            def counted(rows, steps=1, launch=target.engine.launch, name=name):
                 launches[name] += 1
-                return launch(rows)
+                return launch(rows, steps)
             monkeypatch.setattr(target.engine, "launch", counted)
         want = ref.generate(PROMPTS[1], max_tokens=12)
         got = llm.generate(PROMPTS[1], max_tokens=12)
@@ -319,3 +319,73 @@ def test_an_end_of_sequence_token_seen_a_step_late_wastes_one_row(model, shared_
         assert [c.token_ids for c in both] == [c.token_ids for c in ref.generate([PROMPTS[1], PROMPTS[2]],
                                                                                   max_tokens=12)]
         assert idle(llm)
+
+
+# -- several decode steps a run (steps_per_run) -------------------------------------------------------
+@pytest.mark.anyio
+@pytest.mark.parametrize("steps, pipeline", [(2, True), (3, False), (4, True)])
+async def test_runs_of_several_steps_give_single_steps_tokens(model, shared_rt, serial, steps, pipeline,
+                                                              monkeypatch):
+    """Greedy and seeded sampling, prompts sharing runs, max_tokens that are not multiples of the run,
+    a stop string inside a run: the tokens and text of one step a run. Runs of several steps happen
+    (counted), the steps count each, and everything is back at the end."""
+    kw = [dict(max_tokens=3 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=i, top_k=5 * (i % 3))
+          for i in range(len(PROMPTS))]
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV, steps_per_run=steps, pipeline=pipeline) as llm:
+        assert llm.steps_per_run == steps
+        runs: list[int] = []
+
+        def counted(rows, n=1, launch=llm.engine.launch):
+            runs.append(n)
+            return launch(rows, n)
+        monkeypatch.setattr(llm.engine, "launch", counted)
+
+        async def all_of(target):
+            out = [None] * len(PROMPTS)
+
+            async def one(i):
+                out[i] = await target.agenerate(PROMPTS[i], **kw[i])
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(one, i)
+            return out
+
+        a, b = await all_of(llm), await all_of(serial)
+        assert [(c.token_ids, c.text, c.finish_reason) for c in a] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in b]
+        assert 1 < max(runs) <= steps and llm.stats().steps == sum(runs)
+        runs.clear()
+        lone = await llm.agenerate(PROMPTS[0], max_tokens=12)
+        assert lone.token_ids == (await serial.agenerate(PROMPTS[0], max_tokens=12)).token_ids
+        assert runs[0] == 1 and steps in runs and sum(runs) == 12  # the prompt's step, then runs of up to `steps`
+        stop = b[5].text[3:5]
+        x = await llm.agenerate(PROMPTS[5], max_tokens=kw[5]["max_tokens"], stop=stop)
+        y = await serial.agenerate(PROMPTS[5], max_tokens=kw[5]["max_tokens"], stop=stop)
+        assert (x.text, x.finish_reason, x.token_ids) == (y.text, y.finish_reason, y.token_ids)
+        assert idle(llm)
+
+
+def test_a_run_of_several_steps_drops_the_tokens_past_an_end_of_sequence(model, shared_rt, alone):
+    """An end-of-sequence token in the middle of a run: the tokens after it are computed and dropped,
+    the blocks come back, and the next caller gets its own tokens."""
+    eos = alone[1][5]
+    m = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,)))
+    with LLM(m, runtime=shared_rt, kv_cache_bytes=KV, steps_per_run=4) as llm:
+        got = llm.generate(PROMPTS[1], max_tokens=12)
+        assert got.finish_reason == "stop" and got.token_ids == alone[1][:alone[1].index(eos)]
+        assert idle(llm)
+        assert llm.generate(PROMPTS[2], max_tokens=7).token_ids == alone[2][:7]
+        assert idle(llm)
+
+
+def test_several_steps_a_run_bad_values_and_the_engine_s_rules(model, shared_rt):
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match="LLM: steps_per_run must be"):
+            LLM(model, runtime=shared_rt, kv_cache_bytes=KV, steps_per_run=bad)
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV) as llm:
+        from hetero.pipelines.llm_engine import StepRow
+
+        with pytest.raises(ValueError, match="decode rows only"):
+            llm.engine.feed([StepRow("x", [1, 2], 0)], steps=2)
+        with pytest.raises(ValueError, match="steps must be from 1 to MAX_STEPS_PER_RUN"):
+            llm.engine.feed([StepRow("x", [1], 0)], steps=5)
