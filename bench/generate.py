@@ -39,8 +39,9 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
-that ``hetero.kernels.decoder.GEMV_IMPL`` names. Each setting after the first is a ratio line
-against the first, same file, same run.
+that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
+that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
+first is a ratio line against the first, same file, same run.
 
 With ``--vs-llama-cpp BIN_DIR`` (the kit's ``run.sh`` builds into ``.llm-build/build/bin``)
 llama-bench and llama-batched-bench run on the same files with the same sizes, and each
@@ -409,35 +410,31 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        figs: dict[tuple[str, bool], dict[str, Any]] = {}
-        for impl in a.gemv:
-            for pipeline in modes:
-                with gemv_impl(impl), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
-                                          prefill_chunk=PREFILL_BATCH, pipeline=pipeline) as llm:
-                    if not figs:
-                        emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
-                             layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
-                             file_MiB=round(f.stat().st_size / 2**20, 1))
-                    if with_hf and not figs:
-                        ids = prompts(1, 64, vocab, 4)[0]
-                        greedy = llm.generate(ids, max_tokens=64).token_ids
-                        checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
-                    fig = figs[impl, pipeline] = hetero_gguf(llm, vocab, a)
-                    step_bytes = llm.engine.packed.nbytes
-                    emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=impl, **fig)
+        settings = [(impl, spr, pipeline) for impl in a.gemv for spr in a.steps_per_run for pipeline in modes]
+        figs: dict[tuple[str, int, bool], dict[str, Any]] = {}
+        for impl, spr, pipeline in settings:
+            with gemv_impl(impl), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
+                                      prefill_chunk=PREFILL_BATCH, pipeline=pipeline, steps_per_run=spr) as llm:
+                if not figs:
+                    emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
+                         layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
+                         file_MiB=round(f.stat().st_size / 2**20, 1))
+                if with_hf and not figs:
+                    ids = prompts(1, 64, vocab, 4)[0]
+                    greedy = llm.generate(ids, max_tokens=64).token_ids
+                    checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
+                fig = figs[impl, spr, pipeline] = hetero_gguf(llm, vocab, a)
+                step_bytes = llm.engine.packed.nbytes
+                emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=impl, steps_per_run=spr,
+                     **fig)
         rt.close()
-        first = (a.gemv[0], modes[0])
+        first = settings[0]
         fig = figs[first]
         mine[f] = fig
-        for impl, pipeline in figs:  # each setting against the first, same file, same run
-            if (impl, pipeline) == first:
-                continue
-            if impl == first[0]:
-                what = "pipeline on / off"
-            else:
-                what = f"gemv {first[0]} / {impl}" + ("" if pipeline == first[1] else ", pipeline on / off")
-            ratios(f"{f.stem} ({what})", fig, figs[impl, pipeline],
-                   f"hetero gemv={impl} pipeline={'on' if pipeline else 'off'}")
+        for setting in settings[1:]:  # each setting against the first, same file, same run
+            ratios(f"{f.stem} ({_setting_change(first, setting)})", fig, figs[setting],
+                   "hetero gemv={} steps_per_run={} pipeline={}".format(setting[0], setting[1],
+                                                                        "on" if setting[2] else "off"))
         if bw is not None and step_bytes:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
@@ -493,6 +490,18 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
             del model
             if torch is not None:
                 torch.cuda.empty_cache()
+
+
+def _setting_change(first: tuple[str, int, bool], other: tuple[str, int, bool]) -> str:
+    """What differs between two timed settings, as "first / other" (e.g. "pipeline on / off")."""
+    parts = []
+    if first[0] != other[0]:
+        parts.append(f"gemv {first[0]} / {other[0]}")
+    if first[1] != other[1]:
+        parts.append(f"steps_per_run {first[1]} / {other[1]}")
+    if first[2] != other[2]:
+        parts.append(f"pipeline {'on' if first[2] else 'off'} / {'on' if other[2] else 'off'}")
+    return ", ".join(parts)
 
 
 def _gemvs(text: str) -> list[str]:
@@ -558,12 +567,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="LLM(pipeline=): steps overlap (on, the default), one at a time (off), or both in turn")
     g.add_argument("--gemv", type=_gemvs, default=["auto"], metavar="IMPL[,IMPL...]",
                    help="hetero.kernels.decoder.GEMV_IMPL for decode rows, in turn: auto (the default), lanes, units")
+    g.add_argument("--steps-per-run", type=_ints, default=[1], metavar="K[,K...]",
+                   help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.vs_llama_cpp and not (a.gguf or a.make_gguf):
         ap.error("--vs-llama-cpp needs GGUF files: --gguf FILE[,FILE...] or --make-gguf DIR")
+    if max(a.steps_per_run) > 4 or len(set(a.steps_per_run)) != len(a.steps_per_run):
+        ap.error(f"--steps-per-run takes distinct values from 1 to 4, got {a.steps_per_run}")
     from hetero.lowlevel import device_of
 
     torch = torch_cuda()
