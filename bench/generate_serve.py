@@ -142,7 +142,8 @@ def references(model: str, args: argparse.Namespace, prompts: list[list[int]], l
     out: dict[str, Any] = {}
     rt = hetero.Runtime()
     emit(**adapter_fields(device_of(rt)))
-    with LLM(model, runtime=rt, weights=args.weights, kv_cache_bytes=args.kv_cache_bytes) as llm:
+    with LLM(model, runtime=rt, weights=args.weights, kv_cache_bytes=args.kv_cache_bytes,
+             steps_per_run=args.steps_per_run) as llm:
         for c in levels:
             ps = prompts[:c]
             llm.generate(ps, max_tokens=4)  # captures the step at this batch
@@ -304,6 +305,8 @@ def start_server(model: str, port: int, args: argparse.Namespace, log: Any) -> s
            "--default-max-tokens", str(args.new), "--served-model-name", "bench"]
     if args.kv_cache_bytes:
         cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.steps_per_run != 1:
+        cmd += ["--steps-per-run", str(args.steps_per_run)]
     if args.workers > 1:
         cmd += ["--workers", str(args.workers)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="auto", choices=("auto", "f32", "f16", "q8_0"))
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for the shaped models")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the server's own default")
+    ap.add_argument("--steps-per-run", type=int, default=1, choices=(1, 2, 3, 4),
+                    help="the LLM's steps_per_run, in the references and the server (default: 1)")
     ap.add_argument("--http", default="auto", choices=("auto", "granian", "hypercorn"))
     ap.add_argument("--workers", type=int, default=1, help="HTTP front processes (more than 1: the LLM in an "
                     "engine process behind them)")
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             vocab = load_model(path).config.vocab_size
             rng = np.random.default_rng(0)
             prompts = [rng.integers(3, vocab, size=a.prompt).tolist() for _ in range(max(levels))]
-            label = {"model": name, "weights": a.weights, "prompt": a.prompt, "new": a.new, "workers": a.workers}
+            label = {"model": name, "weights": a.weights, "prompt": a.prompt, "new": a.new, "workers": a.workers,
+                     "steps_per_run": a.steps_per_run}
             refs = references(path, a, prompts, levels)
             judge(served(path, a, prompts, levels, refs, label), refs, label)
     return 0

@@ -47,7 +47,7 @@ EMBEDDING_OPTIONS = {"int8": False, "max_client_batch_size": 2048, "max_queued":
                      "max_wait_ms": 0.0, "auto_truncate": False, "precapture": None}
 # The generation options (None unless given): an embedding model refuses them.
 GENERATION_OPTIONS = ("weights", "max_seq_len", "kv_cache_bytes", "kv_cache_dtype", "max_running", "max_waiting",
-                      "default_max_tokens")
+                      "default_max_tokens", "steps_per_run")
 
 
 # -- the command line --------------------------------------------------------------------------------------
@@ -131,6 +131,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sequences waiting to start before requests get 429 (default: 1024)")
     g.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens a request that names no max_tokens may generate (default: 256)")
+    g.add_argument("--steps-per-run", type=positive_int, default=None, metavar="K",
+                   help="decode steps one GPU run may take while every sequence decodes, 1 to 4 (default: 1; "
+                   "see LLM(steps_per_run=))")
     p.set_defaults(func=run)
     return p
 

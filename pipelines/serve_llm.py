@@ -47,6 +47,7 @@ from hetero.errors import DeviceLostError, HeteroError, InputError, OverloadedEr
 
 from .kv_cache import KVCacheFullError
 from .llm import LLM, StreamPiece
+from .llm_engine import MAX_STEPS_PER_RUN
 from .llm_model import ARCHITECTURES, load_model
 from .serve_base import (JSON_HEADER, BaseSettings, RequestError, Response, ServerBase, StreamResponse, dumps,
                          internal_error, log, token_id, unavailable)
@@ -100,8 +101,8 @@ class GenerateSettings(BaseSettings):
     """What ``hetero serve`` is told for a generation model (beside
     :class:`~hetero.pipelines.serve_base.BaseSettings`' own): the :class:`~hetero.pipelines.LLM`'s
     options (``weights``, ``max_seq_len``, ``kv_cache_bytes``, ``kv_cache_dtype``,
-    ``max_batch_tokens``, ``max_running``, ``max_waiting``) and ``default_max_tokens``, the
-    tokens a request that names no ``max_tokens`` may generate."""
+    ``max_batch_tokens``, ``max_running``, ``max_waiting``, ``steps_per_run``) and
+    ``default_max_tokens``, the tokens a request that names no ``max_tokens`` may generate."""
 
     MODEL_RULE: ClassVar[str] = "a .gguf file, a Hugging Face directory or 'smollm2'"
 
@@ -114,6 +115,7 @@ class GenerateSettings(BaseSettings):
     max_running: int | None = None
     max_waiting: int = 1024
     default_max_tokens: int = 256
+    steps_per_run: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -123,12 +125,15 @@ class GenerateSettings(BaseSettings):
             raise HeteroError(f"--weights must be auto, f32, f16 or q8_0, got {self.weights!r}")
         if self.kv_cache_dtype not in ("f32", "f16"):
             raise HeteroError(f"--kv-cache-dtype must be f32 or f16, got {self.kv_cache_dtype!r}")
+        if self.steps_per_run not in range(1, MAX_STEPS_PER_RUN + 1):
+            raise HeteroError(f"--steps-per-run must be from 1 to {MAX_STEPS_PER_RUN}, got {self.steps_per_run!r}")
 
     def llm_options(self) -> dict[str, Any]:
         """The keywords of :class:`~hetero.pipelines.LLM` these settings give."""
         out: dict[str, Any] = {"weights": self.weights, "max_seq_len": self.max_seq_len,
                                "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_dtype": self.kv_cache_dtype,
-                               "max_batch_tokens": self.max_batch_tokens, "max_waiting": self.max_waiting}
+                               "max_batch_tokens": self.max_batch_tokens, "max_waiting": self.max_waiting,
+                               "steps_per_run": self.steps_per_run}
         if self.max_running is not None:
             out["max_running"] = self.max_running
         return out

@@ -351,6 +351,18 @@ def test_the_serve_command_checks_its_options(gguf: Path, capsys: pytest.Capture
     assert cli_main(["serve", "--model", "minilm", "--kv-cache-bytes", "1M"]) == 1
     assert "--kv-cache-bytes is an option of text generation" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(gguf), "--kv-cache-bytes", "lots"]) == 2
+    assert cli_main(["serve", "--model", "minilm", "--steps-per-run", "2"]) == 1
+    assert "--steps-per-run is an option of text generation" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(gguf), "--steps-per-run", "5"]) == 1
+    assert "--steps-per-run must be from 1 to 4, got 5" in capsys.readouterr().err
+
+
+def test_generation_settings_give_the_llm_its_options() -> None:
+    from hetero.pipelines.serve import GenerateSettings
+
+    opts = GenerateSettings(steps_per_run=3, max_running=8).llm_options()
+    assert opts["steps_per_run"] == 3 and opts["max_running"] == 8
+    assert GenerateSettings().llm_options()["steps_per_run"] == 1
 
 
 def test_hetero_serve_generates_in_a_subprocess(gguf: Path, tmp_path: Path) -> None:
@@ -397,19 +409,19 @@ def test_hetero_serve_generates_in_a_subprocess(gguf: Path, tmp_path: Path) -> N
 
 
 def test_bench_generate_serve_runs_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m bench generate_serve --model tiny``: its raw SSE client reads every token the server
-    streamed (the tiny model has no end-of-sequence id), beside the in-process references."""
+    """``python -m bench generate_serve --model tiny --steps-per-run 2``: its raw SSE client reads every
+    token the server streamed (the tiny model has no end-of-sequence id), beside the in-process references."""
     from bench import generate_serve
 
     assert generate_serve.main(["--model", "tiny", "--clients", "1,3", "--new", "5", "--prompt", "16",
-                                "--rounds", "2", "--repeats", "1", "--http", "hypercorn"]) == 0
+                                "--rounds", "2", "--repeats", "1", "--http", "hypercorn", "--steps-per-run", "2"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert all(ln["bench"] == "generate_serve" for ln in lines)
     refs = [ln for ln in lines if "reference" in ln]
     assert [ln["clients"] for ln in refs if "clients" in ln] == [1, 3] and refs[-1]["tokens"] == 5
     levels = {ln["clients"]: ln for ln in lines if "aggregate_tok_s" in ln and "reference" not in ln}
-    assert sorted(levels) == [1, 3]
-    assert [levels[c]["tokens"] for c in (1, 3)] == [1 * 5 * 2, 3 * 5 * 2]
+    assert sorted(levels) == [1, 3] and all(levels[c]["steps_per_run"] == 2 for c in (1, 3))
+    assert [levels[c]["tokens"] for c in (1, 3)] == [1 * 5 * 2, 3 * 5 * 2]  # runs of two steps: every token
     assert all(levels[c]["aggregate_over_generate"] > 0 and levels[c]["ttft_p99_ms"] > 0 for c in (1, 3))
     assert lines[-1]["targets"] == "issue 44" and lines[-1]["c1_ttft_over_stream"] > 0
 
