@@ -21,7 +21,11 @@ ones (``max_abs_diff``):
 - ``chunk overhead``: a graph with one trivial CPU stage through the DaskRuntime, one
   run per chunk: ``run_ms`` is one ``drt.run`` round trip (a chunk alone), ``chunk_ms``
   the time per chunk while ``max_in_flight`` chunks per worker overlap; a local
-  ``rt.run`` of the same graph for reference.
+  ``rt.run`` of the same graph for reference;
+- ``local gpu busy``: the share of a local pass's wall time the GPU spent on its stages
+  (per-stage timestamps of a traced pass, ``trace_dispatches=False``, on a Runtime of its
+  own): near 1, a second process on the same GPU can only share it, whatever it saves on
+  the host.
 
 ``--model random`` (default) writes all-MiniLM-L6-v2's architecture with random weights
 (``write_random_model``): the weights need not travel; ``tiny`` a 2-layer, 32-wide
@@ -62,6 +66,35 @@ def _timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def gpu_busy(texts: list[str], model: Any, batch: int, warm: list[str]) -> dict[str, Any]:
+    """The GPU's busy share of a traced local ``embed`` pass over ``texts`` (after a warm-up pass)."""
+    import json
+
+    import hetero
+    from hetero.pipelines.embed import embed
+
+    from ._common import gpu_idle_causes
+
+    with tempfile.TemporaryDirectory(prefix="hetero-bench-dask-trace-") as d:
+        path = Path(d) / "trace.json"
+        rt = hetero.Runtime(trace=path, trace_dispatches=False)
+        try:
+            embed(warm, model=model, batch_size=batch, runtime=rt)
+            t0 = time.perf_counter_ns()
+            embed(texts, model=model, batch_size=batch, runtime=rt)
+            t1 = time.perf_counter_ns()
+        finally:
+            rt.close()
+        trace = json.loads(path.read_text())
+    origin = trace["otherData"]["origin_perf_counter_ns"]
+    since, until = (t0 - origin) / 1e3, (t1 - origin) / 1e3
+    idle = gpu_idle_causes(trace, since, until)
+    wall_ms = (t1 - t0) / 1e6
+    return {"busy": round(idle["busy_ms"] / wall_ms, 3), "wall_ms": round(wall_ms, 1), "busy_ms": idle["busy_ms"],
+            "sentences_per_s": round(len(texts) / wall_ms * 1e3, 1),
+            "note": "traced pass (a timestamp pair a stage), so a little slower than the local figure"}
 
 
 def model_path(name: str, tmp: str) -> Any:
@@ -152,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.repeat)
         local_rate = len(texts) / local_s
         emit(figure="local", s=round(local_s, 3), sentences_per_s=round(local_rate, 1))
+        emit(figure="local gpu busy", **gpu_busy(texts, model, args.batch, warm))
         g = hetero.Graph("overhead")
         g.output(g.cpu(_identity, g.input("x")))
 
