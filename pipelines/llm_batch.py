@@ -32,11 +32,12 @@ event loop, started on the first submission and stopped by :meth:`GenerationLoop
    no step in flight.
 
    *Several steps a run* (``steps_per_run`` k > 1): while every row decodes (no prompt chunk in
-   the step), no sequence waits for a place it could take, and each has k tokens left
-   (``max_tokens``, ``max_seq_len``), one engine run takes k decode steps, each step's tokens
-   embedded on the GPU from the step before; each sequence's cache positions for the k
-   tokens are taken first. Its tokens are delivered together; those past an end-of-sequence
-   token or a stop string are dropped. The tokens are the same as with one step a run.
+   the step) and each has k tokens left (``max_tokens``, ``max_seq_len``), one engine run
+   takes k decode steps, each step's tokens embedded on the GPU from the step before; each
+   sequence's cache positions for the k tokens are taken first. Its tokens are delivered
+   together; those past an end-of-sequence token or a stop string are dropped. A sequence
+   admitted meanwhile (a new request, or room freed by one that ended) enters when the run
+   ends. The tokens are the same as with one step a run.
 4. *Deliver.* Each new token is detokenized and checked against its sequence's stop
    strings and limits here, in the loop; each caller is handed its pieces on its own event
    loop. A sequence that ends (end-of-sequence token, stop string, ``max_tokens``,
@@ -484,7 +485,7 @@ class GenerationLoop:
     def _plan(self, ahead: _Step | None) -> tuple[list[StepRow], list[tuple[Ticket, SeqState]], int]:
         """This step's rows: every decoding sequence's one token, then prompt chunks, oldest first;
         and the decode steps the run takes (more than one only with ``steps_per_run``, when every
-        row decodes, no sequence waits for a place, and each has that many tokens left).
+        row decodes and each has that many tokens left).
 
         With ``ahead`` (the step in flight) each sequence is taken as it will be once that step's
         rows are in the cache: one it samples for decodes its token straight from that step's
@@ -532,8 +533,9 @@ class GenerationLoop:
             takers.append((t, s))
             budget -= n
         steps = 1
-        if self.steps_per_run > 1 and decoding and len(rows) == len(decoding) \
-                and (not self._waiting or len(self._running) >= self.max_running):
+        # (a sequence still waiting could not start now: the admission before this step took every one
+        # that fits; one that fits once a run ends starts after that run)
+        if self.steps_per_run > 1 and decoding and len(rows) == len(decoding):
             left = min(min(s.sampling.max_tokens - gen, self.max_seq_len - fed - 1) for _, s, fed, gen, _ in decoding)
             steps = max(1, min(self.steps_per_run, left))
         return rows, takers, steps

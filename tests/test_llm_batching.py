@@ -389,3 +389,38 @@ def test_several_steps_a_run_bad_values_and_the_engine_s_rules(model, shared_rt)
             llm.engine.feed([StepRow("x", [1, 2], 0)], steps=2)
         with pytest.raises(ValueError, match="steps must be from 1 to MAX_STEPS_PER_RUN"):
             llm.engine.feed([StepRow("x", [1], 0)], steps=5)
+
+
+@pytest.mark.anyio
+async def test_runs_of_several_steps_free_the_blocks_of_a_cancelled_stream_and_fill_a_tiny_cache(model, shared_rt,
+                                                                                                  alone):
+    """A stream closed while runs of four steps are in flight gives its blocks back; a cache of three
+    blocks (sequences in turn, the waiting ones starting as runs end) still gives every caller its
+    tokens, and runs of several steps happen meanwhile."""
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=KV, steps_per_run=4) as llm:
+        async with contextlib.aclosing(llm.stream(PROMPTS[2], max_tokens=150)) as stream:
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 6:
+                    break
+        assert idle(llm)
+    kv = 4 * kv_block_bytes(model.config, 16, 4)
+    with LLM(model, runtime=shared_rt, kv_cache_bytes=kv, steps_per_run=4) as llm:
+        got: dict[int, list[int]] = {}
+        runs: list[int] = []
+        launch = llm.engine.launch
+
+        def counted(rows, n=1):
+            runs.append(n)
+            return launch(rows, n)
+        llm.engine.launch = counted  # type: ignore[method-assign]
+
+        async def caller(i: int) -> None:
+            got[i] = (await llm.agenerate(PROMPTS[i], max_tokens=12)).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(caller, i)
+        assert [got[i] for i in range(len(PROMPTS))] == alone
+        assert idle(llm) and max(runs) > 1
