@@ -67,8 +67,8 @@ from hetero.lowlevel import GPUContext, Tensor, device_of
 from .kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, KVCacheFullError, default_kv_cache_bytes, kv_block_bytes, kv_pool_size
 from .llm_model import LlamaConfig, LoadedModel, WeightTensor
 
-__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "MAX_STEPS_PER_RUN", "MAX_STEP_SEQS", "DecoderEngine", "PackedDecoder",
-           "StepRow", "bucket", "default_num_blocks", "pack_decoder"]
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS", "MAX_STEPS_PER_RUN", "MAX_STEP_SEQS", "DecoderEngine",
+           "PackedDecoder", "StepRow", "bucket", "default_num_blocks", "pack_decoder"]
 
 DEFAULT_MAX_BATCH_TOKENS = 2048
 """Most rows (prompt tokens and decode tokens together) one step takes; longer prompts are chunked."""
@@ -436,8 +436,8 @@ class DecoderEngine:
         seqs = np.zeros(t_b, np.int32)
         last = np.zeros(s_b, np.int32)
         tables: list[list[int]] = []
-        # Rows of one token (every decoding sequence's) as tuples of Python ints, written into the arrays at
-        # once below: numpy's cost per small call would be most of a 64-row step's feed.
+        # Rows of one token (every decoding sequence's) as tuples of Python ints, written into the
+        # arrays at once below: numpy's cost per small call would be most of a 64-row step's feed.
         one: list[tuple[int, int, int, int, int, int]] = []  # (row, id, src, position, slot, sequence)
         ends: list[int] = []
         t = 0
