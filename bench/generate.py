@@ -505,10 +505,12 @@ def _setting_change(first: tuple[str, int, bool], other: tuple[str, int, bool]) 
 
 
 def _gemvs(text: str) -> list[str]:
+    from hetero.kernels.decoder import GEMV_IMPLS
+
     impls = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in impls if x not in ("auto", "lanes", "units")]
-    if not impls or bad or len(set(impls)) != len(impls):
-        raise argparse.ArgumentTypeError(f"expected distinct auto, lanes or units, comma-separated; got {text!r}")
+    if not impls or set(impls) - set(GEMV_IMPLS) or len(set(impls)) != len(impls):
+        raise argparse.ArgumentTypeError(f"expected distinct values of {', '.join(GEMV_IMPLS)}, comma-separated; "
+                                         f"got {text!r}")
     return impls
 
 
@@ -575,8 +577,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.vs_llama_cpp and not (a.gguf or a.make_gguf):
         ap.error("--vs-llama-cpp needs GGUF files: --gguf FILE[,FILE...] or --make-gguf DIR")
-    if max(a.steps_per_run) > 4 or len(set(a.steps_per_run)) != len(a.steps_per_run):
-        ap.error(f"--steps-per-run takes distinct values from 1 to 4, got {a.steps_per_run}")
+    from hetero.pipelines.llm_engine import MAX_STEPS_PER_RUN
+
+    if max(a.steps_per_run) > MAX_STEPS_PER_RUN or len(set(a.steps_per_run)) != len(a.steps_per_run):
+        ap.error(f"--steps-per-run takes distinct values from 1 to {MAX_STEPS_PER_RUN}, got {a.steps_per_run}")
     from hetero.lowlevel import device_of
 
     torch = torch_cuda()

@@ -405,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="auto", choices=("auto", "f32", "f16", "q8_0"))
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for the shaped models")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the server's own default")
-    ap.add_argument("--steps-per-run", type=int, default=1, choices=(1, 2, 3, 4),
+    from hetero.pipelines.llm_engine import MAX_STEPS_PER_RUN
+
+    ap.add_argument("--steps-per-run", type=int, default=1, choices=range(1, MAX_STEPS_PER_RUN + 1),
                     help="the LLM's steps_per_run, in the references and the server (default: 1)")
     ap.add_argument("--http", default="auto", choices=("auto", "granian", "hypercorn"))
     ap.add_argument("--workers", type=int, default=1, help="HTTP front processes (more than 1: the LLM in an "

@@ -147,6 +147,8 @@ GEMV_THREADS = 64
 """Threads of a workgroup of the ``units`` GEMV (a power of two)."""
 GEMV_ROWS = 4
 """Output rows a GEMV workgroup of the ``units`` kernel computes at M = 1 (fewer for larger M: registers)."""
+GEMV_IMPLS = ("auto", "lanes", "units")
+"""The values :data:`GEMV_IMPL` takes."""
 GEMV_IMPL = "auto"
 """The GEMV kernel: ``"auto"`` (by the row's length, see :data:`GEMV_UNITS_MIN_K`), ``"lanes"`` (a
 few lanes a row, 16-byte weight loads, subgroup shuffles) or ``"units"`` (a workgroup of
@@ -359,7 +361,7 @@ def _gemv_impl(op: str, k: int) -> str:
     """The GEMV kernel (``"lanes"`` or ``"units"``) for rows of ``k`` weights, by :data:`GEMV_IMPL`."""
     if GEMV_IMPL == "auto":
         return "units" if k >= GEMV_UNITS_MIN_K else "lanes"
-    if GEMV_IMPL not in ("lanes", "units"):
+    if GEMV_IMPL not in GEMV_IMPLS:
         raise ValueError(f"{op}: GEMV_IMPL must be 'auto', 'lanes' or 'units', got {GEMV_IMPL!r}")
     return str(GEMV_IMPL)
 

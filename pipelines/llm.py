@@ -150,11 +150,11 @@ class LLM:
     than one GPU recording thread (``gpu_threads``: the order of steps would not be kept).
     ``steps_per_run`` (1 to 4; default 1): decode steps one GPU run may take while every running
     sequence decodes (no prompt to enter, that many tokens left to each), each step's tokens
-    embedded on the GPU from the step before: the host's fixed cost
-    of a run (planning, the inputs, submitting, the round trip) is shared by that many tokens
-    (each step's dispatches are still issued). The tokens are the
-    same; a sequence that ends inside a run has the rest of the run's tokens computed and
-    dropped, and a request arriving meanwhile joins when the run ends.
+    embedded on the GPU from the step before: the host's fixed cost of a run (planning, the
+    inputs, submitting, the round trip) is shared by that many tokens (each step's dispatches
+    are still issued). The tokens are the same; a sequence that ends inside a run has the rest
+    of the run's tokens computed and dropped, and a request arriving meanwhile joins when the
+    run ends.
     """
 
     def __init__(self, model: LoadedModel | str | os.PathLike[str] = "smollm2", *,

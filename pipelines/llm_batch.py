@@ -493,6 +493,7 @@ class GenerationLoop:
         """
         in_flight = {id(s): (j, row) for j, ((_, s), row) in enumerate(zip(ahead.takers, ahead.rows))} \
             if ahead is not None else {}
+        k_ahead = ahead.steps if ahead is not None else 1  # tokens the run in flight samples a sequence
         decoding: list[tuple[Ticket, SeqState, int, int, int]] = []  # (ticket, seq, fed, generated, src)
         filling: list[tuple[Ticket, SeqState, int]] = []
         for t, s in self._running:
@@ -504,10 +505,9 @@ class GenerationLoop:
                 j, row = hit
                 fed += len(row.tokens)
                 if fed >= len(s.ids):  # the step in flight samples this sequence's next tokens
-                    k = ahead.steps if ahead is not None else 1
-                    if gen + k >= s.sampling.max_tokens or len(s.ids) + k >= self.max_seq_len:
+                    if gen + k_ahead >= s.sampling.max_tokens or len(s.ids) + k_ahead >= self.max_seq_len:
                         continue  # ... and the last of them is its last
-                    decoding.append((t, s, fed + k - 1, gen + k, j))
+                    decoding.append((t, s, fed + k_ahead - 1, gen + k_ahead, j))
                     continue
             if len(s.ids) - fed == 1:
                 decoding.append((t, s, fed, gen, -1))

@@ -320,7 +320,7 @@ class DecoderEngine:
         self._resident_lock = threading.Lock()
         self.step_graph = _graph(self, False)
         self.logits_graph = _graph(self, True)
-        self._steps_graphs = {k: _steps_graph(self, k) for k in range(2, MAX_STEPS_PER_RUN + 1)}
+        self._steps_graphs: dict[int, hetero.Graph] = {}  # by steps (2 ..): made on first use
 
     @property
     def num_blocks(self) -> int:
@@ -510,11 +510,13 @@ class DecoderEngine:
         cache room for ``steps`` positions reserved); the result is a tuple of ``steps`` such arrays,
         each step's rows embedding the ids the step before sampled, on the GPU.
         """
-        graph = self.step_graph if steps == 1 else self._steps_graphs.get(steps)
+        feed = self.feed(rows, steps)  # checks steps
+        if steps == 1:
+            return self.runtime.start(self.step_graph, **feed)
+        graph = self._steps_graphs.get(steps)
         if graph is None:
-            raise ValueError(f"DecoderEngine: steps must be from 1 to MAX_STEPS_PER_RUN ({MAX_STEPS_PER_RUN}), "
-                             f"got {steps}")
-        return self.runtime.start(graph, **self.feed(rows, steps))
+            graph = self._steps_graphs[steps] = _steps_graph(self, steps)
+        return self.runtime.start(graph, **feed)
 
     async def step(self, rows: Sequence[StepRow]) -> np.ndarray:
         """Run one step over ``rows``: the next token of each (int32 [len(rows)])."""
