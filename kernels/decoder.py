@@ -58,10 +58,12 @@ Rows of :data:`GEMV_UNITS_MIN_K` weights or more take the *units* GEMV instead (
 of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
 64, ... of each row): long rows keep its threads busy, and it is the faster of the two there
 on the H200, the lanes kernel for short rows (BENCHMARKS.md). :data:`GEMV_IMPL` forces one of
-them. For larger M (prefill, many streams) a tiled kernel: 32 x 32 outputs a workgroup, the weight tile
-dequantized once into workgroup memory per 32 columns of K and reused by 32 rows of x;
-when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is split among more
-(partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
+them. For larger M (prefill, many streams) a GEMM, :data:`TILED_IMPL`: by default the
+register-blocked kernel of :mod:`hetero.kernels.decoder_gemm` (64 x 64 outputs a workgroup,
+8 x 8 a thread in vec4 registers, the weight tile dequantized once into workgroup memory per
+16 columns of K and reused by 64 rows of x), or ``"t32"``, 32 x 32 outputs a workgroup of
+4 x 4 a thread; when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is
+split among more (partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
 RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T / sqrt(mean(x^2) + eps)``, the
 sum of squares accumulated beside the dot products (the GEMV's threads cover the whole row
 between them; the tiled kernel's threads sum their rows), so a decoder layer needs no
@@ -111,7 +113,7 @@ back to the host.
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`,
 :data:`GEMV_LANES_THREADS`, :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`,
-:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_MIN_GROUPS`,
+:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_IMPL`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
@@ -125,6 +127,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hetero.kernels import decoder_gemm as G
 from hetero.kernels import decoder_wgsl as W
 from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
@@ -170,6 +173,12 @@ GEMV_SLOT_ROWS = 1
 them all); at most 8 // M."""
 GEMV_UNROLL = 2
 """Chunks a lane of the lanes GEMV loads before it computes (an unrolled loop: loads in flight together)."""
+TILED_IMPLS = ("t32", "blocked")
+"""The values :data:`TILED_IMPL` takes."""
+TILED_IMPL = "blocked"
+"""The GEMM kernel of ``linear`` past :data:`GEMV_MAX_M` rows: ``"t32"`` (32 x 32 outputs a workgroup,
+4 x 4 a thread, K in chunks of 32) or ``"blocked"`` (:mod:`hetero.kernels.decoder_gemm`: 64 x 64
+(32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16)."""
 TILED_MIN_GROUPS = 128
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams)."""
@@ -366,6 +375,13 @@ def _gemv_impl(op: str, k: int) -> str:
     return str(GEMV_IMPL)
 
 
+def _tiled_impl(op: str) -> str:
+    """The GEMM kernel (``"blocked"`` or ``"t32"``) by :data:`TILED_IMPL`."""
+    if TILED_IMPL not in TILED_IMPLS:
+        raise ValueError(f"{op}: TILED_IMPL must be one of {', '.join(map(repr, TILED_IMPLS))}, got {TILED_IMPL!r}")
+    return str(TILED_IMPL)
+
+
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
                 kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
     swiglu = len(ws) == 2
@@ -419,25 +435,31 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
         return out
+    impl = _tiled_impl(op)
+    shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
+
+    def source(bias: bool, residual: bool, partial: bool) -> str:
+        if impl == "blocked":
+            return G.linear_blocked(kind, vec, swiglu, norm is not None, bias, residual, partial, shape)
+        return W.linear_tiled(kind, vec, swiglu, norm is not None, bias, residual, partial=partial)
+    label = (f"decoder.linear.{impl}.{kind}" + (f".{shape.bm}x{shape.bn}" if impl == "blocked" else "") + tag)
     # K in splits when the output tiles alone would leave the GPU idle (a workgroup's latency is
     # its serial walk over K): at least TILED_SPLIT_MIN_CHUNKS chunks of 32 a split
-    tiles = _groups(n, 32) * _groups(m, 32)
+    tiles = _groups(n, shape.bn) * _groups(m, shape.bm)
     chunks = _groups(units, 4)
     splits = min(_groups(TILED_MIN_GROUPS, tiles), max(1, chunks // TILED_SPLIT_MIN_CHUNKS))
     ks = _groups(chunks, splits) * 4  # units of K a split takes
     splits = _groups(units, ks)
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
-    grid = (_groups(n, 32), _groups(m, 32), splits)
+    grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
     if splits == 1:
-        src = W.linear_tiled(kind, vec, swiglu, norm is not None, bias is not None, residual is not None)
-        kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}")
+        kern = gpu.kernel(source(bias is not None, residual is not None, False), "main", label=label)
         gpu.dispatch(kern, grid, *inputs, *extras, out, params)
         return out
     _fits(gpu, op, "the split-K partial sums", (splits, len(ws), m, n))
     part = gpu.empty((splits, len(ws), m, n), np.float32)
     pss = [gpu.empty((splits, m), np.float32)] if norm is not None else []
-    src = W.linear_tiled(kind, vec, swiglu, norm is not None, False, False, partial=True)
-    kern = gpu.kernel(src, "main", label=f"decoder.linear.tiled.{kind}{tag}.splitk")
+    kern = gpu.kernel(source(False, False, True), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, *inputs, part, *pss, params)
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")

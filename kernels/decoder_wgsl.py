@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Callable
 
 __all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_gemv_lanes",
-           "linear_tiled", "rmsnorm", "rope_kv", "sample"]
+           "linear_tiled", "rmsnorm", "rope_kv", "sample", "tiled_prelude"]
 
 # -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
 # A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
@@ -581,6 +581,39 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """)
 
 
+def tiled_prelude(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool,
+                  partial: bool) -> str:
+    """What a tiled linear kernel declares before its workgroup memory and entry point: params,
+    bindings (``partial``: x, the weights, [g], ``part``, [``pss``], params, for
+    :func:`linear_epilogue`), ``wunit0`` (``wunit1``), ``xoff``, ``xv`` (``gv``) and ``store``
+    (not with ``partial``)."""
+    nw = 2 if swiglu else 1
+    if partial:
+        xt = "vec4<f32>" if vec else "f32"
+        decls = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
+        b = 1
+        for w in range(nw):
+            dcl, used = weight_decls(kind, b, str(w))
+            decls += dcl
+            b += used
+        if norm:
+            decls += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
+            b += 1
+        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
+        b += 1
+        if norm:
+            decls += f"@group(0) @binding({b}) var<storage, read_write> pss: array<f32>;\n"
+            b += 1
+        decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+        tail = ""
+    else:
+        decls = _io_decls(kind, vec, swiglu, norm, bias, residual)
+        tail = _epilogue(swiglu, bias, residual)
+    return (_COMMON + _LINEAR_PARAMS + decls
+            + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
+            + (_g_reader(vec) if norm else "") + tail)
+
+
 @lru_cache(maxsize=None)
 def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool,
                  partial: bool = False) -> str:
@@ -682,30 +715,7 @@ def linear_tiled(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, res
         L.append("    }")
     body = "\n".join(L)
     ws = "".join(f"var<workgroup> ws{w}: array<f32, {32 * 33}>;\n" for w in range(nw))
-    if partial:
-        xt = "vec4<f32>" if vec else "f32"
-        decls = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
-        b = 1
-        for w in range(nw):
-            dcl, used = weight_decls(kind, b, str(w))
-            decls += dcl
-            b += used
-        if norm:
-            decls += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
-            b += 1
-        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
-        b += 1
-        if norm:
-            decls += f"@group(0) @binding({b}) var<storage, read_write> pss: array<f32>;\n"
-            b += 1
-        decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
-        tail = ""
-    else:
-        decls = _io_decls(kind, vec, swiglu, norm, bias, residual)
-        tail = _epilogue(swiglu, bias, residual)
-    return (_COMMON + _LINEAR_PARAMS + decls
-            + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
-            + (_g_reader(vec) if norm else "") + tail
+    return (tiled_prelude(kind, vec, swiglu, norm, bias, residual, partial)
             + f"""
 var<workgroup> xs: array<f32, {32 * 33}>;
 {ws}

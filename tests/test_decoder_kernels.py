@@ -234,10 +234,13 @@ async def test_linear_swiglu(shared_rt: hetero.Runtime, kind: str, monkeypatch: 
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("impl", D.TILED_IMPLS)
 @pytest.mark.parametrize("kind", ["q4_1", "f16"])
-async def test_linear_tiled_split_k(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_linear_tiled_split_k(shared_rt: hetero.Runtime, kind: str, impl: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """K = 160 (5 chunks of 32) split 5, 3 and 1 ways (an uneven last split): partial sums and sums of
-    squares added by the epilogue pass, with norm, bias, residual and SwiGLU."""
+    squares added by the epilogue pass, with norm, bias, residual and SwiGLU; each GEMM kernel."""
+    monkeypatch.setattr(D, "TILED_IMPL", impl)
     k, n, m = 160, 40, 12
     wa, wb = make_weight(kind, rand((n, k), 90)), make_weight(kind, rand((n, k), 91))
     x, g, bias, res = rand((m, k), 92), rand((k,), 93) + 1.0, rand((n,), 94), rand((m, n), 95)
@@ -253,6 +256,39 @@ async def test_linear_tiled_split_k(shared_rt: hetero.Runtime, kind: str, monkey
         b2, sb = linear_ref(x, unpack(wb), norm=g)
         sig = 1.0 / (1.0 + np.exp(-a))
         close(f"linear_swiglu split-K {kind}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", KINDS)
+async def test_linear_gemm_kernels_every_kind_and_tile_edge(shared_rt: hetero.Runtime, kind: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both GEMM kernels (TILED_IMPL) against numpy: M = 9, 32 (the blocked kernel's 32-row tile),
+    33 and 70 (64-row tiles, the last one partial), N = 70 and K = 96 (neither a multiple of a tile
+    or of a slice), with the folded RMSNorm, bias, residual, and SwiGLU; on the quantized kinds the
+    kernels add K in different orders, so only the tolerance says they agree."""
+    k, n = 96, 70
+    wa, wb = make_weight(kind, rand((n, k), 60)), make_weight(kind, rand((n, k), 61))
+    g, bias = rand((k,), 62) + 1.0, rand((n,), 63)
+    for impl in D.TILED_IMPLS:
+        monkeypatch.setattr(D, "TILED_IMPL", impl)
+        for m in (9, 32, 33, 70):
+            x, res = rand((m, k), 64 + m, scale=2.0), rand((m, n), 65 + m)
+            y, z = await call(shared_rt, lambda gpu, x, g, b, r: (
+                D.linear(gpu, x, wa, bias=b, residual=r, norm=g, path="tiled"),
+                D.linear_swiglu(gpu, x, wa, wb, path="tiled")), x=x, g=g, b=bias, r=res)
+            want, scale = linear_ref(x, unpack(wa), bias, res, norm=g)
+            close(f"linear {impl} {kind} M={m}", y, want, scale)
+            a, sa = linear_ref(x, unpack(wa))
+            b2, sb = linear_ref(x, unpack(wb))
+            sig = 1.0 / (1.0 + np.exp(-a))
+            close(f"linear_swiglu {impl} {kind} M={m}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
+
+
+async def test_tiled_impl_must_be_known(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(D, "TILED_IMPL", "t64")
+    pw = make_weight("q8_0", rand((8, 64), 66))
+    with pytest.raises(hetero.StageError, match=r"linear: TILED_IMPL must be one of 't32', 'blocked', got 't64'"):
+        await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=rand((9, 64), 67))
 
 
 async def test_linear_errors(shared_rt: hetero.Runtime) -> None:
