@@ -39,7 +39,8 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
-that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
+that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled t32,blocked`` with the GEMM of prompt
+chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
 that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
 first is a ratio line against the first, same file, same run.
 
@@ -65,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -410,11 +411,13 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        settings = [(impl, spr, pipeline) for impl in a.gemv for spr in a.steps_per_run for pipeline in modes]
-        figs: dict[tuple[str, int, bool], dict[str, Any]] = {}
-        for impl, spr, pipeline in settings:
-            with gemv_impl(impl), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
-                                      prefill_chunk=PREFILL_BATCH, pipeline=pipeline, steps_per_run=spr) as llm:
+        settings = [Setting(impl, tiled, spr, pipeline) for impl in a.gemv for tiled in a.tiled
+                    for spr in a.steps_per_run for pipeline in modes]
+        figs: dict[Setting, dict[str, Any]] = {}
+        for setting in settings:
+            with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
+                                               prefill_chunk=PREFILL_BATCH, pipeline=setting.pipeline,
+                                               steps_per_run=setting.steps_per_run) as llm:
                 if not figs:
                     emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
                          layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
@@ -423,18 +426,16 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
                     ids = prompts(1, 64, vocab, 4)[0]
                     greedy = llm.generate(ids, max_tokens=64).token_ids
                     checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
-                fig = figs[impl, spr, pipeline] = hetero_gguf(llm, vocab, a)
+                fig = figs[setting] = hetero_gguf(llm, vocab, a)
                 step_bytes = llm.engine.packed.nbytes
-                emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=impl, steps_per_run=spr,
-                     **fig)
+                emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=setting.gemv,
+                     tiled=setting.tiled, steps_per_run=setting.steps_per_run, **fig)
         rt.close()
         first = settings[0]
         fig = figs[first]
         mine[f] = fig
         for setting in settings[1:]:  # each setting against the first, same file, same run
-            ratios(f"{f.stem} ({_setting_change(first, setting)})", fig, figs[setting],
-                   "hetero gemv={} steps_per_run={} pipeline={}".format(setting[0], setting[1],
-                                                                        "on" if setting[2] else "off"))
+            ratios(f"{f.stem} ({_setting_change(first, setting)})", fig, figs[setting], f"hetero {setting.name}")
         if bw is not None and step_bytes:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
@@ -492,40 +493,50 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
                 torch.cuda.empty_cache()
 
 
-def _setting_change(first: tuple[str, int, bool], other: tuple[str, int, bool]) -> str:
+class Setting(NamedTuple):
+    """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run and pipeline."""
+
+    gemv: str
+    tiled: str
+    steps_per_run: int
+    pipeline: bool
+
+    @property
+    def name(self) -> str:
+        return (f"gemv={self.gemv} tiled={self.tiled} steps_per_run={self.steps_per_run} "
+                f"pipeline={'on' if self.pipeline else 'off'}")
+
+
+def _setting_change(first: Setting, other: Setting) -> str:
     """What differs between two timed settings, as "first / other" (e.g. "pipeline on / off")."""
-    parts = []
-    if first[0] != other[0]:
-        parts.append(f"gemv {first[0]} / {other[0]}")
-    if first[1] != other[1]:
-        parts.append(f"steps_per_run {first[1]} / {other[1]}")
-    if first[2] != other[2]:
-        parts.append(f"pipeline {'on' if first[2] else 'off'} / {'on' if other[2] else 'off'}")
-    return ", ".join(parts)
+    def word(v: Any) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+    return ", ".join(f"{name} {word(a)} / {word(b)}" for name, a, b in zip(Setting._fields, first, other) if a != b)
 
 
-def _gemvs(text: str) -> list[str]:
-    from hetero.kernels.decoder import GEMV_IMPLS
-
-    impls = [x.strip() for x in text.split(",") if x.strip()]
-    if not impls or set(impls) - set(GEMV_IMPLS) or len(set(impls)) != len(impls):
-        raise argparse.ArgumentTypeError(f"expected distinct values of {', '.join(GEMV_IMPLS)}, comma-separated; "
-                                         f"got {text!r}")
-    return impls
+def _choices(names: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: distinct values of ``names``, comma-separated."""
+    def parse(text: str) -> list[str]:
+        got = [x.strip() for x in text.split(",") if x.strip()]
+        if not got or set(got) - set(names) or len(set(got)) != len(got):
+            raise argparse.ArgumentTypeError(f"expected distinct values of {', '.join(names)}, comma-separated; "
+                                             f"got {text!r}")
+        return got
+    return parse
 
 
 @contextlib.contextmanager
-def gemv_impl(impl: str) -> Iterator[None]:
-    """``hetero.kernels.decoder.GEMV_IMPL`` set to ``impl`` while an LLM is made and timed (its step is
-    captured with the kernels it chooses then)."""
+def kernel_settings(setting: Setting) -> Iterator[None]:
+    """``hetero.kernels.decoder``'s ``GEMV_IMPL`` and ``TILED_IMPL`` set to ``setting``'s while an LLM is
+    made and timed (its step is captured with the kernels it chooses then)."""
     from hetero.kernels import decoder
 
-    old = decoder.GEMV_IMPL
-    decoder.GEMV_IMPL = impl
+    old = decoder.GEMV_IMPL, decoder.TILED_IMPL
+    decoder.GEMV_IMPL, decoder.TILED_IMPL = setting.gemv, setting.tiled
     try:
         yield
     finally:
-        decoder.GEMV_IMPL = old
+        decoder.GEMV_IMPL, decoder.TILED_IMPL = old
 
 
 def _ints(text: str) -> list[int]:
@@ -539,6 +550,8 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hetero.kernels.decoder import GEMV_IMPLS, TILED_IMPL, TILED_IMPLS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b")
     ap.add_argument("--modes", default="f16,q8_0", help="hetero weights= modes to time")
@@ -567,8 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds")
     g.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
                    help="LLM(pipeline=): steps overlap (on, the default), one at a time (off), or both in turn")
-    g.add_argument("--gemv", type=_gemvs, default=["auto"], metavar="IMPL[,IMPL...]",
+    g.add_argument("--gemv", type=_choices(GEMV_IMPLS), default=["auto"], metavar="IMPL[,IMPL...]",
                    help="hetero.kernels.decoder.GEMV_IMPL for decode rows, in turn: auto (the default), lanes, units")
+    g.add_argument("--tiled", type=_choices(TILED_IMPLS), default=[TILED_IMPL], metavar="IMPL[,IMPL...]",
+                   help=f"hetero.kernels.decoder.TILED_IMPL for prompt chunks and many streams, in turn: "
+                        f"{', '.join(TILED_IMPLS)} (default {TILED_IMPL})")
     g.add_argument("--steps-per-run", type=_ints, default=[1], metavar="K[,K...]",
                    help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
     a = ap.parse_args(argv)

@@ -228,21 +228,22 @@ def test_outputs_captured_from_a_cpu_build_read_the_same():
         assert r.speed_tg == pytest.approx(r.pl * r.tg / r.t_tg, rel=1e-4)
 
 
-def test_gemv_and_steps_per_run_settings_are_timed_in_turn_and_compared_with_the_first(tmp_path):
+def test_gemv_tiled_and_steps_per_run_settings_are_timed_in_turn_and_compared_with_the_first(tmp_path):
     from hetero.kernels import decoder
 
     f = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
     out = io.StringIO()
     with redirect_stdout(out):
-        rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "4", "--npp", "2", "--ntg", "3", "--npl", "1",
-                            "--reps", "1", "--no-profile", "--gemv", "auto,units", "--steps-per-run", "1,2"])
-    assert rc == 0 and decoder.GEMV_IMPL == "auto"  # set back after each setting
+        rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "12", "--npp", "2", "--ntg", "3", "--npl", "1",
+                            "--reps", "1", "--no-profile", "--gemv", "auto,units", "--tiled", "blocked,t32",
+                            "--steps-per-run", "1,2"])
+    assert rc == 0 and (decoder.GEMV_IMPL, decoder.TILED_IMPL) == ("auto", "blocked")  # set back after each
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
-    assert [(x["gemv"], x["steps_per_run"]) for x in lines if x.get("weights") == "auto"] == [
-        ("auto", 1), ("auto", 2), ("units", 1), ("units", 2)]
+    assert [(x["gemv"], x["tiled"], x["steps_per_run"]) for x in lines if x.get("weights") == "auto"] == [
+        (g, t, k) for g in ("auto", "units") for t in ("blocked", "t32") for k in (1, 2)]
     compared = {x["model"] for x in lines if "ratio" in x}
-    assert compared == {"tiny (steps_per_run 1 / 2)", "tiny (gemv auto / units)",
-                        "tiny (gemv auto / units, steps_per_run 1 / 2)"}
-    for bad in (["--gemv", "fast"], ["--steps-per-run", "5"], ["--steps-per-run", "2,2"]):
+    assert len(compared) == 7 and {"tiny (steps_per_run 1 / 2)", "tiny (gemv auto / units)", "tiny (tiled blocked / t32)",
+                                   "tiny (gemv auto / units, tiled blocked / t32, steps_per_run 1 / 2)"} <= compared
+    for bad in (["--gemv", "fast"], ["--tiled", "t64"], ["--steps-per-run", "5"], ["--steps-per-run", "2,2"]):
         with pytest.raises(SystemExit):
             generate.main(["--gguf", str(f), *bad])
