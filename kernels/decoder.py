@@ -442,7 +442,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         if impl == "blocked":
             return G.linear_blocked(kind, vec, swiglu, norm is not None, bias, residual, partial, shape)
         return W.linear_tiled(kind, vec, swiglu, norm is not None, bias, residual, partial=partial)
-    label = (f"decoder.linear.{impl}.{kind}" + (f".{shape.bm}x{shape.bn}" if impl == "blocked" else "") + tag)
+    label = f"decoder.linear.tiled.{kind}.{impl}" + (f".{shape.bm}x{shape.bn}" if impl == "blocked" else "") + tag
     # K in splits when the output tiles alone would leave the GPU idle (a workgroup's latency is
     # its serial walk over K): at least TILED_SPLIT_MIN_CHUNKS chunks of 32 a split
     tiles = _groups(n, shape.bn) * _groups(m, shape.bm)
