@@ -156,12 +156,14 @@ class Run:
         self.forgotten = False  # the caller has what it needs: values are no longer stored
         self._event: anyio.Event | None = None
         self._call: Callable[[Callable[[], Any]], None] | None = None
+        self._loop_thread = 0  # the event loop's thread (start)
         self.on_wake: Callable[[], None] | None = None  # also called on the loop whenever the run wakes its waiter
 
     # -- loop side ------------------------------------------------------------------
     def start(self) -> None:
         """Bind to the current event loop and route the root stages."""
         self._call = loop_caller()
+        self._loop_thread = threading.get_ident()
         self._event = anyio.Event()
         self.host.run_started(self)
         tracer = self.host.tracer
@@ -179,6 +181,7 @@ class Run:
         Whether it completed, failed or was cancelled, the run returns (or raises) only
         once no stage of it is being recorded and every block it held is back in the pool.
         """
+        waited = False
         try:
             while True:
                 event = self._event = anyio.Event()
@@ -188,7 +191,10 @@ class Run:
                 if self.stopped:
                     break
                 with anyio.move_on_after(delay):
+                    waited = True
                     await event.wait()
+            if not waited:  # ended inside start (inline stages): still let the loop's other tasks run
+                await anyio.lowlevel.checkpoint()
         finally:
             if not self.stopped:  # cancelled by the caller
                 self.stop()
@@ -262,8 +268,18 @@ class Run:
         return nearest
 
     def _wake(self) -> None:
+        """Wake the waiter: at once on the loop's own thread (a run whose stages are inline ends
+        inside ``start``, and a callback posted there would wait, holding the run, until the
+        caller next yields to the loop), else through the loop."""
         call = self._call
-        if call is not None:
+        if call is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            try:
+                self._set_event()
+            except RuntimeError:  # the loop is closed: nobody waits any more (as loop_caller's calls)
+                pass
+        else:
             call(self._set_event)
 
     def _set_event(self) -> None:

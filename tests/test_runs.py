@@ -299,3 +299,38 @@ async def test_cancelling_a_started_run_stops_what_it_has_not_begun(rt: hetero.R
     assert "second" not in ran
     with pytest.raises(hetero.HeteroError, match="already taken"):
         await started.result()
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+async def test_a_run_of_inline_stages_yields_to_the_loop_and_leaves_nothing_queued(rt: hetero.Runtime) -> None:
+    """Such a run ends inside ``rt.run`` before it awaits anything: the caller still yields once to the
+    loop's other tasks (a loop of runs must not starve them), and no wake-up of it waits on the loop
+    (callbacks that would each hold a finished run until the caller next yields)."""
+    import gc
+
+    from hetero._run import Run
+
+    g = hetero.Graph("inline-runs-yield")
+    g.output(g.cpu(_double, g.input("x"), name="double", inline=True))
+    ticks = 0
+
+    async def other() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await anyio.lowlevel.checkpoint()
+        start = ticks
+        for i in range(100):
+            assert await rt.run(g, x=i) == 2 * i
+        assert ticks - start >= 50  # the other task ran between the runs
+        tg.cancel_scope.cancel()
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, Run) and o.plan.name == g.name]
+    assert len(alive) <= 1  # the runtime keeps its last run (for its stats)
