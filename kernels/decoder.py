@@ -179,9 +179,10 @@ TILED_IMPL = "blocked"
 """The GEMM kernel of ``linear`` past :data:`GEMV_MAX_M` rows: ``"t32"`` (32 x 32 outputs a workgroup,
 4 x 4 a thread, K in chunks of 32) or ``"blocked"`` (:mod:`hetero.kernels.decoder_gemm`: 64 x 64
 (32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16)."""
-TILED_MIN_GROUPS = 128
+TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
-fewer workgroups than this (prefill of a short prompt, a few dozen streams)."""
+fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
+blocked kernel's 64-thread workgroups an H200 SM (BENCHMARKS.md, twenty-sixth session)."""
 TILED_SPLIT_MIN_CHUNKS = 2
 """Fewest chunks of 32 along K a split of the tiled kernel takes."""
 GEMV_WIDE_N = 16384
@@ -442,7 +443,8 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         if impl == "blocked":
             return G.linear_blocked(kind, vec, swiglu, norm is not None, bias, residual, partial, shape)
         return W.linear_tiled(kind, vec, swiglu, norm is not None, bias, residual, partial=partial)
-    label = f"decoder.linear.tiled.{kind}.{impl}" + (f".{shape.bm}x{shape.bn}" if impl == "blocked" else "") + tag
+    label = (f"decoder.linear.tiled.{kind}.{impl}"
+             + (f".{shape.bm}x{shape.bn}.t{shape.tm}x{shape.tn}" if impl == "blocked" else "") + tag)
     # K in splits when the output tiles alone would leave the GPU idle (a workgroup's latency is
     # its serial walk over K): at least TILED_SPLIT_MIN_CHUNKS chunks of 32 a split
     tiles = _groups(n, shape.bn) * _groups(m, shape.bm)

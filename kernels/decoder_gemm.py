@@ -32,11 +32,14 @@ from functools import lru_cache
 
 from hetero.kernels import decoder_wgsl as W
 
-__all__ = ["SLICE_UNITS", "Blocking", "blocking", "linear_blocked"]
+__all__ = ["SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "linear_blocked"]
 
 SLICE_UNITS = 2
 """Weight units (8 weights) of K a slice of the blocked kernel takes: 16 k, so that a 64 x 64
 tile's two slices of workgroup memory (x and one weight) are 8 KiB, within WebGPU's default 16 KiB."""
+
+THREAD_BLOCK = 8
+"""Outputs a thread computes along a 64-wide side of the tile (8: 64 threads a 64 x 64 tile; 4: 256)."""
 
 _XYZW = "xyzw"
 
@@ -59,8 +62,8 @@ def blocking(m: int, swiglu: bool) -> Blocking:
     """The tile for ``m`` rows: 64 rows (32 for m <= 32, a few dozen streams), 64 columns
     (32 for SwiGLU's two weights: the accumulators of both fit in a thread's registers);
     8 x 8 outputs a thread (8 x 4 with SwiGLU, 4 rows a thread at 32 rows): 64 threads."""
-    bm, tm = (32, 4) if m <= 32 else (64, 8)
-    bn, tn = (32, 4) if swiglu else (64, 8)
+    bm, tm = (32, 4) if m <= 32 else (64, THREAD_BLOCK)
+    bn, tn = (32, 4) if swiglu else (64, THREAD_BLOCK)
     return Blocking(bm, bn, tm, tn)
 
 
