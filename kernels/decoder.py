@@ -173,12 +173,15 @@ GEMV_SLOT_ROWS = 1
 them all); at most 8 // M."""
 GEMV_UNROLL = 2
 """Chunks a lane of the lanes GEMV loads before it computes (an unrolled loop: loads in flight together)."""
-TILED_IMPLS = ("t32", "blocked")
+TILED_IMPLS = ("t32", "blocked", "dp4a")
 """The values :data:`TILED_IMPL` takes."""
 TILED_IMPL = "blocked"
 """The GEMM kernel of ``linear`` past :data:`GEMV_MAX_M` rows: ``"t32"`` (32 x 32 outputs a workgroup,
-4 x 4 a thread, K in chunks of 32) or ``"blocked"`` (:mod:`hetero.kernels.decoder_gemm`: 64 x 64
-(32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16)."""
+4 x 4 a thread, K in chunks of 32), ``"blocked"`` (:mod:`hetero.kernels.decoder_gemm`: 64 x 64
+(32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16)
+or ``"dp4a"`` (Q8_0 and Q4 weights: x quantized a block of 32 as llama.cpp's Q8_1, then
+``dot4I8Packed``; float weights take the blocked kernel): not the default, its speed not yet
+measured on a GPU."""
 TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
@@ -377,7 +380,7 @@ def _gemv_impl(op: str, k: int) -> str:
 
 
 def _tiled_impl(op: str) -> str:
-    """The GEMM kernel (``"blocked"`` or ``"t32"``) by :data:`TILED_IMPL`."""
+    """The GEMM kernel (one of :data:`TILED_IMPLS`) by :data:`TILED_IMPL`."""
     if TILED_IMPL not in TILED_IMPLS:
         raise ValueError(f"{op}: TILED_IMPL must be one of {', '.join(map(repr, TILED_IMPLS))}, got {TILED_IMPL!r}")
     return str(TILED_IMPL)
@@ -437,6 +440,12 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
         return out
     impl = _tiled_impl(op)
+    if impl == "dp4a":
+        if kind in G.DP4A_KINDS:
+            g = inputs[-1] if norm is not None else None
+            return _linear_dp4a(op, gpu, inputs[0], inputs[1:-1] if g is not None else inputs[1:], g, m, k, n, kind,
+                                eps, extras, (swiglu, bias is not None, residual is not None), tag, out)
+        impl = "blocked"  # float weights: no integer blocks to multiply
     shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
 
     def source(bias: bool, residual: bool, partial: bool) -> str:
@@ -445,13 +454,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         return W.linear_tiled(kind, vec, swiglu, norm is not None, bias, residual, partial=partial)
     label = (f"decoder.linear.tiled.{kind}.{impl}"
              + (f".{shape.bm}x{shape.bn}.t{shape.tm}x{shape.tn}" if impl == "blocked" else "") + tag)
-    # K in splits when the output tiles alone would leave the GPU idle (a workgroup's latency is
-    # its serial walk over K): at least TILED_SPLIT_MIN_CHUNKS chunks of 32 a split
-    tiles = _groups(n, shape.bn) * _groups(m, shape.bm)
-    chunks = _groups(units, 4)
-    splits = min(_groups(TILED_MIN_GROUPS, tiles), max(1, chunks // TILED_SPLIT_MIN_CHUNKS))
-    ks = _groups(chunks, splits) * 4  # units of K a split takes
-    splits = _groups(units, ks)
+    splits, ks = _splits(m, n, units, shape)
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
     if splits == 1:
@@ -466,6 +469,54 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")
     gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
+                 struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
+    return out
+
+
+def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
+    """(splits of K, units a split) for a GEMM of ``shape`` tiles: K splits while the output tiles
+    alone are fewer than TILED_MIN_GROUPS workgroups (a workgroup's latency is its serial walk
+    over K), each split at least TILED_SPLIT_MIN_CHUNKS chunks of 32."""
+    tiles = _groups(n, shape.bn) * _groups(m, shape.bm)
+    chunks = _groups(units, 4)
+    splits = min(_groups(TILED_MIN_GROUPS, tiles), max(1, chunks // TILED_SPLIT_MIN_CHUNKS))
+    ks = _groups(chunks, splits) * 4  # units of K a split takes
+    return _groups(units, ks), ks
+
+
+def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g: Tensor | None, m: int, k: int,
+                 n: int, kind: str, eps: float, extras: list[Any], flags: tuple[bool, bool, bool], tag: str,
+                 out: Tensor) -> Tensor:
+    """The dp4a GEMM (:mod:`hetero.kernels.decoder_gemm`): x quantized a block of 32 (the RMSNorm,
+    weight ``g``, folded in there), then integer dot products against the weight's blocks.
+    ``weights``: the weights' tensors in binding order; ``flags``: (SwiGLU, bias, residual)."""
+    swiglu, bias, residual = flags
+    nw = 2 if swiglu else 1
+    units, blocks = _units(kind, k)
+    _fits(gpu, op, "the quantized activations", (m, blocks * 8), 4)
+    xq = gpu.empty((m, blocks * 8), np.uint32)
+    xd = gpu.empty((m, blocks), np.float32)
+    xs = gpu.empty((m, blocks), np.float32)
+    params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
+    quant = gpu.kernel(G.quantize_rows(g is not None), "main",
+                       label=f"decoder.linear.quantize{'.norm' if g is not None else ''}")
+    gpu.dispatch(quant, m, xt, *([g] if g is not None else []), xq, xd, xs, params)
+    shape = G.dp4a_blocking(m, swiglu)
+    splits, ks = _splits(m, n, units, shape)
+    grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
+    label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}{tag}"
+    params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
+    if splits == 1:
+        kern = gpu.kernel(G.linear_dp4a(kind, swiglu, bias, residual, False, shape), "main", label=label)
+        gpu.dispatch(kern, grid, xq, xd, xs, *weights, *extras, out, params)
+        return out
+    _fits(gpu, op, "the split-K partial sums", (splits, nw, m, n))
+    part = gpu.empty((splits, nw, m, n), np.float32)
+    kern = gpu.kernel(G.linear_dp4a(kind, swiglu, False, False, True, shape), "main", label=f"{label}.splitk")
+    gpu.dispatch(kern, grid, xq, xd, xs, *weights, part, params)
+    epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main",
+                     label=f"decoder.linear.epilogue{tag.replace('.norm', '')}")
+    gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out
 

@@ -32,12 +32,15 @@ from functools import lru_cache
 
 from hetero.kernels import decoder_wgsl as W
 
-__all__ = ["SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "linear_blocked"]
+__all__ = ["DP4A_KINDS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
+           "linear_dp4a", "quantize_rows"]
 
 SLICE_UNITS = 2
 """Weight units (8 weights) of K a slice of the blocked kernel takes: 16 k, so that a 64 x 64
 tile's two slices of workgroup memory (x and one weight) are 8 KiB, within WebGPU's default 16 KiB."""
 
+DP4A_KINDS = ("q8_0", "q4_0", "q4_1")
+"""The weight kinds the dp4a GEMM reads (integer blocks of 32); others take the blocked kernel."""
 THREAD_BLOCK = 8
 """Outputs a thread computes along a 64-wide side of the tile (8: 64 threads a 64 x 64 tile; 4: 256)."""
 
@@ -188,5 +191,243 @@ def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, r
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
 {body}
+}}
+""")
+
+
+# -- dp4a: activations quantized per block of 32, integer dot products -------------------------
+# The rules of the dp4a GEMM (``TILED_IMPL = "dp4a"``, quantized weights only):
+#
+# * A first pass (:func:`quantize_rows`, a workgroup a row) scales x by the RMSNorm weight and
+#   the row's RMS scale where the product folds the norm, then quantizes each block of 32 as
+#   llama.cpp's Q8_1 does: d = max |v| / 127, q = round(v / d) in [-127, 127] packed four a
+#   word (``xq`` [M, K / 4]), ``xd`` = d and ``xs`` = d * sum(q) a block ([M, K / 32]).
+# * The GEMM walks K a block (8 words) a slice. Per block, each output adds
+#   ``xd * wd * sum(xq * wq)`` (``dot4I8Packed``, exact in i32), plus ``xs * wm`` where the
+#   weight has an offset (Q4_1: its m; Q4_0: -8 d). Q4's nibbles, low then high, are the
+#   block's elements 0-15 then 16-31, as x's words 0-3 then 4-7.
+# * The error against float activations is x's rounding: at most d / 2 an element of a block.
+
+@lru_cache(maxsize=None)
+def quantize_rows(norm: bool) -> str:
+    """WGSL of the first pass: bindings x (f32), [g (f32)], xq (u32), xd, xs (f32), params
+    (the linear ``Params``); the grid M workgroups of 64 threads; K a multiple of 32."""
+    g_decl = "@group(0) @binding(1) var<storage, read> g: array<f32>;\n" if norm else ""
+    b = 2 if norm else 1
+    scale = ""
+    if norm:
+        scale = """    var s = 0.0;
+    for (var k = li; k < p.k; k += 64u) { let v = x[base + k]; s = fma(v, v, s); }
+    red[li] = s;
+    workgroupBarrier();
+    for (var h = 32u; h > 0u; h >>= 1u) {
+        if (li < h) { red[li] += red[li + h]; }
+        workgroupBarrier();
+    }
+    let rms = inverseSqrt(red[0] / f32(p.k) + p.eps);
+"""
+    value = "x[base + k] * g[k] * rms" if norm else "x[base + k]"
+    return (W._LINEAR_PARAMS + f"""@group(0) @binding(0) var<storage, read> x: array<f32>;
+{g_decl}@group(0) @binding({b}) var<storage, read_write> xq: array<u32>;
+@group(0) @binding({b + 1}) var<storage, read_write> xd: array<f32>;
+@group(0) @binding({b + 2}) var<storage, read_write> xs: array<f32>;
+@group(0) @binding({b + 3}) var<uniform> p: Params;
+var<workgroup> red: array<f32, 64>;
+fn val(base: u32, k: u32{", rms: f32" if norm else ""}) -> f32 {{ return {value}; }}
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let row = hetero_workgroup_id(wid).x;
+    let base = row * p.k;
+{scale}    for (var blk = li; blk < p.blocks; blk += 64u) {{
+        let k0 = blk * 32u;
+        var amax = 0.0;
+        for (var k = k0; k < k0 + 32u; k++) {{ amax = max(amax, abs(val(base, k{", rms" if norm else ""}))); }}
+        let d = amax / 127.0;
+        let inv = select(0.0, 127.0 / amax, amax > 0.0);
+        var sum = 0;
+        for (var w = 0u; w < 8u; w++) {{
+            var q = vec4<i32>(0);
+            for (var j = 0u; j < 4u; j++) {{
+                q[j] = i32(clamp(round(val(base, k0 + 4u * w + j{", rms" if norm else ""}) * inv), -127.0, 127.0));
+            }}
+            sum += q.x + q.y + q.z + q.w;
+            xq[(row * p.blocks + blk) * 8u + w] = pack4xI8(q);
+        }}
+        xd[row * p.blocks + blk] = d;
+        xs[row * p.blocks + blk] = d * f32(sum);
+    }}
+}}
+""")
+
+
+def dp4a_blocking(m: int, swiglu: bool) -> Blocking:
+    """The dp4a GEMM's tile: 64 rows (32 at m <= 32), 64 columns (32 with SwiGLU), 4 x 4 outputs a
+    thread (its i32 and float accumulators both in registers)."""
+    return Blocking(32 if m <= 32 else 64, 32 if swiglu else 64, 4, 4)
+
+
+def _dp4a_weight_decls(kind: str, nw: int, first: int) -> tuple[str, int]:
+    src, b = "", first
+    for w in range(nw):
+        d, used = W.weight_decls(kind, b, str(w))
+        src += d
+        b += used
+    return src, b
+
+
+@lru_cache(maxsize=None)
+def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bool, shape: Blocking) -> str:
+    """WGSL of the dp4a GEMM (see the rules above): bindings xq, xd, xs, the weight(s), [bias],
+    [residual], y (``partial``: ``part``), params; the grid ``(ceil(N / bn), ceil(M / bm), splits)``,
+    a split ``p.ks`` units (a multiple of 4: whole blocks)."""
+    if kind not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"linear_dp4a: weights of kind {kind!r} are not integer blocks (q8_0, q4_0, q4_1)")
+    bm, bn, tm, tn = shape.bm, shape.bn, shape.tm, shape.tn
+    if (tm, tn) != (4, 4) or bm % 4 or bn % 4:
+        raise ValueError(f"linear_dp4a: takes 4 x 4 outputs a thread and tiles of multiples of 4, got {shape}")
+    nw = 2 if swiglu else 1
+    ty_n, tx_n = bm // 4, bn // 4
+    threads = ty_n * tx_n
+    offset = kind != "q8_0"
+    decls = ("@group(0) @binding(0) var<storage, read> xq: array<u32>;\n"
+             "@group(0) @binding(1) var<storage, read> xd: array<f32>;\n"
+             "@group(0) @binding(2) var<storage, read> xs: array<f32>;\n")
+    wdecl, b = _dp4a_weight_decls(kind, nw, 3)
+    decls += wdecl
+    if partial:
+        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
+        b += 1
+        tail = ""
+    else:
+        if bias:
+            decls += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
+            b += 1
+        if residual:
+            decls += f"@group(0) @binding({b}) var<storage, read> res: array<f32>;\n"
+            b += 1
+        decls += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
+        b += 1
+        tail = W._epilogue(swiglu, bias, residual)
+    decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+    L: list[str] = []
+    add = L.append
+    add("    let tile = hetero_workgroup_id(wid);")
+    add(f"    let mbase = tile.y * {bm}u;")
+    add(f"    let nbase = tile.x * {bn}u;")
+    add(f"    let tx = li % {tx_n}u;")
+    add(f"    let ty = li / {tx_n}u;")
+    for w in range(nw):
+        for i in range(4):
+            add(f"    var c{w}_{i} = vec4<f32>(0.0);")
+    add("    let kb0 = tile.z * p.ks;")
+    add("    let kb1 = min(p.units, kb0 + p.ks);")
+    add("    for (var kb = kb0; kb < kb1; kb += 4u) {")
+    add("        let blk = kb / 4u;")
+    # x: bm rows x 8 words, consecutive threads consecutive rows; the rows' scales
+    add(f"        for (var e = li; e < {bm * 8}u; e += {threads}u) {{")
+    add(f"            let rr = e % {bm}u;")
+    add(f"            let j = e / {bm}u;")
+    add("            let mm = mbase + rr;")
+    add("            var v = 0u;")
+    add("            if (mm < p.m) { v = xq[(mm * p.blocks + blk) * 8u + j]; }")
+    add(f"            Aw[j * {bm // 4}u + rr / 4u][rr % 4u] = v;")
+    add("        }")
+    add(f"        for (var e = li; e < {bm}u; e += {threads}u) {{")
+    add("            let mm = mbase + e;")
+    add("            var dd = 0.0;")
+    add("            var ss = 0.0;")
+    add("            if (mm < p.m) { dd = xd[mm * p.blocks + blk]; ss = xs[mm * p.blocks + blk]; }")
+    add("            Ad[e / 4u][e % 4u] = dd;")
+    add("            As[e / 4u][e % 4u] = ss;")
+    add("        }")
+    # weights: bn rows x 4 units (a block), a row's units on consecutive threads; the rows' scales
+    add(f"        for (var e = li; e < {bn * 4}u; e += {threads}u) {{")
+    add("            let u = e % 4u;")
+    add("            let rr = e / 4u;")
+    add("            let nn = nbase + rr;")
+    add(f"            let at = rr / 4u;")
+    add(f"            let lane = rr % 4u;")
+    for w in range(nw):
+        if kind == "q8_0":
+            add(f"            var q{w} = vec2<u32>(0u);")
+            add(f"            if (nn < p.n) {{ q{w} = qs{w}[nn * p.units + kb + u]; }}")
+            add(f"            Bw{w}[(2u * u) * {bn // 4}u + at][lane] = q{w}.x;")
+            add(f"            Bw{w}[(2u * u + 1u) * {bn // 4}u + at][lane] = q{w}.y;")
+        else:
+            add(f"            var q{w} = 0u;")
+            add(f"            if (nn < p.n) {{ q{w} = qs{w}[nn * p.units + kb + u]; }}")
+            add(f"            Bw{w}[u * {bn // 4}u + at][lane] = q{w} & 0x0F0F0F0Fu;")
+            add(f"            Bw{w}[(4u + u) * {bn // 4}u + at][lane] = (q{w} >> 4u) & 0x0F0F0F0Fu;")
+    add("        }")
+    add(f"        for (var e = li; e < {bn}u; e += {threads}u) {{")
+    add("            let nn = nbase + e;")
+    for w in range(nw):
+        add(f"            var d{w}v = 0.0;")
+        if offset:
+            add(f"            var m{w}v = 0.0;")
+        if kind == "q4_1":
+            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; m{w}v = m{w}[nn * p.blocks + blk]; }}")
+        else:
+            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; }}")
+            if kind == "q4_0":
+                add(f"            m{w}v = -8.0 * d{w}v;")
+        add(f"            Bd{w}[e / 4u][e % 4u] = d{w}v;")
+        if offset:
+            add(f"            Bm{w}[e / 4u][e % 4u] = m{w}v;")
+    add("        }")
+    add("        workgroupBarrier();")
+    for w in range(nw):
+        for i in range(4):
+            add(f"        var s{w}_{i} = vec4<i32>(0);")
+    add("        for (var j = 0u; j < 8u; j++) {")
+    add(f"            let a = Aw[j * {bm // 4}u + ty];")
+    for w in range(nw):
+        add(f"            let b{w} = Bw{w}[j * {bn // 4}u + tx];")
+        for i in range(4):
+            ai = f"a.{_XYZW[i]}"
+            dots = ", ".join(f"dot4I8Packed({ai}, b{w}.{_XYZW[c]})" for c in range(4))
+            add(f"            s{w}_{i} += vec4<i32>({dots});")
+    add("        }")
+    add("        let ad = Ad[ty];")
+    if offset:
+        add("        let as4 = As[ty];")
+    for w in range(nw):
+        add(f"        let bd{w} = Bd{w}[tx];")
+        if offset:
+            add(f"            let bm{w} = Bm{w}[tx];")
+        for i in range(4):
+            xi = _XYZW[i]
+            term = f"vec4<f32>(s{w}_{i}) * (ad.{xi} * bd{w})"
+            if offset:
+                term += f" + as4.{xi} * bm{w}"
+            add(f"        c{w}_{i} += {term};")
+    add("        workgroupBarrier();")
+    add("    }")
+    for i in range(4):
+        add(f"    let row{i} = mbase + ty * 4u + {i}u;")
+        add(f"    if (row{i} < p.m) {{")
+        for c in range(4):
+            col = f"nbase + tx * 4u + {c}u"
+            add(f"        if ({col} < p.n) {{")
+            if partial:
+                for w in range(nw):
+                    add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{i}) * p.n + {col}] = c{w}_{i}.{_XYZW[c]};")
+            else:
+                a1 = f"c1_{i}.{_XYZW[c]}" if swiglu else "0.0"
+                add(f"            store(row{i}, {col}, c0_{i}.{_XYZW[c]}, {a1}, 1.0);")
+            add("        }")
+        add("    }")
+    shared = (f"var<workgroup> Aw: array<vec4<u32>, {8 * bm // 4}>;\n"
+              f"var<workgroup> Ad: array<vec4<f32>, {bm // 4}>;\n"
+              f"var<workgroup> As: array<vec4<f32>, {bm // 4}>;\n")
+    for w in range(nw):
+        shared += (f"var<workgroup> Bw{w}: array<vec4<u32>, {8 * bn // 4}>;\n"
+                   f"var<workgroup> Bd{w}: array<vec4<f32>, {bn // 4}>;\n")
+        if offset:
+            shared += f"var<workgroup> Bm{w}: array<vec4<f32>, {bn // 4}>;\n"
+    return (W._COMMON + W._LINEAR_PARAMS + decls + tail + shared + f"""
+@compute @workgroup_size({threads})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+{chr(10).join(L)}
 }}
 """)

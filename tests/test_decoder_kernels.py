@@ -234,7 +234,7 @@ async def test_linear_swiglu(shared_rt: hetero.Runtime, kind: str, monkeypatch: 
 
 
 @ASYNCIO_ONLY
-@pytest.mark.parametrize("impl", D.TILED_IMPLS)
+@pytest.mark.parametrize("impl", ["t32", "blocked"])  # dp4a rounds x: its own test bounds its error
 @pytest.mark.parametrize("kind", ["q4_1", "f16"])
 async def test_linear_tiled_split_k(shared_rt: hetero.Runtime, kind: str, impl: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,7 +269,7 @@ async def test_linear_gemm_kernels_every_kind_and_tile_edge(shared_rt: hetero.Ru
     k, n = 96, 70
     wa, wb = make_weight(kind, rand((n, k), 60)), make_weight(kind, rand((n, k), 61))
     g, bias = rand((k,), 62) + 1.0, rand((n,), 63)
-    for impl in D.TILED_IMPLS:
+    for impl in ("t32", "blocked"):
         monkeypatch.setattr(D, "TILED_IMPL", impl)
         for m in (9, 32, 33, 70):
             x, res = rand((m, k), 64 + m, scale=2.0), rand((m, n), 65 + m)
@@ -284,10 +284,63 @@ async def test_linear_gemm_kernels_every_kind_and_tile_edge(shared_rt: hetero.Ru
             close(f"linear_swiglu {impl} {kind} M={m}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
 
 
+def x_rounding(x: np.ndarray, norm: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:
+    """Half the step of the dp4a GEMM's activation quantization, per element: (max |v| of its block
+    of 32) / 254, v = x (RMSNorm-scaled by ``norm``)."""
+    v = x.astype(np.float64)
+    if norm is not None:
+        v = v / np.sqrt((v ** 2).mean(-1, keepdims=True) + eps) * norm
+    m, k = v.shape
+    amax = np.abs(v).reshape(m, k // 32, 32).max(-1)
+    return np.repeat(amax / 254.0, 32, axis=1)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runtime, kind: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """TILED_IMPL = "dp4a": x quantized a block of 32, integer dot products. Against float64 on the
+    dequantized weight, each output is within sum_k (x's rounding at k) * |w_k| (plus float32's
+    rounding), with and without the folded RMSNorm, bias, residual, SwiGLU, split K; M = 9, 33, 70
+    (32- and 64-row tiles, the last partial), N = 70, K = 160 (five blocks)."""
+    monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
+    k, n = 160, 70
+    wa, wb = make_weight(kind, rand((n, k), 80)), make_weight(kind, rand((n, k), 81))
+    da, db = unpack(wa).astype(np.float64), unpack(wb).astype(np.float64)
+    g, bias = rand((k,), 82) + 1.0, rand((n,), 83)
+    for groups in (1, 10**6):  # one split, and K split five ways
+        monkeypatch.setattr(D, "TILED_MIN_GROUPS", groups)
+        monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", 1)
+        for m in (9, 33, 70):
+            x, res = rand((m, k), 84 + m, scale=2.0), rand((m, n), 85 + m)
+            y, z = await call(shared_rt, lambda gpu, x, g, b, r: (
+                D.linear(gpu, x, wa, bias=b, residual=r, norm=g, eps=1e-5, path="tiled"),
+                D.linear_swiglu(gpu, x, wa, wb, path="tiled")), x=x, g=g, b=bias, r=res)
+            want, scale = linear_ref(x, unpack(wa), bias, res, norm=g, eps=1e-5)
+            bound = x_rounding(x, g, 1e-5) @ np.abs(da).T
+            close(f"dp4a {kind} M={m} splits={groups}", y, want, scale + bound / 1e-5)
+            assert not np.array_equal(y, want.astype(np.float32))  # x was rounded: not the float path
+            a, sa = linear_ref(x, unpack(wa))
+            b2, sb = linear_ref(x, unpack(wb))
+            ea, eb = x_rounding(x) @ np.abs(da).T, x_rounding(x) @ np.abs(db).T
+            sig = 1.0 / (1.0 + np.exp(-a))
+            tol = 1.1 * np.abs(b2) * (ea + 1e-5 * sa) + (np.abs(a * sig) + 1.1 * ea) * (eb + 1e-5 * sb)
+            assert np.all(np.abs(z - a * sig * b2) <= tol + 1e-6), f"dp4a swiglu {kind} M={m}"
+
+
+async def test_linear_dp4a_takes_float_weights_to_the_blocked_kernel(shared_rt: hetero.Runtime,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
+    pw = make_weight("f16", rand((20, 64), 86))
+    x = rand((12, 64), 87)
+    got = await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=x)
+    close("dp4a f16", got, *linear_ref(x, unpack(pw)))
+
+
 async def test_tiled_impl_must_be_known(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(D, "TILED_IMPL", "t64")
     pw = make_weight("q8_0", rand((8, 64), 66))
-    with pytest.raises(hetero.StageError, match=r"linear: TILED_IMPL must be one of 't32', 'blocked', got 't64'"):
+    with pytest.raises(hetero.StageError, match=r"linear: TILED_IMPL must be one of 't32', 'blocked', 'dp4a', got 't64'"):
         await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=rand((9, 64), 67))
 
 
