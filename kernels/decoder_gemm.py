@@ -227,7 +227,7 @@ def quantize_rows(norm: bool) -> str:
     let rms = inverseSqrt(red[0] / f32(p.k) + p.eps);
 """
     value = "x[base + k] * g[k] * rms" if norm else "x[base + k]"
-    return (W._LINEAR_PARAMS + f"""@group(0) @binding(0) var<storage, read> x: array<f32>;
+    return (W.LINEAR_PARAMS + f"""@group(0) @binding(0) var<storage, read> x: array<f32>;
 {g_decl}@group(0) @binding({b}) var<storage, read_write> xq: array<u32>;
 @group(0) @binding({b + 1}) var<storage, read_write> xd: array<f32>;
 @group(0) @binding({b + 2}) var<storage, read_write> xs: array<f32>;
@@ -307,7 +307,7 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
             b += 1
         decls += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
         b += 1
-        tail = W._epilogue(swiglu, bias, residual)
+        tail = W.store_fn(swiglu, bias, residual)
     decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
     L: list[str] = []
     add = L.append
@@ -425,7 +425,7 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
                    f"var<workgroup> Bd{w}: array<vec4<f32>, {bn // 4}>;\n")
         if offset:
             shared += f"var<workgroup> Bm{w}: array<vec4<f32>, {bn // 4}>;\n"
-    return (W._COMMON + W._LINEAR_PARAMS + decls + tail + shared + f"""
+    return (W.COMMON + W.LINEAR_PARAMS + decls + tail + shared + f"""
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
 {chr(10).join(L)}

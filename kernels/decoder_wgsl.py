@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Callable
 
 __all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_gemv_lanes",
-           "linear_tiled", "rmsnorm", "rope_kv", "sample", "tiled_prelude"]
+           "linear_tiled", "rmsnorm", "rope_kv", "sample", "store_fn", "tiled_prelude", "COMMON", "LINEAR_PARAMS"]
 
 # -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
 # A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
@@ -69,7 +69,7 @@ def _xoff(kind: str) -> str:
     return "fn xoff(u: u32) -> vec2<u32> { return vec2<u32>(u * 8u, u * 8u + 4u); }\n"
 
 
-_COMMON = """
+COMMON = """
 struct Unit { lo: vec4<f32>, hi: vec4<f32> }
 // 4 signed bytes of a word (little-endian) as floats
 fn i8x4(v: u32) -> vec4<f32> {
@@ -77,9 +77,11 @@ fn i8x4(v: u32) -> vec4<f32> {
 }
 fn silu(v: f32) -> f32 { return v / (1.0 + exp(-v)); }
 """
+"""WGSL every linear kernel starts with: the ``Unit`` of 8 weights, ``i8x4``, ``silu``."""
 
-_LINEAR_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, ks: u32 }
+LINEAR_PARAMS = """struct Params { m: u32, n: u32, k: u32, units: u32, blocks: u32, eps: f32, m0: u32, ks: u32 }
 """
+"""The linear kernels' uniform (``struct.pack("<5If2I", ...)`` on the host)."""
 
 
 def _x_reader(vec: bool) -> str:
@@ -127,7 +129,7 @@ def _io_decls(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residu
     return src
 
 
-def _epilogue(swiglu: bool, bias: bool, residual: bool) -> str:
+def store_fn(swiglu: bool, bias: bool, residual: bool) -> str:
     """WGSL of ``fn store(m, n, a0, a1, scale)``: y[m, n] from the dot product(s) a0 (a1)."""
     if swiglu:
         val = "silu(a0 * scale) * (a1 * scale)"
@@ -260,15 +262,15 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     lines.append("        }")
     lines.append("    }")
     return _gemv_source(kind, lines, threads, rows, mrows, nv, red_size, args, vec, norm,
-                        _LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
-                        + (weight_fns(kind, "1") if swiglu else "") + _epilogue(swiglu, bias, residual))
+                        LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
+                        + (weight_fns(kind, "1") if swiglu else "") + store_fn(swiglu, bias, residual))
 
 
 def _gemv_source(kind: str, lines: list[str], threads: int, rows: int, mrows: int, nv: int, red_size: str,
                  args: str, vec: bool, norm: bool, head: str) -> str:
     """The units GEMV's WGSL around its body ``lines``; ``head``: its params, bindings and epilogue."""
     body = "\n".join(lines)
-    src = (_COMMON + head + weight_fns(kind, "0") + _xoff(kind) + _x_reader(vec)
+    src = (COMMON + head + weight_fns(kind, "0") + _xoff(kind) + _x_reader(vec)
            + (_g_reader(vec) if norm else "")
            + f"""
 const WG: u32 = {threads}u;
@@ -565,9 +567,9 @@ def linear_gemv_lanes(kind: str, mrows: int, rows: int, lanes: int, threads: int
     if rope:
         head = _LINEAR_ROPE_PARAMS + _rope_io_decls(kind, vec, norm, bias, rope) + SINCOS
     else:
-        head = (_LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual, lane_weight_decls)
-                + _epilogue(swiglu, bias, residual))
-    return (_COMMON + head + _x_reader(vec) + (_g_reader(vec) if norm else "")
+        head = (LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual, lane_weight_decls)
+                + store_fn(swiglu, bias, residual))
+    return (COMMON + head + _x_reader(vec) + (_g_reader(vec) if norm else "")
             + f"""
 const WG: u32 = {threads}u;
 const L: u32 = {lanes}u;
@@ -608,8 +610,8 @@ def tiled_prelude(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, re
         tail = ""
     else:
         decls = _io_decls(kind, vec, swiglu, norm, bias, residual)
-        tail = _epilogue(swiglu, bias, residual)
-    return (_COMMON + _LINEAR_PARAMS + decls
+        tail = store_fn(swiglu, bias, residual)
+    return (COMMON + LINEAR_PARAMS + decls
             + weight_fns(kind, "0") + (weight_fns(kind, "1") if swiglu else "") + _xoff(kind) + _x_reader(vec)
             + (_g_reader(vec) if norm else "") + tail)
 
@@ -750,7 +752,7 @@ def linear_epilogue(swiglu: bool, norm: bool, bias: bool, residual: bool) -> str
     acc1 = f"a1 += part[((s * {nw}u + 1u) * p.m + m) * p.n + n];" if swiglu else ""
     ss = ("var ss = 0.0;\n    for (var s = 0u; s < p.ks; s++) { ss += pss[s * p.m + m]; }\n"
           "    let scale = inverseSqrt(ss / f32(p.k) + p.eps);") if norm else "let scale = 1.0;"
-    return (_COMMON + _LINEAR_PARAMS + decls + _epilogue(swiglu, bias, residual) + f"""
+    return (COMMON + LINEAR_PARAMS + decls + store_fn(swiglu, bias, residual) + f"""
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
     let i = hetero_workgroup_id(wid).x * 64u + li;
@@ -1166,7 +1168,7 @@ def embedding(kind: str, chained: bool = False) -> str:
     let from_prev = src[t];
     if (from_prev >= 0) { id = select(-1, prev[u32(from_prev)], u32(from_prev) < p.np); }""" if chained \
         else "let id = ids[t];"
-    return (_COMMON + """
+    return (COMMON + """
 struct Params { t: u32, h: u32, units: u32, blocks: u32, v: u32, np: u32, pad1: u32, pad2: u32 }
 @group(0) @binding(0) var<storage, read> ids: array<i32>;
 """ + decl + f"""@group(0) @binding({1 + used}) var<storage, read_write> out: array<f32>;
