@@ -194,6 +194,7 @@ class Ticket:
     def __init__(self, seqs: Sequence[SeqState]) -> None:
         self.seqs = list(seqs)
         self.call = loop_caller()
+        self.loop = anyio.lowlevel.current_token().native_token  # the caller's loop (post_each groups by it)
         self.pieces: deque[tuple[SeqState, StreamPiece]] = deque()
         self.error: BaseException | None = None
         self.cancelled = False
@@ -221,6 +222,19 @@ class Ticket:
 
     def post_released(self) -> None:
         self.call(self.released.set)
+
+    @staticmethod
+    def post_each(items: Sequence[tuple[Ticket, list[tuple[SeqState, StreamPiece]]]]) -> None:
+        """:meth:`post` each ticket its batch, with one call into each callers' loop (a server's
+        streams share one: a call each would cost the loop's thread a wake-up each)."""
+        by_loop: dict[int, list[tuple[Ticket, list[tuple[SeqState, StreamPiece]]]]] = {}
+        for t, batch in items:
+            by_loop.setdefault(id(t.loop), []).append((t, batch))
+        for group in by_loop.values():
+            def take(group: list[tuple[Ticket, list[tuple[SeqState, StreamPiece]]]] = group) -> None:
+                for t, batch in group:
+                    t._take(batch)
+            group[0][0].call(take)
 
 
 @dataclass(eq=False)
@@ -598,8 +612,7 @@ class GenerationLoop:
             self._running.remove(x)
             self._free(x[1])
             self._finished += 1
-        for t, batch in batches.values():
-            t.post(batch)
+        Ticket.post_each(list(batches.values()))
 
     def _accept(self, s: SeqState, tok: int, now: float) -> StreamPiece:
         """Take sequence ``s``'s new token; the piece it releases (the last carries the finish reason)."""

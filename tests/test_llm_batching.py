@@ -412,3 +412,25 @@ async def test_runs_of_several_steps_free_the_blocks_of_a_cancelled_stream_and_f
                 tg.start_soon(caller, i)
         assert [got[i] for i in range(len(PROMPTS))] == alone
         assert idle(llm) and max(runs) > 1
+
+
+@pytest.mark.anyio
+async def test_a_steps_pieces_reach_each_callers_loop_in_one_call() -> None:
+    """The loop thread hands a step's pieces to all the tickets of one event loop (a server's streams)
+    with one call into that loop, each ticket its own batch, in order; a ticket of another loop gets a
+    call of its own."""
+    from hetero.pipelines.llm_batch import StreamPiece, Ticket
+
+    tickets = [Ticket([]) for _ in range(5)]
+    other = Ticket([])
+    other.loop = object()  # as if made on another event loop
+    calls: list[str] = []
+    for name, t in [("here", t) for t in tickets] + [("there", other)]:
+        def call(fn, name=name):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            fn()
+        t.call = call
+    batches = [[(None, StreamPiece(f"piece {i}", i))] for i in range(6)]
+    Ticket.post_each(list(zip([*tickets, other], batches)))  # type: ignore[arg-type]
+    assert sorted(calls) == ["here", "there"]
+    assert [t.pieces[0][1].text for t in [*tickets, other]] == [f"piece {i}" for i in range(6)]
