@@ -1026,26 +1026,28 @@ def sampling_params(temperature: Sequence[float] | float, top_k: Sequence[int] |
     ``temperature`` 0 is greedy; ``top_k`` 0 (or >= vocab) and ``top_p`` 1 disable those
     filters; ``seed`` and ``step`` are taken modulo 2**32.
     """
+    names = ("temperature", "top_k", "top_p", "seed", "step")
     cols = [np.atleast_1d(np.asarray(a)) for a in (temperature, top_k, top_p, seed, step)]
     n = rows if rows is not None else max(c.shape[0] for c in cols)
-    out = np.zeros((n, 8), np.uint32)
-    names = ("temperature", "top_k", "top_p", "seed", "step")
-    for i, (name, c) in enumerate(zip(names, cols)):
+    for name, c in zip(names, cols):
         if c.ndim != 1 or c.shape[0] not in (1, n):
             raise ValueError(f"sampling_params: {name} must be a scalar or a sequence of {n}, got shape {c.shape}")
-        c = np.broadcast_to(c, (n,))
-        if name in ("temperature", "top_p"):
-            f = c.astype(np.float32)
-            if not np.all(np.isfinite(f)) or np.any(f < 0):
-                raise ValueError(f"sampling_params: {name} must be finite and >= 0, got {c.tolist()}")
-            if name == "top_p" and np.any(f <= 0):
-                raise ValueError(f"sampling_params: top_p must be in (0, 1], got {c.tolist()}")
-            out[:, i] = f.view(np.uint32)
-        else:
-            ci = c.astype(np.int64)
-            if name == "top_k" and np.any(ci < 0):
-                raise ValueError(f"sampling_params: top_k must be >= 0, got {c.tolist()}")
-            out[:, i] = (ci % (1 << 32)).astype(np.uint32)
+    # one array a kind (floats, ints): a step's params are built every step, so few numpy calls
+    floats = np.empty((2, n), np.float32)
+    floats[0], floats[1] = cols[0], cols[2]
+    if not np.isfinite(floats).all() or (floats < 0).any():
+        j = 0 if not (np.isfinite(floats[0]).all() and (floats[0] >= 0).all()) else 1
+        raise ValueError(f"sampling_params: {('temperature', 'top_p')[j]} must be finite and >= 0, got "
+                         f"{cols[2 * j].tolist()}")
+    if (floats[1] <= 0).any():
+        raise ValueError(f"sampling_params: top_p must be in (0, 1], got {cols[2].tolist()}")
+    ints = np.empty((3, n), np.int64)
+    ints[0], ints[1], ints[2] = cols[1], cols[3], cols[4]
+    if (ints[0] < 0).any():
+        raise ValueError(f"sampling_params: top_k must be >= 0, got {cols[1].tolist()}")
+    out = np.zeros((n, 8), np.uint32)
+    out[:, 0], out[:, 2] = floats.view(np.uint32)
+    out[:, [1, 3, 4]] = (ints % (1 << 32)).T
     return out
 
 

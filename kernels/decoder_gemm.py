@@ -366,7 +366,8 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
         if offset:
             add(f"            var m{w}v = 0.0;")
         if kind == "q4_1":
-            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; m{w}v = m{w}[nn * p.blocks + blk]; }}")
+            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; "
+                f"m{w}v = m{w}[nn * p.blocks + blk]; }}")
         else:
             add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; }}")
             if kind == "q4_0":
@@ -411,7 +412,8 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
             add(f"        if ({col} < p.n) {{")
             if partial:
                 for w in range(nw):
-                    add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{i}) * p.n + {col}] = c{w}_{i}.{_XYZW[c]};")
+                    add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{i}) * p.n + {col}]"
+                        f" = c{w}_{i}.{_XYZW[c]};")
             else:
                 a1 = f"c1_{i}.{_XYZW[c]}" if swiglu else "0.0"
                 add(f"            store(row{i}, {col}, c0_{i}.{_XYZW[c]}, {a1}, 1.0);")

@@ -737,6 +737,13 @@ def test_sampling_params_errors() -> None:
         D.sampling_params(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="sampling_params: temperature must be a scalar or a sequence of 3"):
         D.sampling_params([1.0, 1.0], top_k=[1, 2, 3])
+    assert p[1, 0] == np.float32(0.5).view(np.uint32) and p[0, 2] == np.float32(0.9).view(np.uint32)
+    assert p[0, 4] == p[1, 4] == 7 and not p[:, 5:].any()
+    for bad, msg in [(dict(temperature=-1.0), r"temperature must be finite and >= 0, got \[-1.0\]"),
+                     (dict(temperature=0.0, top_p=float("nan")), r"top_p must be finite and >= 0"),
+                     (dict(temperature=0.0, top_k=[1, -2]), r"top_k must be >= 0, got \[1, -2\]")]:
+        with pytest.raises(ValueError, match=msg):
+            D.sampling_params(**bad)
 
 
 # -- a decoder layer composed of the ops ------------------------------------------------------------
