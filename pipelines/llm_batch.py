@@ -203,7 +203,8 @@ class Ticket:
         self.released = anyio.Event()
 
     # -- the caller's loop ----------------------------------------------------------------------
-    def _take(self, batch: list[tuple[SeqState, StreamPiece]] | BaseException) -> None:
+    def receive(self, batch: list[tuple[SeqState, StreamPiece]] | BaseException) -> None:
+        """Take pieces (or the error) the loop's thread sent (on this ticket's loop)."""
         if isinstance(batch, BaseException):
             self.error = batch
         else:
@@ -218,7 +219,7 @@ class Ticket:
 
     # -- any thread -----------------------------------------------------------------------------
     def post(self, batch: list[tuple[SeqState, StreamPiece]] | BaseException) -> None:
-        self.call(lambda: self._take(batch))
+        self.call(lambda: self.receive(batch))
 
     def post_released(self) -> None:
         self.call(self.released.set)
@@ -233,7 +234,7 @@ class Ticket:
         for group in by_loop.values():
             def take(group: list[tuple[Ticket, list[tuple[SeqState, StreamPiece]]]] = group) -> None:
                 for t, batch in group:
-                    t._take(batch)
+                    t.receive(batch)
             group[0][0].call(take)
 
 
