@@ -35,7 +35,9 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
   ``n_batch``); the streams admitted first already decode in the few steps that still take
   prompts (64 x 128 tokens: 3 steps, ~1% of the decoded tokens, counted in hetero's favour);
 * the step: dispatches a step and a layer (a traced run), and a step's wall time beside its
-  GPU time (``gpu_timing``): host time is what the GPU waits.
+  GPU time (``gpu_timing``): host time is what the GPU waits;
+* the streams step: a decode step of ``max(--npl)`` streams, its GPU time by kernel (what holds
+  many streams).
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
@@ -302,6 +304,47 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int = 16) -> dict[str, A
     return out
 
 
+def streams_profile(lm: Any, a: argparse.Namespace, top: int = 12) -> dict[str, Any]:
+    """A decode step of ``max(--npl)`` streams, by kernel: GPU time and dispatches a step (``gpu_timing``).
+
+    ``generate()`` of that many ``--npp``-token prompts with ``--ntg + 1`` new tokens, less the
+    same with 1 (the prompts' prefill and first token), over ``--ntg`` steps; each traced twice,
+    the second call counted (the first captures).
+    """
+    import hetero
+    from hetero.pipelines import LLM
+
+    streams = max(a.npl)
+    ids = prompts(streams, a.npp, lm.config.vocab_size, 6)
+    kv = kv_bytes(lm.config, streams, a.npp + a.ntg + 2)
+
+    def traced(new: int) -> tuple[dict[str, tuple[int, float]], float]:
+        with tempfile.TemporaryDirectory(prefix="bench-generate-trace-") as d:
+            path = Path(d) / "trace.json"
+            rt = hetero.Runtime(trace=path, gpu_timing=True)
+            with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
+                     prefill_chunk=PREFILL_BATCH) as llm:
+                llm.generate(ids, max_tokens=new)
+                t0 = time.perf_counter_ns()
+                llm.generate(ids, max_tokens=new)
+                wall = (time.perf_counter_ns() - t0) / 1e9
+            rt.close()
+            trace = json.loads(path.read_text())
+        origin = trace["otherData"]["origin_perf_counter_ns"]
+        return gpu_time_by_name(trace, since_us=(t0 - origin) / 1e3), wall
+
+    base, wall0 = traced(1)
+    full, wall1 = traced(a.ntg + 1)
+    per = {k: ((n - base.get(k, (0, 0.0))[0]) / a.ntg, (ms - base.get(k, (0, 0.0))[1]) / a.ntg * 1e3)
+           for k, (n, ms) in full.items()}
+    ranked = sorted(((k, v) for k, v in per.items() if v[0] > 0.005), key=lambda kv: -kv[1][1])  # decode's own
+    return {"streams": streams, "step_wall_us": round((wall1 - wall0) / a.ntg * 1e6, 1),
+            "step_gpu_us": round(sum(us for _, us in per.values()), 1),
+            "kernels_gpu_us_per_step": {k: round(us, 1) for k, (_, us) in ranked[:top]},
+            "kernels_dispatches_per_step": {k: round(n, 2) for k, (n, _) in ranked[:top]},
+            "note": "traced runs, a timestamp around every dispatch"}
+
+
 def llama_cpp_gguf(bin_dir: str, f: Path, a: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """llama-bench's tg and pp and batched-bench's rows on ``f``, keyed as :func:`hetero_gguf`'s."""
     out: dict[str, Any] = {}
@@ -442,6 +485,7 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
                  roofline_fraction=round(step_bytes * tg / bw, 4))
         if not a.no_profile:
             emit(**label, side="hetero", measure="step", **step_profile(lm, a))
+            emit(**label, side="hetero", measure="streams step", **streams_profile(lm, a))
         if a.vs_llama_cpp:
             try:
                 ref = llama_cpp_gguf(a.vs_llama_cpp, f, a, timeout=max(10.0, min(180.0, budget.left())))

@@ -200,6 +200,12 @@ def test_the_hetero_half_prints_llama_bench_s_measures(tmp_path):
     assert step["dispatches_per_layer"] == 5  # QKV+norm+RoPE+KV write, attention, o+residual, gate/up+SiLU, down
     assert step["dispatches_per_step"] == sum(step["kernels_per_step"].values())
     assert step["step_gpu_us"] > 0 and step["step_wall_us"] > 0 and "step_host_us" in step
+    many = next(x for x in lines if x.get("measure") == "streams step")
+    assert many["streams"] == 3 and many["step_gpu_us"] > 0
+    kernels = many["kernels_dispatches_per_step"]
+    assert kernels.keys() == many["kernels_gpu_us_per_step"].keys()
+    assert not any(".tiled." in k for k in kernels)  # 3 rows decode through the GEMV (the prompts' GEMM is subtracted)
+    assert sum(v for k, v in kernels.items() if "paged_attention" in k) == pytest.approx(2, abs=0.01)  # a layer
 
 
 def test_ratios_pair_each_measure_both_sides_have(capsys):
