@@ -1,4 +1,8 @@
-"""WGSL of the decoder's register-blocked GEMM: ``linear`` for many rows (prefill, many streams).
+"""WGSL of the decoder's GEMMs: ``linear`` for many rows (prefill, many streams).
+
+Two kernels: the register-blocked float one (:func:`linear_blocked`, the default), whose rules
+follow, and the dp4a one for integer weight blocks (:func:`quantize_rows` then
+:func:`linear_dp4a`, ``TILED_IMPL = "dp4a"``), whose rules head its section below.
 
 ``y[M, N] = x[M, K] @ W.T`` over the decoder's weight layouts (:mod:`hetero.kernels.quant`:
 f32, f16, Q8_0, Q4_0, Q4_1), with the epilogues of :func:`~hetero.kernels.decoder_wgsl.linear_tiled`
