@@ -41,7 +41,7 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
-that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled t32,blocked`` with the GEMM of prompt
+that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled t32,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
 that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
 first is a ratio line against the first, same file, same run.
@@ -339,7 +339,7 @@ def streams_profile(lm: Any, a: argparse.Namespace, top: int = 12) -> dict[str, 
            for k, (n, ms) in full.items()}
     ranked = sorted(((k, v) for k, v in per.items() if v[0] > 0.005), key=lambda kv: -kv[1][1])  # decode's own
     return {"streams": streams, "step_wall_us": round((wall1 - wall0) / a.ntg * 1e6, 1),
-            "step_gpu_us": round(sum(us for _, us in per.values()), 1),
+            "step_gpu_us": round(sum(us for _, (_, us) in ranked), 1),
             "kernels_gpu_us_per_step": {k: round(us, 1) for k, (_, us) in ranked[:top]},
             "kernels_dispatches_per_step": {k: round(n, 2) for k, (n, _) in ranked[:top]},
             "note": "traced runs, a timestamp around every dispatch"}

@@ -514,8 +514,8 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     part = gpu.empty((splits, nw, m, n), np.float32)
     kern = gpu.kernel(G.linear_dp4a(kind, swiglu, False, False, True, shape), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, xq, xd, xs, *weights, part, params)
-    epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main",
-                     label=f"decoder.linear.epilogue{tag.replace('.norm', '')}")
+    etag = "".join(t for t, f in zip((".swiglu", ".bias", ".res"), flags) if f)  # the norm was the quantize pass's
+    epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main", label=f"decoder.linear.epilogue{etag}")
     gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from hetero.kernels import decoder_wgsl as W
 
@@ -72,6 +73,41 @@ def blocking(m: int, swiglu: bool) -> Blocking:
     bm, tm = (32, 4) if m <= 32 else (64, THREAD_BLOCK)
     bn, tn = (32, 4) if swiglu else (64, THREAD_BLOCK)
     return Blocking(bm, bn, tm, tn)
+
+
+def _store_lines(add: Callable[[str], None], shape: Blocking, nw: int, swiglu: bool, partial: bool, norm: bool,
+                 m0: str, n0: str) -> None:
+    """The store of a thread's ``tm x tn`` block from accumulators ``c{w}_{r}_{h}`` (vec4 of columns
+    ``h``): rows ``m0 + g*4*TY + 4*ty + i`` past ``p.m`` and columns past ``p.n`` skipped; to ``part``
+    (and the rows' sums of squares ``ss{g}`` to ``pss``) with ``partial``, else through ``store`` with
+    the row's RMS scale (``norm``) or 1."""
+    ty_n, tx_n = shape.bm // shape.tm, shape.bn // shape.tn
+    for g in range(shape.tm // 4):
+        for i in range(4):
+            r = g * 4 + i
+            add(f"    let row{r} = {m0} + {g * 4 * ty_n + i}u + ty * 4u;")
+            add(f"    if (row{r} < p.m) {{")
+            ss = f"ss{g}.{_XYZW[i]}"
+            if partial:
+                if norm:
+                    add(f"        if (tx == 0u) {{ pss[tile.z * p.m + row{r}] = {ss}; }}")
+            else:
+                scale = f"inverseSqrt({ss} / f32(p.k) + p.eps)" if norm else "1.0"
+                add(f"        let sc{r} = {scale};")
+            for h in range(shape.tn // 4):
+                add(f"        let col{r}_{h} = {n0} + {h * 4 * tx_n}u + tx * 4u;")
+                for j in range(4):
+                    col = f"col{r}_{h} + {j}u"
+                    add(f"        if ({col} < p.n) {{")
+                    if partial:
+                        for w in range(nw):
+                            add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{r}) * p.n + {col}]"
+                                f" = c{w}_{r}_{h}.{_XYZW[j]};")
+                    else:
+                        a1 = f"c1_{r}_{h}.{_XYZW[j]}" if swiglu else "0.0"
+                        add(f"            store(row{r}, {col}, c0_{r}_{h}.{_XYZW[j]}, {a1}, sc{r});")
+                    add("        }")
+            add("    }")
 
 
 @lru_cache(maxsize=None)
@@ -162,32 +198,7 @@ def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, r
     add("        }")
     add("        workgroupBarrier();")
     add("    }")
-    for g in range(gm):
-        for i in range(4):
-            r = g * 4 + i
-            add(f"    let row{r} = m0 + {g * 4 * ty_n + i}u + ty * 4u;")
-            add(f"    if (row{r} < p.m) {{")
-            ss = f"ss{g}.{_XYZW[i]}"
-            if partial:
-                if norm:
-                    add(f"        if (tx == 0u) {{ pss[tile.z * p.m + row{r}] = {ss}; }}")
-            else:
-                scale = f"inverseSqrt({ss} / f32(p.k) + p.eps)" if norm else "1.0"
-                add(f"        let sc{r} = {scale};")
-            for h in range(gn):
-                add(f"        let col{r}_{h} = n0 + {h * 4 * tx_n}u + tx * 4u;")
-                for j in range(4):
-                    col = f"col{r}_{h} + {j}u"
-                    add(f"        if ({col} < p.n) {{")
-                    if partial:
-                        for w in range(nw):
-                            add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{r}) * p.n + {col}]"
-                                f" = c{w}_{r}_{h}.{_XYZW[j]};")
-                    else:
-                        a1 = f"c1_{r}_{h}.{_XYZW[j]}" if swiglu else "0.0"
-                        add(f"            store(row{r}, {col}, c0_{r}_{h}.{_XYZW[j]}, {a1}, sc{r});")
-                    add("        }")
-            add("    }")
+    _store_lines(add, shape, nw, swiglu, partial, norm, "m0", "n0")
     body = "\n".join(L)
     shared = f"var<workgroup> As: array<vec4<f32>, {bk * bm // 4}>;\n" + "".join(
         f"var<workgroup> Bs{w}: array<vec4<f32>, {bk * bn // 4}>;\n" for w in range(nw))
@@ -216,8 +227,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 def quantize_rows(norm: bool) -> str:
     """WGSL of the first pass: bindings x (f32), [g (f32)], xq (u32), xd, xs (f32), params
     (the linear ``Params``); the grid M workgroups of 64 threads; K a multiple of 32."""
-    g_decl = "@group(0) @binding(1) var<storage, read> g: array<f32>;\n" if norm else ""
-    b = 2 if norm else 1
+    decls, _ = W.buffer_decls(0, [("x", "f32", False), ("g", "f32", False) if norm else None, ("xq", "u32", True),
+                                  ("xd", "f32", True), ("xs", "f32", True)])
     scale = ""
     if norm:
         scale = """    var s = 0.0;
@@ -231,12 +242,7 @@ def quantize_rows(norm: bool) -> str:
     let rms = inverseSqrt(red[0] / f32(p.k) + p.eps);
 """
     value = "x[base + k] * g[k] * rms" if norm else "x[base + k]"
-    return (W.LINEAR_PARAMS + f"""@group(0) @binding(0) var<storage, read> x: array<f32>;
-{g_decl}@group(0) @binding({b}) var<storage, read_write> xq: array<u32>;
-@group(0) @binding({b + 1}) var<storage, read_write> xd: array<f32>;
-@group(0) @binding({b + 2}) var<storage, read_write> xs: array<f32>;
-@group(0) @binding({b + 3}) var<uniform> p: Params;
-var<workgroup> red: array<f32, 64>;
+    return (W.LINEAR_PARAMS + decls + f"""var<workgroup> red: array<f32, 64>;
 fn val(base: u32, k: u32{", rms: f32" if norm else ""}) -> f32 {{ return {value}; }}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
@@ -270,15 +276,6 @@ def dp4a_blocking(m: int, swiglu: bool) -> Blocking:
     return Blocking(32 if m <= 32 else 64, 32 if swiglu else 64, 4, 4)
 
 
-def _dp4a_weight_decls(kind: str, nw: int, first: int) -> tuple[str, int]:
-    src, b = "", first
-    for w in range(nw):
-        d, used = W.weight_decls(kind, b, str(w))
-        src += d
-        b += used
-    return src, b
-
-
 @lru_cache(maxsize=None)
 def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bool, shape: Blocking) -> str:
     """WGSL of the dp4a GEMM (see the rules above): bindings xq, xd, xs, the weight(s), [bias],
@@ -293,26 +290,13 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
     ty_n, tx_n = bm // 4, bn // 4
     threads = ty_n * tx_n
     offset = kind != "q8_0"
-    decls = ("@group(0) @binding(0) var<storage, read> xq: array<u32>;\n"
-             "@group(0) @binding(1) var<storage, read> xd: array<f32>;\n"
-             "@group(0) @binding(2) var<storage, read> xs: array<f32>;\n")
-    wdecl, b = _dp4a_weight_decls(kind, nw, 3)
-    decls += wdecl
-    if partial:
-        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
-        b += 1
-        tail = ""
-    else:
-        if bias:
-            decls += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
-            b += 1
-        if residual:
-            decls += f"@group(0) @binding({b}) var<storage, read> res: array<f32>;\n"
-            b += 1
-        decls += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
-        b += 1
-        tail = W.store_fn(swiglu, bias, residual)
-    decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+    inputs, b = W.buffer_decls(0, [("xq", "u32", False), ("xd", "f32", False), ("xs", "f32", False)], params=False)
+    weights, b = W.weights_decls(kind, nw, b)
+    outs = [("part", "f32", True)] if partial else [("bias", "f32", False) if bias else None,
+                                                    ("res", "f32", False) if residual else None, ("y", "f32", True)]
+    rest, _ = W.buffer_decls(b, outs)
+    decls = inputs + weights + rest
+    tail = "" if partial else W.store_fn(swiglu, bias, residual)
     L: list[str] = []
     add = L.append
     add("    let tile = hetero_workgroup_id(wid);")
@@ -322,7 +306,7 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
     add(f"    let ty = li / {tx_n}u;")
     for w in range(nw):
         for i in range(4):
-            add(f"    var c{w}_{i} = vec4<f32>(0.0);")
+            add(f"    var c{w}_{i}_0 = vec4<f32>(0.0);")
     add("    let kb0 = tile.z * p.ks;")
     add("    let kb1 = min(p.units, kb0 + p.ks);")
     add("    for (var kb = kb0; kb < kb1; kb += 4u) {")
@@ -405,24 +389,10 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
             term = f"vec4<f32>(s{w}_{i}) * (ad.{xi} * bd{w})"
             if offset:
                 term += f" + as4.{xi} * bm{w}"
-            add(f"        c{w}_{i} += {term};")
+            add(f"        c{w}_{i}_0 += {term};")
     add("        workgroupBarrier();")
     add("    }")
-    for i in range(4):
-        add(f"    let row{i} = mbase + ty * 4u + {i}u;")
-        add(f"    if (row{i} < p.m) {{")
-        for c in range(4):
-            col = f"nbase + tx * 4u + {c}u"
-            add(f"        if ({col} < p.n) {{")
-            if partial:
-                for w in range(nw):
-                    add(f"            part[((tile.z * {nw}u + {w}u) * p.m + row{i}) * p.n + {col}]"
-                        f" = c{w}_{i}.{_XYZW[c]};")
-            else:
-                a1 = f"c1_{i}.{_XYZW[c]}" if swiglu else "0.0"
-                add(f"            store(row{i}, {col}, c0_{i}.{_XYZW[c]}, {a1}, 1.0);")
-            add("        }")
-        add("    }")
+    _store_lines(add, shape, nw, swiglu, partial, False, "mbase", "nbase")
     shared = (f"var<workgroup> Aw: array<vec4<u32>, {8 * bm // 4}>;\n"
               f"var<workgroup> Ad: array<vec4<f32>, {bm // 4}>;\n"
               f"var<workgroup> As: array<vec4<f32>, {bm // 4}>;\n")

@@ -10,10 +10,11 @@ arrays indexed in loops): drivers keep them in registers.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
-__all__ = ["attention", "attention_combine", "embedding", "linear_epilogue", "linear_gemv", "linear_gemv_lanes",
-           "linear_tiled", "rmsnorm", "rope_kv", "sample", "store_fn", "tiled_prelude", "COMMON", "LINEAR_PARAMS"]
+__all__ = ["COMMON", "LINEAR_PARAMS", "attention", "attention_combine", "buffer_decls", "embedding",
+           "linear_epilogue", "linear_gemv", "linear_gemv_lanes", "linear_tiled", "rmsnorm", "rope_kv", "sample",
+           "store_fn", "tiled_prelude", "weights_decls"]
 
 # -- weights: bindings and the dequantization of one unit of 8 consecutive-in-memory weights ----
 # A unit u of row r holds 8 weights; wunit returns them as two vec4 (lo, hi) and xoff(u) the
@@ -101,32 +102,44 @@ fn gv(k: u32) -> vec4<f32> { return vec4<f32>(gs1(k), gs1(k + 1u), gs1(k + 2u), 
 """
 
 
+def buffer_decls(first: int, entries: Sequence[tuple[str, str, bool] | None],
+                 params: bool = True) -> tuple[str, int]:
+    """Storage arrays ``(name, element type, written)`` at bindings from ``first`` in order (None
+    entries skipped), then (``params``) the ``Params`` uniform; (WGSL, the next binding)."""
+    src, b = "", first
+    for e in entries:
+        if e is not None:
+            name, elem, written = e
+            mode = "read_write" if written else "read"
+            src += f"@group(0) @binding({b}) var<storage, {mode}> {name}: array<{elem}>;\n"
+            b += 1
+    if params:
+        src += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+        b += 1
+    return src, b
+
+
+def weights_decls(kind: str, nw: int, first: int,
+                  decls: Callable[[str, int, str], tuple[str, int]] = weight_decls) -> tuple[str, int]:
+    """Declarations of ``nw`` weights (tags 0, 1) from binding ``first``, as ``decls`` declares one;
+    (WGSL, the next binding)."""
+    src, b = "", first
+    for w in range(nw):
+        decl, used = decls(kind, b, str(w))
+        src += decl
+        b += used
+    return src, b
+
+
 def _io_decls(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool,
               decls: Callable[[str, int, str], tuple[str, int]] = weight_decls) -> str:
     """Bindings of a linear kernel: x, the weight(s) (as ``decls`` declares them), [g], [bias], [residual],
     y, params."""
     xt = "vec4<f32>" if vec else "f32"
-    src = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
-    b = 1
-    decl, used = decls(kind, b, "0")
-    src += decl
-    b += used
-    if swiglu:
-        decl, used = decls(kind, b, "1")
-        src += decl
-        b += used
-    if norm:
-        src += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
-        b += 1
-    if bias:
-        src += f"@group(0) @binding({b}) var<storage, read> bias: array<f32>;\n"
-        b += 1
-    if residual:
-        src += f"@group(0) @binding({b}) var<storage, read> res: array<f32>;\n"
-        b += 1
-    src += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
-    src += f"@group(0) @binding({b + 1}) var<uniform> p: Params;\n"
-    return src
+    weights, b = weights_decls(kind, 2 if swiglu else 1, 1, decls)
+    rest, _ = buffer_decls(b, [("g", xt, False) if norm else None, ("bias", "f32", False) if bias else None,
+                               ("res", "f32", False) if residual else None, ("y", "f32", True)])
+    return f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n" + weights + rest
 
 
 def store_fn(swiglu: bool, bias: bool, residual: bool) -> str:
@@ -589,24 +602,12 @@ def tiled_prelude(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, re
     bindings (``partial``: x, the weights, [g], ``part``, [``pss``], params, for
     :func:`linear_epilogue`), ``wunit0`` (``wunit1``), ``xoff``, ``xv`` (``gv``) and ``store``
     (not with ``partial``)."""
-    nw = 2 if swiglu else 1
     if partial:
         xt = "vec4<f32>" if vec else "f32"
-        decls = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n"
-        b = 1
-        for w in range(nw):
-            dcl, used = weight_decls(kind, b, str(w))
-            decls += dcl
-            b += used
-        if norm:
-            decls += f"@group(0) @binding({b}) var<storage, read> g: array<{xt}>;\n"
-            b += 1
-        decls += f"@group(0) @binding({b}) var<storage, read_write> part: array<f32>;\n"
-        b += 1
-        if norm:
-            decls += f"@group(0) @binding({b}) var<storage, read_write> pss: array<f32>;\n"
-            b += 1
-        decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+        weights, b = weights_decls(kind, 2 if swiglu else 1, 1)
+        rest, _ = buffer_decls(b, [("g", xt, False) if norm else None, ("part", "f32", True),
+                                   ("pss", "f32", True) if norm else None])
+        decls = f"@group(0) @binding(0) var<storage, read> x: array<{xt}>;\n" + weights + rest
         tail = ""
     else:
         decls = _io_decls(kind, vec, swiglu, norm, bias, residual)

@@ -201,7 +201,7 @@ def test_the_hetero_half_prints_llama_bench_s_measures(tmp_path):
     assert step["dispatches_per_step"] == sum(step["kernels_per_step"].values())
     assert step["step_gpu_us"] > 0 and step["step_wall_us"] > 0 and "step_host_us" in step
     many = next(x for x in lines if x.get("measure") == "streams step")
-    assert many["streams"] == 3 and many["step_gpu_us"] > 0
+    assert many["streams"] == 3 and {"step_wall_us", "step_gpu_us", "note"} <= many.keys()
     kernels = many["kernels_dispatches_per_step"]
     assert kernels.keys() == many["kernels_gpu_us_per_step"].keys()
     assert not any(".tiled." in k for k in kernels)  # 3 rows decode through the GEMV (the prompts' GEMM is subtracted)
