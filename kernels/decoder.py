@@ -56,14 +56,17 @@ where the device has the ``subgroup`` feature (:data:`USE_SUBGROUPS`; a slot the
 one subgroup, so lanes are at most its smallest size) or by a workgroup-memory tree.
 Rows of :data:`GEMV_UNITS_MIN_K` weights or more take the *units* GEMV instead (a workgroup
 of :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, thread t taking the 8-weight units t, t +
-64, ... of each row): long rows keep its threads busy, and it is the faster of the two there
-on the H200, the lanes kernel for short rows (BENCHMARKS.md). :data:`GEMV_IMPL` forces one of
-them. For larger M (prefill, many streams) a GEMM, :data:`TILED_IMPL`: by default the
-register-blocked kernel of :mod:`hetero.kernels.decoder_gemm` (64 x 64 outputs a workgroup,
-8 x 8 a thread in vec4 registers, the weight tile dequantized once into workgroup memory per
-16 columns of K and reused by 64 rows of x), or ``"t32"``, 32 x 32 outputs a workgroup of
-4 x 4 a thread; when its tiles are fewer than :data:`TILED_MIN_GROUPS` workgroups, K is
-split among more (partial sums, then an epilogue pass adds them: two dispatches). With ``norm`` the
+64, ... of each row), the faster of the two on the H200 for a decoder layer's products; the
+lanes kernel keeps shorter rows and wide Q8_0 products (an output head, see
+:data:`GEMV_LANES_MIN_N`; BENCHMARKS.md). :data:`GEMV_IMPL` forces one of them. For larger M
+(prefill, many streams) a GEMM, :data:`TILED_IMPL`: the register-blocked kernel of
+:mod:`hetero.kernels.decoder_gemm` (64 x 64 outputs a workgroup, 8 x 8 a thread in vec4
+registers, the weight tile dequantized once into workgroup memory per 16 columns of K and
+reused by 64 rows of x), or for large Q8_0 / Q4 weights (:data:`TILED_DP4A_MIN_WEIGHTS`) its
+dp4a kernel (x quantized a block of 32 by a first pass, integer dot products), or ``"t32"``,
+32 x 32 outputs a workgroup of 4 x 4 a thread; when its tiles are fewer than
+:data:`TILED_MIN_GROUPS` workgroups, K is split among more (partial sums, then an epilogue pass
+adds them: two dispatches). With ``norm`` the
 RMSNorm of x is folded in: ``rmsnorm(x) W^T = (x * g) W^T / sqrt(mean(x^2) + eps)``, the
 sum of squares accumulated beside the dot products (the GEMV's threads cover the whole row
 between them; the tiled kernel's threads sum their rows), so a decoder layer needs no
@@ -111,9 +114,10 @@ the row's place in the batch. NaN logits count as -inf. Only the int32 ids need 
 back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
-:data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`,
-:data:`GEMV_LANES_THREADS`, :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`,
-:data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`, :data:`TILED_IMPL`, :data:`TILED_MIN_GROUPS`,
+:data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES_MIN_N`, :data:`GEMV_LANES_WIDE_KINDS`,
+:data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`, :data:`GEMV_LANES_THREADS`,
+:data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`,
+:data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
 """
@@ -153,12 +157,22 @@ GEMV_ROWS = 4
 GEMV_IMPLS = ("auto", "lanes", "units")
 """The values :data:`GEMV_IMPL` takes."""
 GEMV_IMPL = "auto"
-"""The GEMV kernel: ``"auto"`` (by the row's length, see :data:`GEMV_UNITS_MIN_K`), ``"lanes"`` (a
+"""The GEMV kernel: ``"auto"`` (by the row's length, see :data:`GEMV_UNITS_MIN_K` and
+:data:`GEMV_LANES_MIN_N`), ``"lanes"`` (a
 few lanes a row, 16-byte weight loads, subgroup shuffles) or ``"units"`` (a workgroup of
 :data:`GEMV_THREADS` per :data:`GEMV_ROWS` rows, one word a thread a row), for every product."""
-GEMV_UNITS_MIN_K = 2048
+GEMV_UNITS_MIN_K = 512
 """With ``GEMV_IMPL = "auto"``, products over rows of at least this many weights (K) take the units
-GEMV, shorter ones the lanes GEMV (``linear_rope_kv`` is one dispatch on either)."""
+GEMV, shorter ones the lanes GEMV (``linear_rope_kv`` is one dispatch on either). On the H200 the
+units kernel took SmolLM2's layer products (K 576 and 1536) in 12% less GPU time a step than
+the lanes kernel (BENCHMARKS.md, twenty-seventh session)."""
+GEMV_LANES_MIN_N = 16384
+"""With ``GEMV_IMPL = "auto"``, products of at least this many output rows (an output head) with
+weights of a kind in :data:`GEMV_LANES_WIDE_KINDS` take the lanes GEMV whatever their K."""
+GEMV_LANES_WIDE_KINDS = ("q8_0",)
+"""The weight kinds :data:`GEMV_LANES_MIN_N` applies to. Measured on the H200: a Q8_0 head of 49152
+rows took 7.9 us on lanes against 18.4 on units (K 576) and 32 against 592 (K 2048); the Q4_1 head
+of the 1.07B shape (K 2048) 128 us a step on lanes against 77 on units."""
 GEMV_LANES = 0
 """Lanes (threads) a row of the lanes GEMV; 0 chooses (see ``_lanes_shape``)."""
 GEMV_LANE_CHUNKS = 2
@@ -173,15 +187,21 @@ GEMV_SLOT_ROWS = 1
 them all); at most 8 // M."""
 GEMV_UNROLL = 2
 """Chunks a lane of the lanes GEMV loads before it computes (an unrolled loop: loads in flight together)."""
-TILED_IMPLS = ("t32", "blocked", "dp4a")
+TILED_IMPLS = ("auto", "t32", "blocked", "dp4a")
 """The values :data:`TILED_IMPL` takes."""
-TILED_IMPL = "blocked"
+TILED_IMPL = "auto"
 """The GEMM kernel of ``linear`` past :data:`GEMV_MAX_M` rows: ``"t32"`` (32 x 32 outputs a workgroup,
 4 x 4 a thread, K in chunks of 32), ``"blocked"`` (:mod:`hetero.kernels.decoder_gemm`: 64 x 64
-(32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16)
-or ``"dp4a"`` (Q8_0 and Q4 weights: x quantized a block of 32 as llama.cpp's Q8_1, then
-``dot4I8Packed``; float weights take the blocked kernel): not the default, its speed not yet
-measured on a GPU."""
+(32 rows at M <= 32, 32 columns with SwiGLU), 8 x 8 a thread in vec4 registers, K in slices of 16),
+``"dp4a"`` (Q8_0 and Q4 weights: x quantized a block of 32 as llama.cpp's Q8_1, then
+``dot4I8Packed``; float weights take the blocked kernel) or ``"auto"`` (the default): dp4a for
+Q8_0 and Q4 weights of at least :data:`TILED_DP4A_MIN_WEIGHTS`, blocked otherwise."""
+TILED_DP4A_MIN_WEIGHTS = 1 << 21
+"""With ``TILED_IMPL = "auto"``, integer-block weights of at least this many values (N x K) take the
+dp4a GEMM. On the H200 it ran the 1.07B shape's products (4.2M-16.8M weights) 1.4x faster on a
+512-token prompt and 1.1-1.3x on 64 streams than the blocked kernel, and SmolLM2's (0.3M-0.9M)
+0.75x on 64 streams: its quantize pass is a dispatch more a product, which small products do
+not repay (BENCHMARKS.md, twenty-seventh session)."""
 TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
@@ -370,24 +390,46 @@ def _lanes_shape(chunks: int, sg: int) -> tuple[int, int, int]:
     return lanes, threads, max(1, int(GEMV_SLOT_ROWS))
 
 
-def _gemv_impl(op: str, k: int) -> str:
-    """The GEMV kernel (``"lanes"`` or ``"units"``) for rows of ``k`` weights, by :data:`GEMV_IMPL`."""
+def _gemv_impl(op: str, k: int, n: int, kind: str) -> str:
+    """The GEMV kernel (``"lanes"`` or ``"units"``) for ``n`` rows of ``k`` weights of ``kind``, by
+    :data:`GEMV_IMPL`."""
     if GEMV_IMPL == "auto":
-        return "units" if k >= GEMV_UNITS_MIN_K else "lanes"
+        wide = n >= GEMV_LANES_MIN_N and kind in GEMV_LANES_WIDE_KINDS
+        return "units" if k >= GEMV_UNITS_MIN_K and not wide else "lanes"
     if GEMV_IMPL not in GEMV_IMPLS:
         raise ValueError(f"{op}: GEMV_IMPL must be 'auto', 'lanes' or 'units', got {GEMV_IMPL!r}")
     return str(GEMV_IMPL)
 
 
-def _tiled_impl(op: str) -> str:
-    """The GEMM kernel (one of :data:`TILED_IMPLS`) by :data:`TILED_IMPL`."""
+def _tiled_impl(op: str, kind: str, n: int, k: int) -> str:
+    """The GEMM kernel (``"t32"``, ``"blocked"`` or ``"dp4a"``) for an [n, k] weight of ``kind``, by
+    :data:`TILED_IMPL`."""
     if TILED_IMPL not in TILED_IMPLS:
         raise ValueError(f"{op}: TILED_IMPL must be one of {', '.join(map(repr, TILED_IMPLS))}, got {TILED_IMPL!r}")
+    if TILED_IMPL == "auto":
+        return "dp4a" if kind in G.DP4A_KINDS and n * k >= TILED_DP4A_MIN_WEIGHTS else "blocked"
     return str(TILED_IMPL)
 
 
+@dataclass
+class _Rope:
+    """linear_rope_kv's RoPE and KV write, for a split-K product's epilogue to do: what it reads and
+    writes; ``q`` is set once an epilogue wrote q there."""
+
+    positions: Tensor
+    inv_freq: Tensor
+    slots: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    heads: int
+    hkv: int
+    d: int
+    q: Tensor | None = None
+
+
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
-                kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
+                kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str,
+                rope: _Rope | None = None) -> Tensor:
     swiglu = len(ws) == 2
     out = gpu.empty((m, n), np.float32)
     if m == 0:
@@ -397,7 +439,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     if path not in ("auto", "gemv", "tiled"):
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
-    impl = _gemv_impl(op, k) if gemv else None
+    impl = _gemv_impl(op, k, n, kind) if gemv else None
     xt = _dev(gpu, x)
     inputs: list[Any] = [xt]  # x, the weights' arrays, the norm weight: what the products read
     for w in ws:
@@ -439,12 +481,12 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
         return out
-    impl = _tiled_impl(op)
+    impl = _tiled_impl(op, kind, n, k)
     if impl == "dp4a":
         if kind in G.DP4A_KINDS:
             g = inputs[-1] if norm is not None else None
             return _linear_dp4a(op, gpu, inputs[0], inputs[1:-1] if g is not None else inputs[1:], g, m, k, n, kind,
-                                eps, extras, (swiglu, bias is not None, residual is not None), tag, out)
+                                eps, extras, (swiglu, bias is not None, residual is not None), tag, out, rope)
         impl = "blocked"  # float weights: no integer blocks to multiply
     shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
 
@@ -466,11 +508,30 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     pss = [gpu.empty((splits, m), np.float32)] if norm is not None else []
     kern = gpu.kernel(source(False, False, True), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, *inputs, part, *pss, params)
+    if rope is not None:
+        return _rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag)
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")
     gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out
+
+
+def _rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, pss: list[Tensor], extras: list[Any],
+                   m: int, n: int, k: int, eps: float, splits: int, tag: str) -> Tensor:
+    """The split-K epilogue of linear_rope_kv's product: the splits added, RoPE, q out (``rope.q``)
+    and k, v to their cache slots; one dispatch instead of an epilogue and a rope_kv."""
+    _fits(gpu, op, "q", (m, rope.heads, rope.d))
+    q = gpu.empty((m, rope.heads, rope.d), np.float32)
+    cache = "f16" if rope.k_cache.dtype == _U32 else "f32"
+    epi = gpu.kernel(W.linear_epilogue_rope(bool(pss), bool(extras), cache), "main",
+                     label=f"decoder.linear.epilogue.rope{tag}.{cache}")
+    quads = (rope.heads + 2 * rope.hkv) * rope.d // 4
+    gpu.dispatch(epi, _groups(m * quads, 64), part, *pss, *extras, rope.positions, rope.inv_freq, rope.slots, q,
+                 rope.k_cache, rope.v_cache,
+                 struct.pack("<5If6I", m, n, k, 0, 0, float(eps), 0, splits, rope.d, rope.heads, rope.hkv, 0))
+    rope.q = q
+    return q
 
 
 def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
@@ -486,7 +547,7 @@ def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
 
 def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g: Tensor | None, m: int, k: int,
                  n: int, kind: str, eps: float, extras: list[Any], flags: tuple[bool, bool, bool], tag: str,
-                 out: Tensor) -> Tensor:
+                 out: Tensor, rope: _Rope | None = None) -> Tensor:
     """The dp4a GEMM (:mod:`hetero.kernels.decoder_gemm`): x quantized a block of 32 (the RMSNorm,
     weight ``g``, folded in there), then integer dot products against the weight's blocks.
     ``weights``: the weights' tensors in binding order; ``flags``: (SwiGLU, bias, residual)."""
@@ -500,21 +561,24 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
     quant = gpu.kernel(G.quantize_rows(g is not None), "main",
                        label=f"decoder.linear.quantize{'.norm' if g is not None else ''}")
-    gpu.dispatch(quant, m, xt, *([g] if g is not None else []), xq, xd, xs, params)
+    gpu.dispatch(quant, (_groups(blocks, G.QUANT_BLOCKS), m), xt, *([g] if g is not None else []), xq, xd, xs, params)
     shape = G.dp4a_blocking(m, swiglu)
+    nb = G.dp4a_slice_blocks(shape, kind, swiglu, int(gpu.limits["max-compute-workgroup-storage-size"]))
     splits, ks = _splits(m, n, units, shape)
     grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
-    label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}{tag}"
+    label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}.s{nb}{tag}"
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     if splits == 1:
-        kern = gpu.kernel(G.linear_dp4a(kind, swiglu, bias, residual, False, shape), "main", label=label)
+        kern = gpu.kernel(G.linear_dp4a(kind, swiglu, bias, residual, False, shape, nb), "main", label=label)
         gpu.dispatch(kern, grid, xq, xd, xs, *weights, *extras, out, params)
         return out
     _fits(gpu, op, "the split-K partial sums", (splits, nw, m, n))
     part = gpu.empty((splits, nw, m, n), np.float32)
-    kern = gpu.kernel(G.linear_dp4a(kind, swiglu, False, False, True, shape), "main", label=f"{label}.splitk")
+    kern = gpu.kernel(G.linear_dp4a(kind, swiglu, False, False, True, shape, nb), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, xq, xd, xs, *weights, part, params)
     etag = "".join(t for t, f in zip((".swiglu", ".bias", ".res"), flags) if f)  # the norm was the quantize pass's
+    if rope is not None:
+        return _rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag)
     epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main", label=f"decoder.linear.epilogue{etag}")
     gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
@@ -802,7 +866,8 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
     [T, heads, D], rotated; k (rotated) and v go to ``slots`` of the caches. For T <= :data:`GEMV_MAX_M`
     rows (and D a multiple of 4) one dispatch of the GEMV kernel the product takes (see
     :data:`GEMV_IMPL`), each slot (lanes) or workgroup (units) taking the rows of two rotate_half
-    pairs and writing them in its epilogue; otherwise the two ops.
+    pairs and writing them in its epilogue. More rows take the GEMM; where it splits K, its epilogue
+    pass adds the splits and does RoPE and the KV write (D a multiple of 4); otherwise the two ops.
     """
     op = "linear_rope_kv"
     m, k, n, kind = _linear_checks(op, gpu, x, [("w_qkv", w_qkv)], bias, None, norm, eps)
@@ -816,9 +881,14 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
     _rope_common(op, positions, inv_freq, m, d)
     _slots_check(op, slots, m, ks)
     if m > GEMV_MAX_M or d % 4:
-        qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto")
+        # a split-K product does RoPE and the KV write in its epilogue; otherwise the two ops
+        rope = (_Rope(_dev(gpu, positions), _dev(gpu, inv_freq), _dev(gpu, slots), k_cache, v_cache, int(heads),
+                      hkv, d) if d % 4 == 0 else None)
+        qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto", rope)
+        if rope is not None and rope.q is not None:
+            return rope.q
         return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
-    impl = _gemv_impl(op, k)
+    impl = _gemv_impl(op, k, n, kind)
     _fits(gpu, op, "q", (m, heads, d))
     out = gpu.empty((m, heads, d), np.float32)
     if m == 0:

@@ -37,8 +37,8 @@ from typing import Callable
 
 from hetero.kernels import decoder_wgsl as W
 
-__all__ = ["DP4A_KINDS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
-           "linear_dp4a", "quantize_rows"]
+__all__ = ["DP4A_KINDS", "DP4A_SLICE_BLOCKS", "QUANT_BLOCKS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
+           "dp4a_slice_blocks", "linear_dp4a", "quantize_rows"]
 
 SLICE_UNITS = 2
 """Weight units (8 weights) of K a slice of the blocked kernel takes: 16 k, so that a 64 x 64
@@ -213,7 +213,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 # -- dp4a: activations quantized per block of 32, integer dot products -------------------------
 # The rules of the dp4a GEMM (``TILED_IMPL = "dp4a"``, quantized weights only):
 #
-# * A first pass (:func:`quantize_rows`, a workgroup a row) scales x by the RMSNorm weight and
+# * A first pass (:func:`quantize_rows`, 8 threads a block) scales x by the RMSNorm weight and
 #   the row's RMS scale where the product folds the norm, then quantizes each block of 32 as
 #   llama.cpp's Q8_1 does: d = max |v| / 127, q = round(v / d) in [-127, 127] packed four a
 #   word (``xq`` [M, K / 4]), ``xd`` = d and ``xs`` = d * sum(q) a block ([M, K / 32]).
@@ -223,16 +223,26 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #   block's elements 0-15 then 16-31, as x's words 0-3 then 4-7.
 # * The error against float activations is x's rounding: at most d / 2 an element of a block.
 
+QUANT_BLOCKS = 8
+"""Blocks of 32 a workgroup of the quantize pass takes (8 threads a block, 4 values a thread)."""
+
+
 @lru_cache(maxsize=None)
 def quantize_rows(norm: bool) -> str:
     """WGSL of the first pass: bindings x (f32), [g (f32)], xq (u32), xd, xs (f32), params
-    (the linear ``Params``); the grid M workgroups of 64 threads; K a multiple of 32."""
-    decls, _ = W.buffer_decls(0, [("x", "f32", False), ("g", "f32", False) if norm else None, ("xq", "u32", True),
-                                  ("xd", "f32", True), ("xs", "f32", True)])
-    scale = ""
+    (the linear ``Params``); the grid ``(ceil(blocks / QUANT_BLOCKS), M)`` workgroups of 64
+    threads, a thread four consecutive values (one word of xq); K a multiple of 32.
+
+    Every load is issued at once (a block's max and sum meet in workgroup memory), so the pass
+    costs a few memory latencies, not a serial walk of a block a thread. With the norm, each
+    workgroup sums its row's squares itself (the row is read once more, from cache)."""
+    assert QUANT_BLOCKS * 8 == 64
+    decls, _ = W.buffer_decls(0, [("x", "vec4<f32>", False), ("g", "vec4<f32>", False) if norm else None,
+                                  ("xq", "u32", True), ("xd", "f32", True), ("xs", "f32", True)])
+    scale = "    let rms = 1.0;\n"
     if norm:
         scale = """    var s = 0.0;
-    for (var k = li; k < p.k; k += 64u) { let v = x[base + k]; s = fma(v, v, s); }
+    for (var k4 = li; k4 < p.k / 4u; k4 += 64u) { let v = x[base + k4]; s += dot(v, v); }
     red[li] = s;
     workgroupBarrier();
     for (var h = 32u; h > 0u; h >>= 1u) {
@@ -241,28 +251,36 @@ def quantize_rows(norm: bool) -> str:
     }
     let rms = inverseSqrt(red[0] / f32(p.k) + p.eps);
 """
-    value = "x[base + k] * g[k] * rms" if norm else "x[base + k]"
+    value = "x[base + k4] * g[k4] * rms" if norm else "x[base + k4]"
     return (W.LINEAR_PARAMS + decls + f"""var<workgroup> red: array<f32, 64>;
-fn val(base: u32, k: u32{", rms: f32" if norm else ""}) -> f32 {{ return {value}; }}
+var<workgroup> amx: array<f32, 64>;
+var<workgroup> qsum: array<i32, 64>;
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
-    let row = hetero_workgroup_id(wid).x;
-    let base = row * p.k;
-{scale}    for (var blk = li; blk < p.blocks; blk += 64u) {{
-        let k0 = blk * 32u;
-        var amax = 0.0;
-        for (var k = k0; k < k0 + 32u; k++) {{ amax = max(amax, abs(val(base, k{", rms" if norm else ""}))); }}
-        let d = amax / 127.0;
-        let inv = select(0.0, 127.0 / amax, amax > 0.0);
+    let g3 = hetero_workgroup_id(wid);
+    let row = g3.y;
+    let base = row * (p.k / 4u);
+    let blk = g3.x * {QUANT_BLOCKS}u + li / 8u;
+    let w = li % 8u;
+    let inside = blk < p.blocks;
+{scale}    let k4 = blk * 8u + w;
+    var v = vec4<f32>(0.0);
+    if (inside) {{ v = {value}; }}
+    let a = abs(v);
+    amx[li] = max(max(a.x, a.y), max(a.z, a.w));
+    workgroupBarrier();
+    let first = li & ~7u;
+    var amax = 0.0;
+    for (var j = 0u; j < 8u; j++) {{ amax = max(amax, amx[first + j]); }}
+    let inv = select(0.0, 127.0 / amax, amax > 0.0);
+    let q = vec4<i32>(clamp(round(v * inv), vec4<f32>(-127.0), vec4<f32>(127.0)));
+    qsum[li] = q.x + q.y + q.z + q.w;
+    if (inside) {{ xq[(row * p.blocks + blk) * 8u + w] = pack4xI8(q); }}
+    workgroupBarrier();
+    if (inside && w == 0u) {{
         var sum = 0;
-        for (var w = 0u; w < 8u; w++) {{
-            var q = vec4<i32>(0);
-            for (var j = 0u; j < 4u; j++) {{
-                q[j] = i32(clamp(round(val(base, k0 + 4u * w + j{", rms" if norm else ""}) * inv), -127.0, 127.0));
-            }}
-            sum += q.x + q.y + q.z + q.w;
-            xq[(row * p.blocks + blk) * 8u + w] = pack4xI8(q);
-        }}
+        for (var j = 0u; j < 8u; j++) {{ sum += qsum[li + j]; }}
+        let d = amax / 127.0;
         xd[row * p.blocks + blk] = d;
         xs[row * p.blocks + blk] = d * f32(sum);
     }}
@@ -276,26 +294,77 @@ def dp4a_blocking(m: int, swiglu: bool) -> Blocking:
     return Blocking(32 if m <= 32 else 64, 32 if swiglu else 64, 4, 4)
 
 
+DP4A_SLICE_BLOCKS = 4
+"""Blocks of 32 along K a slice of the dp4a GEMM loads between two barriers (fewer where the
+adapter's workgroup memory is smaller, see :func:`dp4a_slice_blocks`): the loads of a slice are
+in flight together, so a deeper slice pays the memory latency fewer times over K."""
+
+
+def _dp4a_block_bytes(shape: Blocking, kind: str, swiglu: bool) -> int:
+    """Workgroup memory a block of 32 along K takes in the dp4a GEMM: x's words and two scales a
+    row, each weight's words and one scale a row (two with an offset)."""
+    nw = 2 if swiglu else 1
+    scales = 2 if kind != "q8_0" else 1
+    return shape.bm * (32 + 8) + nw * shape.bn * (32 + 4 * scales)
+
+
+def dp4a_slice_blocks(shape: Blocking, kind: str, swiglu: bool, limit: int) -> int:
+    """Blocks a slice: :data:`DP4A_SLICE_BLOCKS`, fewer where ``limit`` (the adapter's
+    max-compute-workgroup-storage-size) holds fewer, at least 1."""
+    return max(1, min(int(DP4A_SLICE_BLOCKS), limit // _dp4a_block_bytes(shape, kind, swiglu)))
+
+
+def _unrolled(count: int, threads: int, tag: str,
+              body: Callable[[str, str], tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """``body(e, live)`` for e = li, li + threads, ... < count, unrolled: (its loads, its stores);
+    ``live`` is the WGSL condition that e is in range (a load selects zero past it)."""
+    loads: list[str] = []
+    stores: list[str] = []
+    for i in range(-(-count // threads)):
+        e = f"{tag}{i}"
+        partial = bool(count % threads) and (i + 1) * threads > count
+        live = f"({e} < {count}u)" if partial else "true"
+        ld, st = body(e, live)
+        loads += [f"        let {e} = li + {i * threads}u;", *ld]
+        stores += [f"        if {live} {{", *("    " + x for x in st), "        }"] if partial else st
+    return loads, stores
+
+
 @lru_cache(maxsize=None)
-def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bool, shape: Blocking) -> str:
+def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bool, shape: Blocking,
+                slice_blocks: int = 1) -> str:
     """WGSL of the dp4a GEMM (see the rules above): bindings xq, xd, xs, the weight(s), [bias],
     [residual], y (``partial``: ``part``), params; the grid ``(ceil(N / bn), ceil(M / bm), splits)``,
-    a split ``p.ks`` units (a multiple of 4: whole blocks)."""
+    a split ``p.ks`` units (a multiple of 4: whole blocks), walked ``slice_blocks`` blocks a slice
+    (a block past the split's end reads as zeros)."""
     if kind not in ("q8_0", "q4_0", "q4_1"):
         raise ValueError(f"linear_dp4a: weights of kind {kind!r} are not integer blocks (q8_0, q4_0, q4_1)")
     bm, bn, tm, tn = shape.bm, shape.bn, shape.tm, shape.tn
     if (tm, tn) != (4, 4) or bm % 4 or bn % 4:
         raise ValueError(f"linear_dp4a: takes 4 x 4 outputs a thread and tiles of multiples of 4, got {shape}")
+    nb = int(slice_blocks)
+    if nb < 1:
+        raise ValueError(f"linear_dp4a: slice_blocks must be >= 1, got {slice_blocks}")
     nw = 2 if swiglu else 1
     ty_n, tx_n = bm // 4, bn // 4
     threads = ty_n * tx_n
     offset = kind != "q8_0"
-    inputs, b = W.buffer_decls(0, [("xq", "u32", False), ("xd", "f32", False), ("xs", "f32", False)], params=False)
-    weights, b = W.weights_decls(kind, nw, b)
+    q8 = kind == "q8_0"
+    # x's words and a Q8_0 block's as two vec4 a row and block, a Q4 block's as one
+    inputs, b = W.buffer_decls(0, [("xq", "vec4<u32>", False), ("xd", "f32", False), ("xs", "f32", False)],
+                               params=False)
+    wdecl = ""
+    for w in range(nw):
+        wdecl += f"@group(0) @binding({b}) var<storage, read> qs{w}: array<vec4<u32>>;\n"
+        wdecl += f"@group(0) @binding({b + 1}) var<storage, read> d{w}: array<f32>;\n"
+        b += 2
+        if kind == "q4_1":
+            wdecl += f"@group(0) @binding({b}) var<storage, read> m{w}: array<f32>;\n"
+            b += 1
     outs = [("part", "f32", True)] if partial else [("bias", "f32", False) if bias else None,
                                                     ("res", "f32", False) if residual else None, ("y", "f32", True)]
     rest, _ = W.buffer_decls(b, outs)
-    decls = inputs + weights + rest
+    decls = inputs + wdecl + rest
     tail = "" if partial else W.store_fn(swiglu, bias, residual)
     L: list[str] = []
     add = L.append
@@ -309,98 +378,110 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
             add(f"    var c{w}_{i}_0 = vec4<f32>(0.0);")
     add("    let kb0 = tile.z * p.ks;")
     add("    let kb1 = min(p.units, kb0 + p.ks);")
-    add("    for (var kb = kb0; kb < kb1; kb += 4u) {")
+    add(f"    for (var kb = kb0; kb < kb1; kb += {4 * nb}u) {{")
     add("        let blk = kb / 4u;")
-    # x: bm rows x 8 words, consecutive threads consecutive rows; the rows' scales
-    add(f"        for (var e = li; e < {bm * 8}u; e += {threads}u) {{")
-    add(f"            let rr = e % {bm}u;")
-    add(f"            let j = e / {bm}u;")
-    add("            let mm = mbase + rr;")
-    add("            var v = 0u;")
-    add("            if (mm < p.m) { v = xq[(mm * p.blocks + blk) * 8u + j]; }")
-    add(f"            Aw[j * {bm // 4}u + rr / 4u][rr % 4u] = v;")
-    add("        }")
-    add(f"        for (var e = li; e < {bm}u; e += {threads}u) {{")
-    add("            let mm = mbase + e;")
-    add("            var dd = 0.0;")
-    add("            var ss = 0.0;")
-    add("            if (mm < p.m) { dd = xd[mm * p.blocks + blk]; ss = xs[mm * p.blocks + blk]; }")
-    add("            Ad[e / 4u][e % 4u] = dd;")
-    add("            As[e / 4u][e % 4u] = ss;")
-    add("        }")
-    # weights: bn rows x 4 units (a block), a row's units on consecutive threads; the rows' scales
-    add(f"        for (var e = li; e < {bn * 4}u; e += {threads}u) {{")
-    add("            let u = e % 4u;")
-    add("            let rr = e / 4u;")
-    add("            let nn = nbase + rr;")
-    add(f"            let at = rr / 4u;")
-    add(f"            let lane = rr % 4u;")
-    for w in range(nw):
-        if kind == "q8_0":
-            add(f"            var q{w} = vec2<u32>(0u);")
-            add(f"            if (nn < p.n) {{ q{w} = qs{w}[nn * p.units + kb + u]; }}")
-            add(f"            Bw{w}[(2u * u) * {bn // 4}u + at][lane] = q{w}.x;")
-            add(f"            Bw{w}[(2u * u + 1u) * {bn // 4}u + at][lane] = q{w}.y;")
-        else:
-            add(f"            var q{w} = 0u;")
-            add(f"            if (nn < p.n) {{ q{w} = qs{w}[nn * p.units + kb + u]; }}")
-            add(f"            Bw{w}[u * {bn // 4}u + at][lane] = q{w} & 0x0F0F0F0Fu;")
-            add(f"            Bw{w}[(4u + u) * {bn // 4}u + at][lane] = (q{w} >> 4u) & 0x0F0F0F0Fu;")
-    add("        }")
-    add(f"        for (var e = li; e < {bn}u; e += {threads}u) {{")
-    add("            let nn = nbase + e;")
-    for w in range(nw):
-        add(f"            var d{w}v = 0.0;")
-        if offset:
-            add(f"            var m{w}v = 0.0;")
-        if kind == "q4_1":
-            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; "
-                f"m{w}v = m{w}[nn * p.blocks + blk]; }}")
-        else:
-            add(f"            if (nn < p.n) {{ d{w}v = d{w}[nn * p.blocks + blk]; }}")
-            if kind == "q4_0":
-                add(f"            m{w}v = -8.0 * d{w}v;")
-        add(f"            Bd{w}[e / 4u][e % 4u] = d{w}v;")
-        if offset:
-            add(f"            Bm{w}[e / 4u][e % 4u] = m{w}v;")
-    add("        }")
+
+    def x_words(e: str, live: str) -> tuple[list[str], list[str]]:  # block s, row rr, half h: 4 words of x
+        ld = [f"        let s_{e} = {e} / {2 * bm}u;", f"        let rr_{e} = ({e} / 2u) % {bm}u;",
+              f"        let h_{e} = {e} % 2u;", f"        let mm_{e} = mbase + rr_{e};",
+              f"        let v_{e} = select(vec4<u32>(0u), xq[(mm_{e} * p.blocks + blk + s_{e}) * 2u + h_{e}], "
+              f"{live} && mm_{e} < p.m && kb + 4u * s_{e} < kb1);"]
+        st = [f"        Aw[(s_{e} * 8u + h_{e} * 4u + {c}u) * {bm // 4}u + rr_{e} / 4u][rr_{e} % 4u] = v_{e}.{_XYZW[c]};"
+              for c in range(4)]
+        return ld, st
+
+    def x_scales(e: str, live: str) -> tuple[list[str], list[str]]:
+        ld = [f"        let s_{e} = {e} / {bm}u;", f"        let rr_{e} = {e} % {bm}u;",
+              f"        let ok_{e} = {live} && mbase + rr_{e} < p.m && kb + 4u * s_{e} < kb1;",
+              f"        let i_{e} = (mbase + rr_{e}) * p.blocks + blk + s_{e};",
+              f"        let dd_{e} = select(0.0, xd[i_{e}], ok_{e});", f"        let ss_{e} = select(0.0, xs[i_{e}], ok_{e});"]
+        st = [f"        Ad[s_{e} * {bm // 4}u + rr_{e} / 4u][rr_{e} % 4u] = dd_{e};",
+              f"        As[s_{e} * {bm // 4}u + rr_{e} / 4u][rr_{e} % 4u] = ss_{e};"]
+        return ld, st
+
+    def w_words(e: str, live: str) -> tuple[list[str], list[str]]:  # weight row rr of block s: Q4 one vec4, Q8_0 two
+        per = 2 if q8 else 1
+        ld = [f"        let s_{e} = {e} / {per * bn}u;", f"        let rr_{e} = ({e} / {per}u) % {bn}u;",
+              f"        let nn_{e} = nbase + rr_{e};", f"        let ok_{e} = {live} && nn_{e} < p.n && kb + 4u * s_{e} < kb1;"]
+        st = [f"        let at_{e} = (s_{e} * 8u) * {bn // 4}u + rr_{e} / 4u;", f"        let ln_{e} = rr_{e} % 4u;"]
+        if q8:
+            ld.append(f"        let h_{e} = {e} % 2u;")
+        for w in range(nw):
+            idx = (f"(nn_{e} * p.units + kb + 4u * s_{e}) / 2u + h_{e}" if q8
+                   else f"(nn_{e} * p.units + kb + 4u * s_{e}) / 4u")
+            ld.append(f"        let q{w}_{e} = select(vec4<u32>(0u), qs{w}[{idx}], ok_{e});")
+            for c in range(4):
+                v = f"q{w}_{e}.{_XYZW[c]}"
+                if q8:  # word c of the half: element group h * 4 + c
+                    st.append(f"        Bw{w}[at_{e} + (h_{e} * 4u + {c}u) * {bn // 4}u][ln_{e}] = {v};")
+                else:  # low nibbles: elements 4c..4c+3 (word c of x), high: 16+4c.. (word 4 + c)
+                    st.append(f"        Bw{w}[at_{e} + {c}u * {bn // 4}u][ln_{e}] = {v} & 0x0F0F0F0Fu;")
+                    st.append(f"        Bw{w}[at_{e} + {4 + c}u * {bn // 4}u][ln_{e}] = ({v} >> 4u) & 0x0F0F0F0Fu;")
+        return ld, st
+
+    def w_scales(e: str, live: str) -> tuple[list[str], list[str]]:
+        ld = [f"        let s_{e} = {e} / {bn}u;", f"        let rr_{e} = {e} % {bn}u;",
+              f"        let ok_{e} = {live} && nbase + rr_{e} < p.n && kb + 4u * s_{e} < kb1;",
+              f"        let i_{e} = (nbase + rr_{e}) * p.blocks + blk + s_{e};"]
+        st = [f"        let at_{e} = s_{e} * {bn // 4}u + rr_{e} / 4u;"]
+        for w in range(nw):
+            ld.append(f"        let d{w}_{e} = select(0.0, d{w}[i_{e}], ok_{e});")
+            if kind == "q4_1":
+                ld.append(f"        let m{w}_{e} = select(0.0, m{w}[i_{e}], ok_{e});")
+            elif kind == "q4_0":
+                ld.append(f"        let m{w}_{e} = -8.0 * d{w}_{e};")
+            st.append(f"        Bd{w}[at_{e}][rr_{e} % 4u] = d{w}_{e};")
+            if offset:
+                st.append(f"        Bm{w}[at_{e}][rr_{e} % 4u] = m{w}_{e};")
+        return ld, st
+
+    loads: list[str] = []
+    stores: list[str] = []
+    for tag, count, body in (("ex", nb * bm * 2, x_words), ("ed", nb * bm, x_scales),
+                             ("ew", nb * bn * (2 if q8 else 1), w_words), ("es", nb * bn, w_scales)):
+        ld, st = _unrolled(count, threads, tag, body)
+        loads += ld
+        stores += st
+    L += loads + stores  # a slice's loads all issued before its first store
     add("        workgroupBarrier();")
+    add(f"        for (var s = 0u; s < {nb}u; s++) {{")
     for w in range(nw):
         for i in range(4):
-            add(f"        var s{w}_{i} = vec4<i32>(0);")
-    add("        for (var j = 0u; j < 8u; j++) {")
-    add(f"            let a = Aw[j * {bm // 4}u + ty];")
+            add(f"            var s{w}_{i} = vec4<i32>(0);")
+    add("            for (var j = 0u; j < 8u; j++) {")
+    add(f"                let a = Aw[(s * 8u + j) * {bm // 4}u + ty];")
     for w in range(nw):
-        add(f"            let b{w} = Bw{w}[j * {bn // 4}u + tx];")
+        add(f"                let b{w} = Bw{w}[(s * 8u + j) * {bn // 4}u + tx];")
         for i in range(4):
             ai = f"a.{_XYZW[i]}"
             dots = ", ".join(f"dot4I8Packed({ai}, b{w}.{_XYZW[c]})" for c in range(4))
-            add(f"            s{w}_{i} += vec4<i32>({dots});")
-    add("        }")
-    add("        let ad = Ad[ty];")
+            add(f"                s{w}_{i} += vec4<i32>({dots});")
+    add("            }")
+    add(f"            let ad = Ad[s * {bm // 4}u + ty];")
     if offset:
-        add("        let as4 = As[ty];")
+        add(f"            let as4 = As[s * {bm // 4}u + ty];")
     for w in range(nw):
-        add(f"        let bd{w} = Bd{w}[tx];")
+        add(f"            let bd{w} = Bd{w}[s * {bn // 4}u + tx];")
         if offset:
-            add(f"            let bm{w} = Bm{w}[tx];")
+            add(f"            let bm{w} = Bm{w}[s * {bn // 4}u + tx];")
         for i in range(4):
             xi = _XYZW[i]
             term = f"vec4<f32>(s{w}_{i}) * (ad.{xi} * bd{w})"
             if offset:
                 term += f" + as4.{xi} * bm{w}"
-            add(f"        c{w}_{i}_0 += {term};")
+            add(f"            c{w}_{i}_0 += {term};")
+    add("        }")
     add("        workgroupBarrier();")
     add("    }")
     _store_lines(add, shape, nw, swiglu, partial, False, "mbase", "nbase")
-    shared = (f"var<workgroup> Aw: array<vec4<u32>, {8 * bm // 4}>;\n"
-              f"var<workgroup> Ad: array<vec4<f32>, {bm // 4}>;\n"
-              f"var<workgroup> As: array<vec4<f32>, {bm // 4}>;\n")
+    shared = (f"var<workgroup> Aw: array<vec4<u32>, {nb * 8 * bm // 4}>;\n"
+              f"var<workgroup> Ad: array<vec4<f32>, {nb * bm // 4}>;\n"
+              f"var<workgroup> As: array<vec4<f32>, {nb * bm // 4}>;\n")
     for w in range(nw):
-        shared += (f"var<workgroup> Bw{w}: array<vec4<u32>, {8 * bn // 4}>;\n"
-                   f"var<workgroup> Bd{w}: array<vec4<f32>, {bn // 4}>;\n")
+        shared += (f"var<workgroup> Bw{w}: array<vec4<u32>, {nb * 8 * bn // 4}>;\n"
+                   f"var<workgroup> Bd{w}: array<vec4<f32>, {nb * bn // 4}>;\n")
         if offset:
-            shared += f"var<workgroup> Bm{w}: array<vec4<f32>, {bn // 4}>;\n"
+            shared += f"var<workgroup> Bm{w}: array<vec4<f32>, {nb * bn // 4}>;\n"
     return (W.COMMON + W.LINEAR_PARAMS + decls + tail + shared + f"""
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{

@@ -439,13 +439,13 @@ def _rope_io_decls(kind: str, vec: bool, norm: bool, bias: bool, cache: str,
     return src + f"@group(0) @binding({b}) var<uniform> p: Params;\n"
 
 
-def _rope_epilogue(cache: str, mrows: int, bias: bool) -> list[str]:
+def _rope_epilogue(cache: str, mrows: int, bias: bool, row: str = "p.m0") -> list[str]:
     """WGSL (inside lane 0's store block) rotating the slot's two pairs of each activation row and
-    writing them: q to qo, k rotated and v as is to the row's cache slot."""
+    writing them: q to qo, k rotated and v as is to the row's cache slot (rows ``row + m``)."""
     L = ["        if (head < p.hq + 2u * p.hkv) {"]
     for m in range(mrows):
         L.append("        {")
-        L.append(f"            let t = p.m0 + {m}u;")
+        L.append(f"            let t = {row} + {m}u;")
         for r, off in enumerate(("0u", "1u", "half", "half + 1u")):
             b = f" + bias[n0 + {off}]" if bias else ""
             L.append(f"            let y{r} = a0_{r}_{m} * sc{m}{b};")
@@ -770,6 +770,46 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     store(m, n, a0, {a1}, scale);
 }}
 """)
+
+@lru_cache(maxsize=None)
+def linear_epilogue_rope(norm: bool, bias: bool, cache: str) -> str:
+    """q, k and v from a split-K product of the fused QKV projection: the splits' partial sums (and
+    sums of squares, ``norm``) added, the RMS scale and the bias applied, then :func:`_rope_epilogue`
+    (q rotated to qo, k rotated and v to the rows' cache slots). A thread the two rotate_half pairs
+    ``2j, 2j + 1, 2j + D/2, 2j + 1 + D/2`` of one head of one row. Bindings part, [pss], [bias], pos,
+    inv_freq, slots, qo, kc, vc, params (the fused op's, ``p.ks`` the number of splits)."""
+    decls, b = buffer_decls(0, [("part", "f32", False), ("pss", "f32", False) if norm else None,
+                                ("bias", "f32", False) if bias else None, ("pos", "i32", False),
+                                ("inv_freq", "f32", False), ("slots", "i32", False), ("qo", "f32", True),
+                                ("kc", "u32" if cache == "f16" else "f32", True),
+                                ("vc", "u32" if cache == "f16" else "f32", True)], params=False)
+    decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
+    sums = "\n".join(f"        a0_{r}_0 += part[(s * p.m + row) * p.n + n0 + {off}];"
+                      for r, off in enumerate(("0u", "1u", "half", "half + 1u")))
+    ss = ("    var ss = 0.0;\n    for (var s = 0u; s < p.ks; s++) { ss += pss[s * p.m + row]; }\n"
+          "    let sc0 = inverseSqrt(ss / f32(p.k) + p.eps);") if norm else "    let sc0 = 1.0;"
+    body = "\n".join(_rope_epilogue(cache, 1, bias, row="row"))
+    return (COMMON + _LINEAR_ROPE_PARAMS + decls + SINCOS + f"""
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let i = hetero_workgroup_id(wid).x * 64u + li;
+    let quads = (p.hq + 2u * p.hkv) * (p.d / 4u);
+    if (i >= p.m * quads) {{ return; }}
+    let row = i / quads;
+    let w = i % quads;
+    let head = w / (p.d / 4u);
+    let i0 = (w % (p.d / 4u)) * 2u;
+    let half = p.d / 2u;
+    let n0 = head * p.d + i0;
+    var a0_0_0 = 0.0; var a0_1_0 = 0.0; var a0_2_0 = 0.0; var a0_3_0 = 0.0;
+    for (var s = 0u; s < p.ks; s++) {{
+{sums}
+    }}
+{ss}
+{body}
+}}
+""")
+
 
 # -- RMSNorm --------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)

@@ -17,6 +17,7 @@ import pytest
 
 import hetero
 import hetero.kernels.decoder as D
+import hetero.kernels.decoder_gemm as G
 from hetero.kernels.quant import PackedWeight, concat_rows, pack, quantize_q8_0_blocks, unpack
 
 pytestmark = pytest.mark.anyio
@@ -296,15 +297,53 @@ def x_rounding(x: np.ndarray, norm: np.ndarray | None = None, eps: float = 1e-6)
 
 
 @ASYNCIO_ONLY
+async def test_tiled_auto_takes_dp4a_for_large_integer_weights(shared_rt: hetero.Runtime,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """TILED_IMPL = "auto" (the default): Q8_0 / Q4 weights of at least TILED_DP4A_MIN_WEIGHTS values take
+    the dp4a GEMM (its quantize pass first), smaller ones and float weights the blocked kernel."""
+    assert D.TILED_IMPL == "auto"
+    k, n, m = 64, 40, 12
+    seen: list[list[str]] = []
+
+    def stage(pw: Any) -> Any:
+        def f(gpu: Any, x: Any) -> Any:
+            spy = Spy(gpu)
+            y = D.linear(spy, x, pw, path="tiled")
+            seen.append(spy.labels)
+            return y
+        return f
+    x = rand((m, k), 95)
+    for kind, floor in (("q4_1", n * k), ("q4_1", n * k + 1), ("q8_0", n * k), ("f16", 1)):
+        monkeypatch.setattr(D, "TILED_DP4A_MIN_WEIGHTS", floor)
+        pw = make_weight(kind, rand((n, k), 96))
+        got = await call(shared_rt, stage(pw), x=x)
+        want, scale = linear_ref(x, unpack(pw))
+        close(f"auto {kind} floor {floor}", got, want, scale + (x_rounding(x) @ np.abs(unpack(pw)).T) / 1e-5)
+    firsts = [labels[0] for labels in seen]
+    assert firsts[0] == "decoder.linear.quantize" and ".dp4a." in seen[0][1]
+    assert ".blocked." in firsts[1]
+    assert firsts[2] == "decoder.linear.quantize" and ".q8_0.dp4a." in seen[2][1]
+    assert ".f16.blocked." in firsts[3]
+
+
+@ASYNCIO_ONLY
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runtime, kind: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """TILED_IMPL = "dp4a": x quantized a block of 32, integer dot products. Against float64 on the
     dequantized weight, each output is within sum_k (x's rounding at k) * |w_k| (plus float32's
     rounding), with and without the folded RMSNorm, bias, residual, SwiGLU, split K; M = 9, 33, 70
-    (32- and 64-row tiles, the last partial), N = 70, K = 160 (five blocks)."""
+    (32- and 64-row tiles, the last partial), N = 70, K = 160 (five blocks: part of one quantize
+    workgroup) and 320 (ten: two, the second partial); slices of 4 blocks along K (the last of a
+    split partial) and of 1."""
     monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
-    k, n = 160, 70
+    for k, slice_blocks in ((160, 4), (320, 4), (160, 1)):
+        monkeypatch.setattr(G, "DP4A_SLICE_BLOCKS", slice_blocks)
+        await _dp4a_case(shared_rt, kind, k, monkeypatch)
+
+
+async def _dp4a_case(shared_rt: hetero.Runtime, kind: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 70
     wa, wb = make_weight(kind, rand((n, k), 80)), make_weight(kind, rand((n, k), 81))
     da, db = unpack(wa).astype(np.float64), unpack(wb).astype(np.float64)
     g, bias = rand((k,), 82) + 1.0, rand((n,), 83)
@@ -318,14 +357,14 @@ async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runt
                 D.linear_swiglu(gpu, x, wa, wb, path="tiled")), x=x, g=g, b=bias, r=res)
             want, scale = linear_ref(x, unpack(wa), bias, res, norm=g, eps=1e-5)
             bound = x_rounding(x, g, 1e-5) @ np.abs(da).T
-            close(f"dp4a {kind} M={m} splits={groups}", y, want, scale + bound / 1e-5)
+            close(f"dp4a {kind} K={k} M={m} splits={groups}", y, want, scale + bound / 1e-5)
             assert not np.array_equal(y, want.astype(np.float32))  # x was rounded: not the float path
             a, sa = linear_ref(x, unpack(wa))
             b2, sb = linear_ref(x, unpack(wb))
             ea, eb = x_rounding(x) @ np.abs(da).T, x_rounding(x) @ np.abs(db).T
             sig = 1.0 / (1.0 + np.exp(-a))
             tol = 1.1 * np.abs(b2) * (ea + 1e-5 * sa) + (np.abs(a * sig) + 1.1 * ea) * (eb + 1e-5 * sb)
-            assert np.all(np.abs(z - a * sig * b2) <= tol + 1e-6), f"dp4a swiglu {kind} M={m}"
+            assert np.all(np.abs(z - a * sig * b2) <= tol + 1e-6), f"dp4a swiglu {kind} K={k} M={m}"
 
 
 async def test_linear_dp4a_takes_float_weights_to_the_blocked_kernel(shared_rt: hetero.Runtime,
@@ -340,7 +379,7 @@ async def test_linear_dp4a_takes_float_weights_to_the_blocked_kernel(shared_rt: 
 async def test_tiled_impl_must_be_known(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(D, "TILED_IMPL", "t64")
     pw = make_weight("q8_0", rand((8, 64), 66))
-    with pytest.raises(hetero.StageError, match=r"linear: TILED_IMPL must be one of 't32', 'blocked', 'dp4a', got 't64'"):
+    with pytest.raises(hetero.StageError, match=r"linear: TILED_IMPL must be one of 'auto', 't32', 'blocked', 'dp4a', got 't64'"):
         await call(shared_rt, lambda gpu, x: D.linear(gpu, x, pw), x=rand((9, 64), 67))
 
 

@@ -135,8 +135,8 @@ def test_lanes_shape_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 @ASYNCIO_ONLY
 async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """M <= 8: one lanes dispatch; M = 9 on path "gemv": two (8 rows, then 1); M = 9 (auto): the tiled kernel;
-    GEMV_IMPL = "units": the other GEMV, still right; "auto" takes it from GEMV_UNITS_MIN_K weights a row;
-    an unknown GEMV_IMPL is refused."""
+    GEMV_IMPL = "units": the other GEMV, still right; "auto" takes it from GEMV_UNITS_MIN_K weights a row,
+    but not for GEMV_LANES_MIN_N rows of a kind in GEMV_LANES_WIDE_KINDS; an unknown GEMV_IMPL is refused."""
     k, n = 64, 20
     pw = make_weight("q8_0", rand((n, k), 70))
     seen: list[list[str]] = []
@@ -169,6 +169,17 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
         x = rand((1, k), 85)
         close(f"auto GEMV, units from K={threshold}", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
     assert [labels[0].split(".")[2] for labels in seen] == ["lanes", "gemv"]
+    # wide products of a kind in GEMV_LANES_WIDE_KINDS (an output head) stay on lanes whatever their K
+    seen.clear()
+    monkeypatch.setattr(D, "GEMV_LANES_MIN_N", n)
+    x = rand((1, k), 86)
+    close("auto GEMV, a wide Q8_0 product", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
+    monkeypatch.setattr(D, "GEMV_LANES_WIDE_KINDS", ("q4_1",))
+    close("auto GEMV, wide but not of those kinds", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
+    monkeypatch.setattr(D, "GEMV_LANES_MIN_N", n + 1)
+    monkeypatch.setattr(D, "GEMV_LANES_WIDE_KINDS", ("q8_0",))
+    close("auto GEMV, one row short of wide", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
+    assert [labels[0].split(".")[2] for labels in seen] == ["lanes", "gemv", "gemv"]
     monkeypatch.setattr(D, "GEMV_IMPL", "fast")
     with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'auto', 'lanes' or 'units', got 'fast'"):
         await call(shared_rt, stage, x=rand((1, k), 90))
@@ -235,3 +246,55 @@ async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, 
                 assert [lb.split(".")[1] for lb in fused_labels] == ["linear", "rope_kv"]
 
 
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind,tiled", [("q4_1", "dp4a"), ("q8_0", "blocked"), ("f16", "blocked")])
+async def test_linear_rope_kv_in_the_split_k_epilogue(shared_rt: hetero.Runtime, kind: str, tiled: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past GEMV_MAX_M rows with K split, the fused op's epilogue adds the splits and does RoPE and the KV
+    write (one dispatch instead of the epilogue and rope_kv): against linear then rope_kv, f32 and f16
+    caches, the RMSNorm and biases folded in, M = 9 and 40 (a 32- and a 64-row tile)."""
+    from tests.test_decoder_kernels import inv_freq
+
+    monkeypatch.setattr(D, "TILED_IMPL", tiled)
+    monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", 1)  # K of 64: two splits
+    hq, hkv, d, hidden, nb, bs = 4, 2, 16, 64, 12, 4
+    w = make_weight(kind, rand(((hq + 2 * hkv) * d, hidden), 120, scale=0.3))
+    g = rand((hidden,), 121) + 1.0
+    bias = rand(((hq + 2 * hkv) * d,), 122)
+    f = inv_freq(d, 10000.0)
+    for m, cache in [(9, "f32"), (40, "f16")]:
+        x = rand((m, hidden), 130 + m)
+        pos = np.random.default_rng(m).integers(0, 50, m).astype(np.int32)
+        slots = np.random.default_rng(m + 1).permutation(nb * bs)[:m].astype(np.int32)
+        labels: list[list[str]] = []
+
+        def stage(gpu: Any, x: Any, g: Any, b: Any, pos: Any, f: Any, slots: Any) -> Any:
+            wt = D.upload_weight(gpu, w)
+            outs = []
+            for fused in (True, False):
+                kc, vc = D.kv_cache(gpu, nb, bs, hkv, d, dtype=cache)
+                spy = Spy(gpu)
+                if fused:
+                    q = D.linear_rope_kv(spy, x, wt, pos, f, kc, vc, slots, heads=hq, bias=b, norm=g, eps=1e-5)
+                else:
+                    q = D.rope_kv(spy, D.linear(spy, x, wt, bias=b, norm=g, eps=1e-5), pos, f, kc, vc, slots,
+                                  heads=hq)
+                labels.append(spy.labels)
+                outs += [q, kc, vc]
+            return tuple(outs)
+        got = await call(shared_rt, stage, x=x, g=g, b=bias, pos=pos, f=f, slots=slots)
+        for name, a, b in zip(("q", "k_cache", "v_cache"), got[:3], got[3:]):
+            a, b = np.asarray(a), np.asarray(b)
+            rtol = 1e-5
+            if cache == "f16" and name != "q":
+                a, b = a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32)
+                rtol = 1e-3  # the two paths may round one f16 apart
+            assert np.abs(b).max() > 0, name
+            close(f"split-K rope {kind} {tiled} M={m} {cache} {name}", a, b.astype(np.float64), np.abs(b).max(),
+                  rtol=rtol)
+        fused, unfused = labels
+        assert fused[-1].startswith("decoder.linear.epilogue.rope") and fused[-1].endswith(f".{cache}")
+        assert not any("rope_kv" in lb for lb in fused) and len(fused) == len(unfused) - 1
+        assert any(".splitk" in lb for lb in fused) and unfused[-1].startswith("decoder.rope_kv")
