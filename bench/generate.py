@@ -41,7 +41,7 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
-that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled t32,blocked,dp4a`` with the GEMM of prompt
+that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
 that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
 first is a ratio line against the first, same file, same run.
@@ -265,7 +265,8 @@ def hetero_gguf(llm: Any, vocab: int, a: argparse.Namespace) -> dict[str, Any]:
         decoded = sum(c.completion_tokens - 1 for c in cs)
         after = wall - max(c.ttft_s for c in cs)
         out[f"b{pl}"] = {"decode_tok_s": round(decoded / after, 1) if after > 0 else None,
-                         "total_tok_s": round((pl * a.npp + decoded) / wall, 1)}
+                         "total_tok_s": round((pl * a.npp + decoded) / wall, 1),
+                         "ttft_ms": round(max(c.ttft_s for c in cs) * 1e3, 2)}
     return out
 
 
@@ -285,15 +286,17 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int = 16) -> dict[str, A
             wall = time.perf_counter() - t0
         rt.close()
         trace = json.loads(path.read_text())
-    kernels = {name: n for name, (n, _) in gpu_time_by_name(trace, "GPU dispatches").items()}
+    kernels = gpu_time_by_name(trace, "GPU dispatches")
     n_steps = sum(n for n, _ in gpu_time_by_name(trace, "GPU queue").values())
-    per_step = {name: n / n_steps for name, n in kernels.items()} if n_steps else {}
+    per_step = {name: n / n_steps for name, (n, _) in kernels.items()} if n_steps else {}
     layers = lm.config.num_layers
     # a kernel dispatched at least once a layer belongs to the layers (the embedding, the head and
     # sampling run once or twice a step)
     per_layer = sum(int(n // layers) for n in per_step.values() if n >= layers)
     out: dict[str, Any] = {"dispatches_per_step": round(sum(per_step.values()), 2), "dispatches_per_layer": per_layer,
                            "kernels_per_step": {k: round(v, 2) for k, v in sorted(per_step.items())}}
+    if n_steps:  # both traced calls, so the capture's first step counts; by GPU time, most first
+        out["kernels_gpu_us_per_step"] = {k: round(ms / n_steps * 1e3, 1) for k, (_, ms) in kernels.items()}
     n = c.completion_tokens
     out["step_wall_us"] = round(wall / n * 1e6, 1)
     if c.gpu_s is not None:
@@ -352,9 +355,22 @@ def llama_cpp_gguf(bin_dir: str, f: Path, a: argparse.Namespace, timeout: float)
         out[row.test] = {"tok_s": round(row.avg_ts, 1), "std": round(row.stddev_ts, 1)}
     rows = llama_cpp.run_batched_bench(bin_dir, f, npp=a.npp, ntg=a.ntg, npl=tuple(a.npl), timeout=timeout,
                                        ctx=max(16384, max(a.npl) * (a.npp + a.ntg)))
-    for r in rows:
-        out[f"b{r.pl}"] = {"decode_tok_s": round(r.speed_tg, 1), "total_tok_s": round(r.speed, 1)}
+    for r in rows:  # the prompts' prefill time, and a decode step's (all streams)
+        out[f"b{r.pl}"] = {"decode_tok_s": round(r.speed_tg, 1), "total_tok_s": round(r.speed, 1),
+                           "prefill_ms": round(r.t_pp * 1e3, 2), "step_ms": round(r.t_tg / max(1, r.tg) * 1e3, 3)}
     return out
+
+
+def ttft_target(model: str, mine: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Issue 48's TTFT target for one stream's prompt: hetero's TTFT against llama.cpp's prefill of
+    the same prompt plus one decode step."""
+    h, r = mine.get("b1"), ref.get("b1")
+    if not (isinstance(h, dict) and isinstance(r, dict) and "ttft_ms" in h and "prefill_ms" in r):
+        return
+    target = r["prefill_ms"] + r["step_ms"]
+    emit(model=model, measure="ttft b1", hetero_ms=h["ttft_ms"], llama_cpp_prefill_ms=r["prefill_ms"],
+         llama_cpp_step_ms=r["step_ms"], target_ms=round(target, 2), ratio=round(h["ttft_ms"] / target, 3),
+         met=h["ttft_ms"] <= target)
 
 
 def ratios(model: str, mine: dict[str, Any], ref: dict[str, Any], reference: str) -> None:
@@ -494,6 +510,7 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
             else:
                 emit(**label, side="llama.cpp", **ref)
                 ratios(f.stem, fig, ref, "llama.cpp")
+                ttft_target(f.stem, fig, ref)
         del lm
     if with_hf:
         for f in files:

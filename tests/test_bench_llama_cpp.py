@@ -195,7 +195,7 @@ def test_the_hetero_half_prints_llama_bench_s_measures(tmp_path):
     fig = next(x for x in lines if x.get("weights") == "auto")
     assert set(fig) >= {"tg4", "pp8", "b1", "b3"}
     assert fig["tg4"]["tok_s"] > 0 and fig["pp8"]["tok_s"] > 0
-    assert fig["b3"]["decode_tok_s"] > 0 and fig["b3"]["total_tok_s"] > 0
+    assert fig["b3"]["decode_tok_s"] > 0 and fig["b3"]["total_tok_s"] > 0 and fig["b1"]["ttft_ms"] > 0
     step = next(x for x in lines if x.get("measure") == "step")
     assert step["dispatches_per_layer"] == 5  # QKV+norm+RoPE+KV write, attention, o+residual, gate/up+SiLU, down
     assert step["dispatches_per_step"] == sum(step["kernels_per_step"].values())
@@ -218,6 +218,16 @@ def test_ratios_pair_each_measure_both_sides_have(capsys):
         ("tg128", "tok_s", 0.5), ("b64", "decode_tok_s", 0.5), ("b64", "total_tok_s", 0.5)]
     assert lines[0] == {"bench": "generate", "model": "smollm2-orig", "measure": "tg128", "figure": "tok_s",
                         "hetero": 450.0, "reference": "llama.cpp", "reference_value": 900.0, "ratio": 0.5}
+
+
+def test_ttft_target_is_llama_cpps_prefill_plus_a_step(capsys):
+    mine = {"b1": {"decode_tok_s": 400.0, "total_tok_s": 700.0, "ttft_ms": 6.0}}
+    generate.ttft_target("m", mine, {"b1": {"decode_tok_s": 900.0, "prefill_ms": 4.0, "step_ms": 1.0}})
+    generate.ttft_target("m", mine, {"b1": {"decode_tok_s": 900.0, "prefill_ms": 5.0, "step_ms": 1.5}})
+    generate.ttft_target("m", mine, {"b64": {"decode_tok_s": 9000.0, "prefill_ms": 5.0, "step_ms": 1.5}})  # no b1
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["target_ms"], x["ratio"], x["met"]) for x in lines] == [(5.0, 1.2, False), (6.5, 0.923, True)]
+    assert lines[0]["hetero_ms"] == 6.0 and lines[0]["llama_cpp_prefill_ms"] == 4.0
 
 
 def test_outputs_captured_from_a_cpu_build_read_the_same():
@@ -243,7 +253,7 @@ def test_gemv_tiled_and_steps_per_run_settings_are_timed_in_turn_and_compared_wi
         rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "12", "--npp", "2", "--ntg", "3", "--npl", "1",
                             "--reps", "1", "--no-profile", "--gemv", "auto,units", "--tiled", "blocked,t32",
                             "--steps-per-run", "1,2"])
-    assert rc == 0 and (decoder.GEMV_IMPL, decoder.TILED_IMPL) == ("auto", "blocked")  # set back after each
+    assert rc == 0 and (decoder.GEMV_IMPL, decoder.TILED_IMPL) == ("auto", "auto")  # set back after each
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [(x["gemv"], x["tiled"], x["steps_per_run"]) for x in lines if x.get("weights") == "auto"] == [
         (g, t, k) for g in ("auto", "units") for t in ("blocked", "t32") for k in (1, 2)]
