@@ -1,8 +1,9 @@
 """WGSL of the decoder's GEMMs: ``linear`` for many rows (prefill, many streams).
 
-Two kernels: the register-blocked float one (:func:`linear_blocked`, the default), whose rules
-follow, and the dp4a one for integer weight blocks (:func:`quantize_rows` then
-:func:`linear_dp4a`, ``TILED_IMPL = "dp4a"``), whose rules head its section below.
+Two kernels: the register-blocked float one (:func:`linear_blocked`), whose rules follow, and
+the dp4a one for integer weight blocks (:func:`quantize_rows` then :func:`linear_dp4a`), whose
+rules head its section below. ``TILED_IMPL = "auto"`` (the default, in
+:mod:`hetero.kernels.decoder`) takes dp4a for large Q8_0 / Q4 weights, the blocked one otherwise.
 
 ``y[M, N] = x[M, K] @ W.T`` over the decoder's weight layouts (:mod:`hetero.kernels.quant`:
 f32, f16, Q8_0, Q4_0, Q4_1), with the epilogues of :func:`~hetero.kernels.decoder_wgsl.linear_tiled`
@@ -211,13 +212,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 
 # -- dp4a: activations quantized per block of 32, integer dot products -------------------------
-# The rules of the dp4a GEMM (``TILED_IMPL = "dp4a"``, quantized weights only):
+# The rules of the dp4a GEMM (Q8_0 and Q4 weights only):
 #
 # * A first pass (:func:`quantize_rows`, 8 threads a block) scales x by the RMSNorm weight and
 #   the row's RMS scale where the product folds the norm, then quantizes each block of 32 as
 #   llama.cpp's Q8_1 does: d = max |v| / 127, q = round(v / d) in [-127, 127] packed four a
 #   word (``xq`` [M, K / 4]), ``xd`` = d and ``xs`` = d * sum(q) a block ([M, K / 32]).
-# * The GEMM walks K a block (8 words) a slice. Per block, each output adds
+# * The GEMM walks K in slices of up to DP4A_SLICE_BLOCKS blocks (8 words each), a slice's loads
+#   all issued before its stores into workgroup memory; a block past the split's end reads as
+#   zeros. Per block, each output adds
 #   ``xd * wd * sum(xq * wq)`` (``dot4I8Packed``, exact in i32), plus ``xs * wm`` where the
 #   weight has an offset (Q4_1: its m; Q4_0: -8 d). Q4's nibbles, low then high, are the
 #   block's elements 0-15 then 16-31, as x's words 0-3 then 4-7.
@@ -296,8 +299,9 @@ def dp4a_blocking(m: int, swiglu: bool) -> Blocking:
 
 DP4A_SLICE_BLOCKS = 4
 """Blocks of 32 along K a slice of the dp4a GEMM loads between two barriers (fewer where the
-adapter's workgroup memory is smaller, see :func:`dp4a_slice_blocks`): the loads of a slice are
-in flight together, so a deeper slice pays the memory latency fewer times over K."""
+adapter's workgroup memory is smaller, see :func:`dp4a_slice_blocks`); the loads of a slice are
+in flight together. On the H200 slices of 4 took the same GPU time as slices of 1 (BENCHMARKS.md,
+twenty-seventh session): the kernel is not bound by a slice's memory latency there."""
 
 
 def _dp4a_block_bytes(shape: Blocking, kind: str, swiglu: bool) -> int:
