@@ -198,10 +198,10 @@ TILED_IMPL = "auto"
 Q8_0 and Q4 weights of at least :data:`TILED_DP4A_MIN_WEIGHTS`, blocked otherwise."""
 TILED_DP4A_MIN_WEIGHTS = 1 << 21
 """With ``TILED_IMPL = "auto"``, integer-block weights of at least this many values (N x K) take the
-dp4a GEMM. On the H200 it ran the 1.07B shape's products (4.2M-16.8M weights) 1.4x faster on a
-512-token prompt and 1.1-1.3x on 64 streams than the blocked kernel, and SmolLM2's (0.3M-0.9M)
-0.75x on 64 streams: its quantize pass is a dispatch more a product, which small products do
-not repay (BENCHMARKS.md, twenty-seventh session)."""
+dp4a GEMM. On the H200 it ran the 1.07B shape's products (4.2M-16.8M weights) 1.36-1.49x faster
+on a 512-token prompt and 1.04-1.31x on 64 streams than the blocked kernel, and SmolLM2's
+(0.3M-0.9M) 0.73-0.79x on 64 streams: its quantize pass is a dispatch more a product, which small
+products do not repay (BENCHMARKS.md, twenty-seventh session)."""
 TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
