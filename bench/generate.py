@@ -40,7 +40,8 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
   many streams).
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
-time, or both in turn; ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
+time, or both in turn; ``--attn-prefetch off,on`` with attention's ``ATTN_PREFETCH`` off and on;
+``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
 that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
@@ -470,8 +471,8 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        settings = [Setting(impl, tiled, spr, pipeline) for impl in a.gemv for tiled in a.tiled
-                    for spr in a.steps_per_run for pipeline in modes]
+        settings = [Setting(impl, tiled, spr, pipeline, pre == "on") for impl in a.gemv for tiled in a.tiled
+                    for spr in a.steps_per_run for pipeline in modes for pre in a.attn_prefetch]
         figs: dict[Setting, dict[str, Any]] = {}
         for setting in settings:
             with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
@@ -488,7 +489,8 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
                 fig = figs[setting] = hetero_gguf(llm, vocab, a)
                 step_bytes = llm.engine.packed.nbytes
                 emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=setting.gemv,
-                     tiled=setting.tiled, steps_per_run=setting.steps_per_run, **fig)
+                     tiled=setting.tiled, steps_per_run=setting.steps_per_run,
+                     attn_prefetch=setting.attn_prefetch, **fig)
         rt.close()
         first = settings[0]
         fig = figs[first]
@@ -555,17 +557,19 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
 
 
 class Setting(NamedTuple):
-    """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run and pipeline."""
+    """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run and
+    pipeline, attention's prefetch."""
 
     gemv: str
     tiled: str
     steps_per_run: int
     pipeline: bool
+    attn_prefetch: bool = False
 
     @property
     def name(self) -> str:
         return (f"gemv={self.gemv} tiled={self.tiled} steps_per_run={self.steps_per_run} "
-                f"pipeline={'on' if self.pipeline else 'off'}")
+                f"pipeline={'on' if self.pipeline else 'off'} attn_prefetch={'on' if self.attn_prefetch else 'off'}")
 
 
 def _setting_change(first: Setting, other: Setting) -> str:
@@ -588,16 +592,16 @@ def _choices(names: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 @contextlib.contextmanager
 def kernel_settings(setting: Setting) -> Iterator[None]:
-    """``hetero.kernels.decoder``'s ``GEMV_IMPL`` and ``TILED_IMPL`` set to ``setting``'s while an LLM is
-    made and timed (its step is captured with the kernels it chooses then)."""
+    """``hetero.kernels.decoder``'s ``GEMV_IMPL``, ``TILED_IMPL`` and ``ATTN_PREFETCH`` set to ``setting``'s
+    while an LLM is made and timed (its step is captured with the kernels it chooses then)."""
     from hetero.kernels import decoder
 
-    old = decoder.GEMV_IMPL, decoder.TILED_IMPL
-    decoder.GEMV_IMPL, decoder.TILED_IMPL = setting.gemv, setting.tiled
+    old = decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH
+    decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH = setting.gemv, setting.tiled, setting.attn_prefetch
     try:
         yield
     finally:
-        decoder.GEMV_IMPL, decoder.TILED_IMPL = old
+        decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH = old
 
 
 def _ints(text: str) -> list[int]:
@@ -648,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(TILED_IMPLS)} (default {TILED_IMPL})")
     g.add_argument("--steps-per-run", type=_ints, default=[1], metavar="K[,K...]",
                    help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
+    g.add_argument("--attn-prefetch", type=_choices(("off", "on")), default=["off"], metavar="off|on[,...]",
+                   help="hetero.kernels.decoder.ATTN_PREFETCH in turn (default off)")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:

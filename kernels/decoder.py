@@ -119,7 +119,7 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`,
 :data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
-:data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`.
+:data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`.
 """
 
 from __future__ import annotations
@@ -222,6 +222,10 @@ ATTN_SPLIT_MIN_GROUPS = 128
 would run; past it, longer splits."""
 ATTN_MAX_HEADS = 8
 """Most query heads one attention workgroup serves (a group of more is served in chunks)."""
+ATTN_PREFETCH = False
+"""Attention loads a tile's key row and value rows of a thread at once, its value slots read from the
+block table by the thread (head_dim <= 64), instead of the values after the softmax's barriers: one
+memory round trip a tile instead of two. Off by default: not yet timed on a GPU."""
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -987,8 +991,10 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
     sg = _subgroups(gpu)
     partial = splits > 1
     f16 = k_cache.dtype == _U32
-    kern = gpu.kernel(W.attention(per_wg, d, partial, sg, f16), "main",
+    pre = bool(ATTN_PREFETCH) and W.attention_prefetches(d)
+    kern = gpu.kernel(W.attention(per_wg, d, partial, sg, f16, pre), "main",
                       label=f"decoder.paged_attention.g{per_wg}.d{d}{'.split' if partial else ''}"
+                      f"{'.pre' if pre else ''}"
                       f"{'.f16' if f16 else ''}"
                       f"{f'.sg{sg}' if sg else ''}")
     params = struct.pack("<8If3I", t, hq, hkv, d, bs, maxb, splits, split_keys,

@@ -1027,7 +1027,8 @@ ATTN_WG = 64
 
 
 @lru_cache(maxsize=None)
-def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool = False) -> str:
+def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool = False,
+              prefetch: bool = False) -> str:
     """Causal GQA attention of one query row over its sequence's paged keys (or one split of them).
 
     A workgroup per (query row, KV head, chunk of ``group`` query heads, split) serves the
@@ -1036,8 +1037,12 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
     scaled by scale * log2 e), an online softmax per head (running maximum and sum, the
     accumulators rescaled when the maximum rises; exp2), then the values: thread
     (key group kg, column c) accumulates vec4 column c of the values of keys kg, kg + KG,
-    ... of the tile (KG = 64 / (D / 4) key groups; a constant trip count, so loads
-    pipeline), and the key groups' sums meet in workgroup memory at the end.
+    ... of the tile (KG = 64 / (D / 4) key groups), and the key groups' sums meet in
+    workgroup memory at the end: key rows and value columns in loops of constant trip count, the
+    value phase's slots shared through workgroup memory. ``prefetch`` (D <= 64): a thread loads
+    its key row and its value rows of a tile together, unrolled, right after the block table
+    (each thread reads its value keys' slots there itself), so the values' loads wait for no
+    barrier; :func:`attention_prefetches` says where it applies.
     ``partial``: writes (acc, m, l) unnormalised for the combine pass. ``f16_cache``: K and
     V hold f16 pairs in u32 words (4 values a vec2<u32>).
     """
@@ -1048,6 +1053,10 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
     d4 = d // 4
     kg_n = max(1, wg // d4)  # key groups
     per = -(-wg // kg_n)     # keys of a tile per key group
+    # prefetch, head_dim <= 64: a thread's key row and its value rows of a tile are loaded at once
+    # (their slots read from the block table by the thread itself), so a tile costs one memory round
+    # trip after the table, not two; longer rows would not fit in registers, and walk them in loops
+    pre = prefetch and attention_prefetches(d)
     G = group
     L: list[str] = []
     L.append("    let w = hetero_workgroup_id(wid).x;")
@@ -1078,16 +1087,30 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
     L.append("        var slot = 0u;  // keys past the end: weight 0, any valid row (the tile's first key)")
     L.append("        let jr = select(kt, j, j < end);")
     L.append("        slot = u32(bt[seq * p.maxb + jr / p.bs]) * p.bs + jr % p.bs;")
-    L.append("        slots[li] = slot;")
+    if pre:  # the value rows this thread accumulates: keys kg, kg + KG, ... of the tile (past the end: key kt)
+        for i in range(per):
+            L.append(f"        let vj{i} = kt + min(kg + {i * kg_n}u, {wg - 1}u);")
+            L.append(f"        let vr{i} = select(kt, vj{i}, vj{i} < end);")
+            L.append(f"        let vv{i} = ld(vc[((u32(bt[seq * p.maxb + vr{i} / p.bs]) * p.bs + vr{i} % p.bs) * p.hkv"
+                     f" + g) * {d4}u + col]);")
+    else:
+        L.append("        slots[li] = slot;")
     L.append("        if (j < end) {")
     L.append(f"            let base = (slot * p.hkv + g) * {d4}u;")
     for h in range(G):
         L.append(f"            var d{h} = 0.0;")
-    L.append(f"            for (var c = 0u; c < {d4}u; c++) {{")
-    L.append("                let kv = ld(kc[base + c]);")
-    for h in range(G):
-        L.append(f"                d{h} += dot(qsh[{h * d4}u + c], kv);")
-    L.append("            }")
+    if pre:
+        for c in range(d4):
+            L.append(f"            let kv{c} = ld(kc[base + {c}u]);")
+        for c in range(d4):
+            for h in range(G):
+                L.append(f"            d{h} += dot(qsh[{h * d4 + c}u], kv{c});")
+    else:
+        L.append(f"            for (var c = 0u; c < {d4}u; c++) {{")
+        L.append("                let kv = ld(kc[base + c]);")
+        for h in range(G):
+            L.append(f"                d{h} += dot(qsh[{h * d4}u + c], kv);")
+        L.append("            }")
     for h in range(G):
         L.append(f"            s{h} = d{h};")
     L.append("        }")
@@ -1104,13 +1127,20 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
         L.append(f"        l{h} = l{h} * al{h} + ts{h};")
     # psh and slots were written before the reductions' barriers: visible here
     L.append("        if (vlive) {")
-    L.append(f"            for (var i = 0u; i < {per}u; i++) {{")
-    L.append(f"                let jj = min(kg + i * {kg_n}u, {wg - 1}u);")
-    L.append(f"                let live = kg + i * {kg_n}u < {wg}u;")
-    L.append(f"                let vv = ld(vc[(slots[jj] * p.hkv + g) * {d4}u + col]);")
-    for h in range(G):
-        L.append(f"                acc{h} += select(0.0, psh[{h}u * {wg}u + jj], live) * vv;")
-    L.append("            }")
+    if pre:
+        for i in range(per):
+            L.append(f"            let jj{i} = min(kg + {i * kg_n}u, {wg - 1}u);")
+            L.append(f"            let live{i} = kg + {i * kg_n}u < {wg}u;")
+            for h in range(G):
+                L.append(f"            acc{h} += select(0.0, psh[{h}u * {wg}u + jj{i}], live{i}) * vv{i};")
+    else:
+        L.append(f"            for (var i = 0u; i < {per}u; i++) {{")
+        L.append(f"                let jj = min(kg + i * {kg_n}u, {wg - 1}u);")
+        L.append(f"                let live = kg + i * {kg_n}u < {wg}u;")
+        L.append(f"                let vv = ld(vc[(slots[jj] * p.hkv + g) * {d4}u + col]);")
+        for h in range(G):
+            L.append(f"                acc{h} += select(0.0, psh[{h}u * {wg}u + jj], live) * vv;")
+        L.append("            }")
     L.append("        }")
     L.append("        workgroupBarrier();")
     L.append("    }")
@@ -1167,6 +1197,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 {body}
 }}
 """
+
+
+def attention_prefetches(d: int) -> bool:
+    """Whether :func:`attention` with ``prefetch`` loads a tile's rows at once for head_dim ``d``: a
+    thread's key row (D / 4 vec4) and value rows (64 / (64 / (D / 4)) of them) fit in registers."""
+    d4 = d // 4
+    return d4 <= 16 and -(-ATTN_WG // max(1, ATTN_WG // d4)) <= 16
 
 
 @lru_cache(maxsize=None)

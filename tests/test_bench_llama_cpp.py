@@ -253,13 +253,27 @@ def test_gemv_tiled_and_steps_per_run_settings_are_timed_in_turn_and_compared_wi
         rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "12", "--npp", "2", "--ntg", "3", "--npl", "1",
                             "--reps", "1", "--no-profile", "--gemv", "auto,units", "--tiled", "blocked,t32",
                             "--steps-per-run", "1,2"])
-    assert rc == 0 and (decoder.GEMV_IMPL, decoder.TILED_IMPL) == ("auto", "auto")  # set back after each
+    assert rc == 0 and (decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH) == ("auto", "auto", False)
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [(x["gemv"], x["tiled"], x["steps_per_run"]) for x in lines if x.get("weights") == "auto"] == [
         (g, t, k) for g in ("auto", "units") for t in ("blocked", "t32") for k in (1, 2)]
     compared = {x["model"] for x in lines if "ratio" in x}
     assert len(compared) == 7 and {"tiny (steps_per_run 1 / 2)", "tiny (gemv auto / units)", "tiny (tiled blocked / t32)",
                                    "tiny (gemv auto / units, tiled blocked / t32, steps_per_run 1 / 2)"} <= compared
+
+
+def test_attention_prefetch_is_timed_off_and_on(tmp_path):
+    from hetero.kernels import decoder
+
+    f = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "12", "--npp", "2", "--ntg", "3", "--npl", "1",
+                            "--reps", "1", "--no-profile", "--attn-prefetch", "off,on"])
+    assert rc == 0 and decoder.ATTN_PREFETCH is False  # set back after each
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [x["attn_prefetch"] for x in lines if x.get("weights") == "auto"] == [False, True]
+    assert {x["model"] for x in lines if "ratio" in x} == {"tiny (attn_prefetch off / on)"}
     for bad in (["--gemv", "fast"], ["--tiled", "t64"], ["--steps-per-run", "5"], ["--steps-per-run", "2,2"]):
         with pytest.raises(SystemExit):
             generate.main(["--gguf", str(f), *bad])

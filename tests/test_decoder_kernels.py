@@ -18,6 +18,7 @@ import pytest
 import hetero
 import hetero.kernels.decoder as D
 import hetero.kernels.decoder_gemm as G
+import hetero.kernels.decoder_wgsl as W
 from hetero.kernels.quant import PackedWeight, concat_rows, pack, quantize_q8_0_blocks, unpack
 
 pytestmark = pytest.mark.anyio
@@ -482,15 +483,20 @@ def f16_pairs(words: np.ndarray) -> np.ndarray:
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loops", "prefetch"])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("heads", [(9, 3, 16, 4), (8, 2, 32, 16), (4, 4, 64, 4)],
                          ids=["gqa3-bs4", "gqa4-bs16", "mha-d64"])
 async def test_rope_kv_then_paged_attention_prefill(shared_rt: hetero.Runtime, heads: tuple[int, int, int, int],
-                                                    cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    cache: str, prefetch: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """All tokens of three sequences (one spanning several blocks with a partial last one, one of a
     single token) in one batch: rope_kv writes the cache, then each row attends causally. An f16
-    cache holds the rows rounded to f16, and attention matches numpy on those rounded rows."""
+    cache holds the rows rounded to f16, and attention matches numpy on those rounded rows; with
+    and without ATTN_PREFETCH (it applies at every head_dim here)."""
+    monkeypatch.setattr(D, "ATTN_PREFETCH", prefetch)
     hq, hkv, d, bs = heads
+    assert W.attention_prefetches(d)
     b = Batch([9, 1, 21], bs, hq, hkv, d, seed=hq * 10 + d)
     if cache == "f16":  # the reference attends over the rounded rows
         b.k = b.k.astype(np.float16).astype(np.float64)
@@ -526,9 +532,12 @@ async def test_paged_attention_head_chunks_and_odd_head_dims(shared_rt: hetero.R
                                                              heads: tuple[int, int, int, int, int],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A query-head group served in chunks (ATTN_MAX_HEADS below the group), head_dim 80 (value
-    columns not a power of two) and 128; decode rows and a prefill batch."""
+    columns not a power of two) and 128; decode rows and a prefill batch. ATTN_PREFETCH is on: it
+    applies at head_dim 16; at 80 and 128 the loops run."""
     hq, hkv, d, bs, max_heads = heads
     monkeypatch.setattr(D, "ATTN_MAX_HEADS", max_heads)
+    monkeypatch.setattr(D, "ATTN_PREFETCH", True)
+    assert W.attention_prefetches(d) == (d <= 64)
     b = Batch([11, 70], bs, hq, hkv, d, seed=d + hq)
     want = b.attention_ref(list(range(len(b.rows))))
 
@@ -544,7 +553,9 @@ async def test_paged_attention_head_chunks_and_odd_head_dims(shared_rt: hetero.R
 async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode: one query a sequence at its last position over a cache written by kv_write; the
-    flash-decoding split (chosen, and forced) agrees with the one-pass kernel; float32 and f16 caches."""
+    flash-decoding split (chosen, and forced) agrees with the one-pass kernel; float32 and f16 caches;
+    with and without ATTN_PREFETCH."""
+    assert "let vv0" in W.attention(3, 16, True, 0, False, True) and "let vv0" not in W.attention(3, 16, True, 0)
     monkeypatch.setattr(D, "ATTN_SPLIT_KEYS", 32)
     b = Batch([70, 5, 130], 16, 9, 3, 16, seed=7)
     last = [max(i for i, (s2, _) in enumerate(b.rows) if s2 == s) for s in range(len(b.lens))]
@@ -555,14 +566,15 @@ async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime
         if cache == "f16":  # kv_write rounds the float32 rows to f16 as numpy does
             b.k, b.v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
         want = b.attention_ref(last)
-        for splits in (None, 1, 2, 7):
+        for splits, prefetch in ((None, False), (1, False), (2, False), (7, False), (1, True), (7, True)):
+            monkeypatch.setattr(D, "ATTN_PREFETCH", prefetch)
             def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any) -> Any:
                 kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d, dtype=cache)
                 D.kv_write(gpu, kc, vc, k, v, slots)
                 return D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=splits)
             o = await call(shared_rt, stage, k=k, v=v, slots=b.slots, q=qd, bt=b.bt,
                            seq=np.arange(len(b.lens), dtype=np.int32), pos=b.pos[last])
-            close(f"paged_attention decode splits={splits} cache={cache}", o, want, 1.0)
+            close(f"paged_attention decode splits={splits} prefetch={prefetch} cache={cache}", o, want, 1.0)
 
 
 async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
