@@ -668,7 +668,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch = torch_cuda()
     rt = hetero.Runtime()
-    emit(**adapter_fields(device_of(rt)), torch_cuda=torch is not None)
+    dev = device_of(rt)
+    # the features that decide the decoder's kernels' options (and cooperative-matrix, not yet used)
+    wanted = ("subgroup", "shader-f16", "cooperative-matrix", "shader-float32-atomic")
+    emit(**adapter_fields(dev), torch_cuda=torch is not None,
+         features={f: f in dev.adapter.features for f in wanted})
     bw = bandwidth(torch) if torch is not None else None
     if bw is not None:
         emit(device_copy_GB_s=round(bw / 1e9, 1))
