@@ -245,7 +245,13 @@ def quantize_rows(norm: bool) -> str:
     scale = "    let rms = 1.0;\n"
     if norm:
         scale = """    var s = 0.0;
-    for (var k4 = li; k4 < p.k / 4u; k4 += 64u) { let v = x[base + k4]; s += dot(v, v); }
+    var kn = li;
+    while (kn + 192u < p.k / 4u) {  // four loads in flight, then their squares
+        let v0 = x[base + kn]; let v1 = x[base + kn + 64u]; let v2 = x[base + kn + 128u]; let v3 = x[base + kn + 192u];
+        s += (dot(v0, v0) + dot(v1, v1)) + (dot(v2, v2) + dot(v3, v3));
+        kn += 256u;
+    }
+    while (kn < p.k / 4u) { let v = x[base + kn]; s += dot(v, v); kn += 64u; }
     red[li] = s;
     workgroupBarrier();
     for (var h = 32u; h > 0u; h >>= 1u) {

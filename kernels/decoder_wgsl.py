@@ -729,6 +729,29 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """)
 
 
+SPLIT_UNROLL = 4
+"""Splits an epilogue pass loads at once before it adds them (the rest one at a time)."""
+
+
+def split_sums(sums: Sequence[tuple[str, str]], count: str = "p.ks", indent: str = "    ") -> str:
+    """WGSL adding, for each ``(acc, index)``, ``src[index]`` over s = 0 .. ``count`` - 1 into the
+    declared ``acc`` (``index`` an expression of s, ``src`` named in it: ``"part[...]"``): the
+    loads of :data:`SPLIT_UNROLL` splits issued together, then summed, so the pass waits on a
+    memory latency per few splits rather than per split. The same order everywhere it is used."""
+    u = SPLIT_UNROLL
+    out = [f"{indent}var s = 0u;", f"{indent}while (s + {u}u <= {count}) {{"]
+    for j, (acc, expr) in enumerate(sums):
+        for t in range(u):
+            out.append(f"{indent}    let l{j}_{t} = {expr.replace('{s}', f'(s + {t}u)')};")
+    for j, (acc, _) in enumerate(sums):
+        terms = " + ".join(f"l{j}_{t}" for t in range(u))
+        out.append(f"{indent}    {acc} += {terms};")
+    out += [f"{indent}    s += {u}u;", f"{indent}}}", f"{indent}while (s < {count}) {{"]
+    for acc, expr in sums:
+        out.append(f"{indent}    {acc} += {expr.replace('{s}', 's')};")
+    out += [f"{indent}    s += 1u;", f"{indent}}}"]
+    return "\n".join(out)
+
 
 @lru_cache(maxsize=None)
 def linear_epilogue(swiglu: bool, norm: bool, bias: bool, residual: bool) -> str:
@@ -750,9 +773,12 @@ def linear_epilogue(swiglu: bool, norm: bool, bias: bool, residual: bool) -> str
     decls += f"@group(0) @binding({b}) var<storage, read_write> y: array<f32>;\n"
     decls += f"@group(0) @binding({b + 1}) var<uniform> p: Params;\n"
     a1 = "a1" if swiglu else "0.0"
-    acc1 = f"a1 += part[((s * {nw}u + 1u) * p.m + m) * p.n + n];" if swiglu else ""
-    ss = ("var ss = 0.0;\n    for (var s = 0u; s < p.ks; s++) { ss += pss[s * p.m + m]; }\n"
-          "    let scale = inverseSqrt(ss / f32(p.k) + p.eps);") if norm else "let scale = 1.0;"
+    sums = [("a0", f"part[(({{s}} * {nw}u) * p.m + m) * p.n + n]")]
+    if swiglu:
+        sums.append(("a1", f"part[(({{s}} * {nw}u + 1u) * p.m + m) * p.n + n]"))
+    if norm:
+        sums.append(("ss", "pss[{s} * p.m + m]"))
+    scale = "let scale = inverseSqrt(ss / f32(p.k) + p.eps);" if norm else "let scale = 1.0;"
     return (COMMON + LINEAR_PARAMS + decls + store_fn(swiglu, bias, residual) + f"""
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
@@ -762,11 +788,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let n = i % p.n;
     var a0 = 0.0;
     var a1 = 0.0;
-    for (var s = 0u; s < p.ks; s++) {{
-        a0 += part[((s * {nw}u) * p.m + m) * p.n + n];
-        {acc1}
-    }}
-    {ss}
+    var ss = 0.0;
+{split_sums(sums)}
+    {scale}
     store(m, n, a0, {a1}, scale);
 }}
 """)
@@ -784,10 +808,11 @@ def linear_epilogue_rope(norm: bool, bias: bool, cache: str) -> str:
                                 ("kc", "u32" if cache == "f16" else "f32", True),
                                 ("vc", "u32" if cache == "f16" else "f32", True)], params=False)
     decls += f"@group(0) @binding({b}) var<uniform> p: Params;\n"
-    sums = "\n".join(f"        a0_{r}_0 += part[(s * p.m + row) * p.n + n0 + {off}];"
-                      for r, off in enumerate(("0u", "1u", "half", "half + 1u")))
-    ss = ("    var ss = 0.0;\n    for (var s = 0u; s < p.ks; s++) { ss += pss[s * p.m + row]; }\n"
-          "    let sc0 = inverseSqrt(ss / f32(p.k) + p.eps);") if norm else "    let sc0 = 1.0;"
+    sums = [(f"a0_{r}_0", f"part[({{s}} * p.m + row) * p.n + n0 + {off}]")
+            for r, off in enumerate(("0u", "1u", "half", "half + 1u"))]
+    if norm:
+        sums.append(("ss", "pss[{s} * p.m + row]"))
+    sc = "    let sc0 = inverseSqrt(ss / f32(p.k) + p.eps);" if norm else "    let sc0 = 1.0;"
     body = "\n".join(_rope_epilogue(cache, 1, bias, row="row"))
     return (COMMON + _LINEAR_ROPE_PARAMS + decls + SINCOS + f"""
 @compute @workgroup_size(64)
@@ -802,10 +827,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let half = p.d / 2u;
     let n0 = head * p.d + i0;
     var a0_0_0 = 0.0; var a0_1_0 = 0.0; var a0_2_0 = 0.0; var a0_3_0 = 0.0;
-    for (var s = 0u; s < p.ks; s++) {{
-{sums}
-    }}
-{ss}
+    var ss = 0.0;
+{split_sums(sums)}
+{sc}
 {body}
 }}
 """)

@@ -335,10 +335,10 @@ async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runt
     dequantized weight, each output is within sum_k (x's rounding at k) * |w_k| (plus float32's
     rounding), with and without the folded RMSNorm, bias, residual, SwiGLU, split K; M = 9, 33, 70
     (32- and 64-row tiles, the last partial), N = 70, K = 160 (five blocks: part of one quantize
-    workgroup) and 320 (ten: two, the second partial); slices of 4 blocks along K (the last of a
-    split partial) and of 1."""
+    workgroup) and 320 (ten: two, the second partial), and 1056 (the norm's sum of squares past its
+    unrolled loads); slices of 4 blocks along K (the last of a split partial) and of 1."""
     monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
-    for k, slice_blocks in ((160, 4), (320, 4), (160, 1)):
+    for k, slice_blocks in ((160, 4), (320, 4), (160, 1), (1056, 4)):
         monkeypatch.setattr(G, "DP4A_SLICE_BLOCKS", slice_blocks)
         await _dp4a_case(shared_rt, kind, k, monkeypatch)
 
