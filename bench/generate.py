@@ -40,7 +40,9 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
   many streams).
 
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
-time, or both in turn; ``--attn-prefetch off,on`` with attention's ``ATTN_PREFETCH`` off and on;
+time, or both in turn; ``--knob NAME=V1,V2`` (repeatable) with a module attribute of
+``hetero.kernels.decoder`` (or of ``decoder_gemm``) set to each value in turn, e.g. ``--knob
+ATTN_PREFETCH=False,True --knob GEMV_UNITS_UNROLL=1,2``;
 ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
@@ -471,8 +473,8 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        settings = [Setting(impl, tiled, spr, pipeline, pre == "on") for impl in a.gemv for tiled in a.tiled
-                    for spr in a.steps_per_run for pipeline in modes for pre in a.attn_prefetch]
+        settings = [Setting(impl, tiled, spr, pipeline, knobs) for impl in a.gemv for tiled in a.tiled
+                    for spr in a.steps_per_run for pipeline in modes for knobs in _knob_grid(a.knob)]
         figs: dict[Setting, dict[str, Any]] = {}
         for setting in settings:
             with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
@@ -490,7 +492,7 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
                 step_bytes = llm.engine.packed.nbytes
                 emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=setting.gemv,
                      tiled=setting.tiled, steps_per_run=setting.steps_per_run,
-                     attn_prefetch=setting.attn_prefetch, **fig)
+                     **({"knobs": dict(setting.knobs)} if setting.knobs else {}), **fig)
         rt.close()
         first = settings[0]
         fig = figs[first]
@@ -558,25 +560,68 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
 
 class Setting(NamedTuple):
     """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run and
-    pipeline, attention's prefetch."""
+    pipeline, and other kernel knobs (``--knob``: (module attribute, value) pairs)."""
 
     gemv: str
     tiled: str
     steps_per_run: int
     pipeline: bool
-    attn_prefetch: bool = False
+    knobs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
         return (f"gemv={self.gemv} tiled={self.tiled} steps_per_run={self.steps_per_run} "
-                f"pipeline={'on' if self.pipeline else 'off'} attn_prefetch={'on' if self.attn_prefetch else 'off'}")
+                f"pipeline={'on' if self.pipeline else 'off'}" + "".join(f" {k}={v}" for k, v in self.knobs))
 
 
 def _setting_change(first: Setting, other: Setting) -> str:
     """What differs between two timed settings, as "first / other" (e.g. "pipeline on / off")."""
     def word(v: Any) -> str:
         return ("on" if v else "off") if isinstance(v, bool) else str(v)
-    return ", ".join(f"{name} {word(a)} / {word(b)}" for name, a, b in zip(Setting._fields, first, other) if a != b)
+    parts = [f"{name} {word(a)} / {word(b)}" for name, a, b in zip(Setting._fields[:-1], first, other) if a != b]
+    parts += [f"{k} {a} / {b}" for (k, a), (_, b) in zip(first.knobs, other.knobs) if a != b]
+    return ", ".join(parts)
+
+
+def _knob_modules() -> tuple[Any, ...]:
+    from hetero.kernels import decoder, decoder_gemm
+
+    return decoder, decoder_gemm
+
+
+def _knob(text: str) -> tuple[str, list[Any]]:
+    """An argparse type: ``NAME=V1[,V2...]``, NAME an upper-case attribute of hetero.kernels.decoder
+    or decoder_gemm, each value a Python literal of the attribute's type (a scalar: values are
+    split at commas)."""
+    import ast
+
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    mod = next((m for m in _knob_modules() if name.isupper() and hasattr(m, name)), None)
+    if not sep or mod is None:
+        raise argparse.ArgumentTypeError(f"expected NAME=V1[,V2...] with NAME a knob of hetero.kernels.decoder or "
+                                         f"decoder_gemm (e.g. ATTN_PREFETCH=False,True); got {text!r}")
+    current = getattr(mod, name)
+    out = []
+    for v in (x.strip() for x in values.split(",") if x.strip()):
+        try:
+            value = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            value = v  # a bare word: a string knob
+        if type(value) is not type(current):
+            raise argparse.ArgumentTypeError(f"{name} is a {type(current).__name__} ({current!r}); got {v!r}")
+        out.append(value)
+    if not out or len(set(map(repr, out))) != len(out):
+        raise argparse.ArgumentTypeError(f"expected distinct values for {name}; got {values!r}")
+    return name, out
+
+
+def _knob_grid(knobs: list[tuple[str, list[Any]]]) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the ``--knob`` values, the first knob's values outermost."""
+    grid: list[tuple[tuple[str, Any], ...]] = [()]
+    for name, values in knobs:
+        grid = [g + ((name, v),) for g in grid for v in values]
+    return grid
 
 
 def _choices(names: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -592,16 +637,21 @@ def _choices(names: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 @contextlib.contextmanager
 def kernel_settings(setting: Setting) -> Iterator[None]:
-    """``hetero.kernels.decoder``'s ``GEMV_IMPL``, ``TILED_IMPL`` and ``ATTN_PREFETCH`` set to ``setting``'s
-    while an LLM is made and timed (its step is captured with the kernels it chooses then)."""
+    """``hetero.kernels.decoder``'s ``GEMV_IMPL`` and ``TILED_IMPL`` and the ``--knob`` attributes set to
+    ``setting``'s while an LLM is made and timed (its step is captured with the kernels it chooses then)."""
     from hetero.kernels import decoder
 
-    old = decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH
-    decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH = setting.gemv, setting.tiled, setting.attn_prefetch
+    knobs = [(next(m for m in _knob_modules() if hasattr(m, k)), k, v) for k, v in setting.knobs]
+    old = decoder.GEMV_IMPL, decoder.TILED_IMPL, [(m, k, getattr(m, k)) for m, k, _ in knobs]
+    decoder.GEMV_IMPL, decoder.TILED_IMPL = setting.gemv, setting.tiled
+    for m, k, v in knobs:
+        setattr(m, k, v)
     try:
         yield
     finally:
-        decoder.GEMV_IMPL, decoder.TILED_IMPL, decoder.ATTN_PREFETCH = old
+        decoder.GEMV_IMPL, decoder.TILED_IMPL = old[0], old[1]
+        for m, k, v in old[2]:
+            setattr(m, k, v)
 
 
 def _ints(text: str) -> list[int]:
@@ -652,8 +702,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(TILED_IMPLS)} (default {TILED_IMPL})")
     g.add_argument("--steps-per-run", type=_ints, default=[1], metavar="K[,K...]",
                    help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
-    g.add_argument("--attn-prefetch", type=_choices(("off", "on")), default=["off"], metavar="off|on[,...]",
-                   help="hetero.kernels.decoder.ATTN_PREFETCH in turn (default off)")
+    g.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
+                   help="a module attribute of hetero.kernels.decoder (or decoder_gemm) set to each value in turn "
+                        "(repeatable: every combination is timed)")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:

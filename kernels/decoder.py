@@ -116,7 +116,8 @@ back to the host.
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES_MIN_N`, :data:`GEMV_LANES_WIDE_KINDS`,
 :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`, :data:`GEMV_LANES_THREADS`,
-:data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_WIDE_N`,
+:data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_UNITS_UNROLL`,
+:data:`GEMV_WIDE_N`,
 :data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`.
@@ -154,6 +155,11 @@ GEMV_THREADS = 64
 """Threads of a workgroup of the ``units`` GEMV (a power of two)."""
 GEMV_ROWS = 4
 """Output rows a GEMV workgroup of the ``units`` kernel computes at M = 1 (fewer for larger M: registers)."""
+GEMV_UNITS_UNROLL = 1
+"""Units a thread of the ``units`` GEMV loads before it multiplies them, while that many are left (its
+row's later units one at a time): with 2, a row of K weights waits on a memory latency per 2 x 64
+x 8 weights, not per 64 x 8 (the 1.07B shape's down projection, K 8192, walks 16). Not yet timed on
+a GPU: 1 (the loop as before) by default."""
 GEMV_IMPLS = ("auto", "lanes", "units")
 """The values :data:`GEMV_IMPL` takes."""
 GEMV_IMPL = "auto"
@@ -478,10 +484,11 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         for m0 in range(0, m, GEMV_MAX_M):
             mr = min(GEMV_MAX_M, m - m0)
             rows = 1 if n >= GEMV_WIDE_N else max(1, min(GEMV_ROWS, 8 // mr))
+            unroll = max(1, int(GEMV_UNITS_UNROLL))
             src = W.linear_gemv(kind, mr, rows, GEMV_THREADS, vec, swiglu, norm is not None, bias is not None,
-                                residual is not None, sg)
+                                residual is not None, sg, unroll=unroll)
             kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
-                              f"{f'.sg{sg}' if sg else ''}")
+                              f"{f'.u{unroll}' if unroll > 1 else ''}{f'.sg{sg}' if sg else ''}")
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
         return out
@@ -911,9 +918,10 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
         label = f"decoder.linear_rope_kv.lanes.{kind}.m{m}.l{lanes}.t{threads}.u{unroll}"
         groups = _groups(quads, threads // lanes)
     else:
+        unroll = max(1, int(GEMV_UNITS_UNROLL))
         src = W.linear_gemv(kind, m, 4, GEMV_THREADS, vec, False, norm is not None, bias is not None, False, sg,
-                            cache)
-        label = f"decoder.linear_rope_kv.gemv.{kind}.m{m}"
+                            cache, unroll=unroll)
+        label = f"decoder.linear_rope_kv.gemv.{kind}.m{m}{f'.u{unroll}' if unroll > 1 else ''}"
         groups = quads  # a workgroup a four rows
     kern = gpu.kernel(src, "main", label=f"{label}.{cache}{tag}{f'.sg{sg}' if sg else ''}")
     inputs: list[Any] = [_dev(gpu, x), *_weight_tensors(gpu, w_qkv)]

@@ -153,7 +153,7 @@ def store_fn(swiglu: bool, bias: bool, residual: bool) -> str:
 
 @lru_cache(maxsize=None)
 def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swiglu: bool, norm: bool,
-                bias: bool, residual: bool, subgroups: int, rope: str = "") -> str:
+                bias: bool, residual: bool, subgroups: int, rope: str = "", unroll: int = 1) -> str:
     """y[M, N] = x[M, K] @ W.T for small M: a workgroup of ``threads`` per ``rows`` output rows.
 
     Thread t takes units t, t + threads, ... of every row of its workgroup (consecutive
@@ -164,6 +164,10 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     RMS-normalised on the fly (x * g, and the dot products scaled by
     1 / sqrt(mean(x^2) + eps), the sum of squares reduced with them).
     ``swiglu``: two weights (gate, up), y = silu(x Wg^T) * (x Wu^T).
+
+    ``unroll``: while ``unroll`` units are left a thread, it loads all their activations and weights
+    (rows clamped to the last: a row past N is never stored) before it multiplies them, then walks
+    the rest a unit at a time; so a long row costs a memory latency per ``unroll`` units.
 
     ``rope`` (``"f32"`` or ``"f16"``: the KV cache's type; ``rows`` 4): the fused QKV projection with
     RoPE and the KV-cache write, as :func:`linear_gemv_lanes` has it: workgroup w takes rows ``2j,
@@ -190,7 +194,36 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
         row = [f"n0 + {r}u" for r in range(rows)]
     for v in vals:
         lines.append(f"    var {v} = 0.0;")
-    lines.append("    for (var u = li; u < p.units; u += WG) {")
+    lines.append("    var u = li;")
+    if unroll > 1:  # every load of `unroll` units first, then their products
+        for r in range(rows):
+            lines.append(f"    let rc{r} = min({row[r]}, p.n - 1u);")
+        lines.append(f"    while (u + {unroll - 1}u * WG < p.units) {{")
+        for t in range(unroll):
+            ut = f"u + {t}u * WG" if t else "u"
+            lines.append(f"        let o{t} = xoff({ut});")
+            for m in range(mrows):
+                lines.append(f"        var xa{m}_{t} = xv(p.m0 + {m}u, o{t}.x);")
+                lines.append(f"        var xb{m}_{t} = xv(p.m0 + {m}u, o{t}.y);")
+            if norm:
+                lines.append(f"        let ga{t} = gv(o{t}.x);")
+                lines.append(f"        let gb{t} = gv(o{t}.y);")
+            for r in range(rows):
+                for w in range(nw):
+                    lines.append(f"        let w{w}_{r}_{t} = wunit{w}(rc{r}, {ut});")
+        for t in range(unroll):
+            for m in range(mrows):
+                if norm:
+                    lines.append(f"        ss_{m} += dot(xa{m}_{t}, xa{m}_{t}) + dot(xb{m}_{t}, xb{m}_{t});")
+                    lines.append(f"        xa{m}_{t} *= ga{t}; xb{m}_{t} *= gb{t};")
+            for r in range(rows):
+                for w in range(nw):
+                    for m in range(mrows):
+                        lines.append(f"        a{w}_{r}_{m} += dot(w{w}_{r}_{t}.lo, xa{m}_{t}) + "
+                                     f"dot(w{w}_{r}_{t}.hi, xb{m}_{t});")
+        lines.append(f"        u += {unroll}u * WG;")
+        lines.append("    }")
+    lines.append("    for (; u < p.units; u += WG) {")
     lines.append("        let o = xoff(u);")
     for m in range(mrows):
         lines.append(f"        var xa{m} = xv(p.m0 + {m}u, o.x);")

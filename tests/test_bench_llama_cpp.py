@@ -9,6 +9,7 @@ field on its line, then ``samples_ns`` and ``samples_ts``; tools/batched-bench's
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -260,20 +261,32 @@ def test_gemv_tiled_and_steps_per_run_settings_are_timed_in_turn_and_compared_wi
     compared = {x["model"] for x in lines if "ratio" in x}
     assert len(compared) == 7 and {"tiny (steps_per_run 1 / 2)", "tiny (gemv auto / units)", "tiny (tiled blocked / t32)",
                                    "tiny (gemv auto / units, tiled blocked / t32, steps_per_run 1 / 2)"} <= compared
+    for bad in (["--gemv", "fast"], ["--tiled", "t64"], ["--steps-per-run", "5"], ["--steps-per-run", "2,2"]):
+        with pytest.raises(SystemExit):
+            generate.main(["--gguf", str(f), *bad])
 
 
-def test_attention_prefetch_is_timed_off_and_on(tmp_path):
-    from hetero.kernels import decoder
+def test_knobs_are_timed_in_every_combination_and_set_back(tmp_path):
+    from hetero.kernels import decoder, decoder_gemm
 
     f = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
     out = io.StringIO()
     with redirect_stdout(out):
         rc = generate.main(["--gguf", str(f), "--tg", "3", "--pp", "12", "--npp", "2", "--ntg", "3", "--npl", "1",
-                            "--reps", "1", "--no-profile", "--attn-prefetch", "off,on"])
-    assert rc == 0 and decoder.ATTN_PREFETCH is False  # set back after each
+                            "--reps", "1", "--no-profile", "--knob", "ATTN_PREFETCH=False,True",
+                            "--knob", "DP4A_SLICE_BLOCKS=4,1"])
+    assert rc == 0 and decoder.ATTN_PREFETCH is False and decoder_gemm.DP4A_SLICE_BLOCKS == 4  # set back
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
-    assert [x["attn_prefetch"] for x in lines if x.get("weights") == "auto"] == [False, True]
-    assert {x["model"] for x in lines if "ratio" in x} == {"tiny (attn_prefetch off / on)"}
-    for bad in (["--gemv", "fast"], ["--tiled", "t64"], ["--steps-per-run", "5"], ["--steps-per-run", "2,2"]):
-        with pytest.raises(SystemExit):
-            generate.main(["--gguf", str(f), *bad])
+    assert [x["knobs"] for x in lines if x.get("weights") == "auto"] == [
+        {"ATTN_PREFETCH": p, "DP4A_SLICE_BLOCKS": b} for p in (False, True) for b in (4, 1)]
+    assert {x["model"] for x in lines if "ratio" in x} == {
+        "tiny (DP4A_SLICE_BLOCKS 4 / 1)", "tiny (ATTN_PREFETCH False / True)",
+        "tiny (ATTN_PREFETCH False / True, DP4A_SLICE_BLOCKS 4 / 1)"}
+
+
+@pytest.mark.parametrize("text,error", [
+    ("NOT_A_KNOB=1", "a knob of hetero.kernels.decoder"), ("ATTN_PREFETCH", "NAME=V1"),
+    ("ATTN_PREFETCH=1", "ATTN_PREFETCH is a bool"), ("TILED_MIN_GROUPS=512,512", "distinct values")])
+def test_a_knob_must_name_an_attribute_and_match_its_type(text, error):
+    with pytest.raises(argparse.ArgumentTypeError, match=error):
+        generate._knob(text)

@@ -298,3 +298,54 @@ async def test_linear_rope_kv_in_the_split_k_epilogue(shared_rt: hetero.Runtime,
         assert fused[-1].startswith("decoder.linear.epilogue.rope") and fused[-1].endswith(f".{cache}")
         assert not any("rope_kv" in lb for lb in fused) and len(fused) == len(unfused) - 1
         assert any(".splitk" in lb for lb in fused) and unfused[-1].startswith("decoder.rope_kv")
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
+async def test_units_gemv_unrolled(shared_rt: hetero.Runtime, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV_UNITS_UNROLL 2 and 3: the units GEMV loads a few units a thread before it multiplies them
+    (rows past N clamped), then walks the rest one at a time. Against numpy: M = 1, 3, 8; K of 328
+    units (five unrolled steps of 64 and a partial one for some threads); N = 22 (the last
+    workgroup's rows past N); the RMSNorm, bias and residual folded in, and SwiGLU; and the fused
+    QKV + RoPE + KV write against the loop as before (GEMV_UNITS_UNROLL 1)."""
+    from tests.test_decoder_kernels import inv_freq
+
+    monkeypatch.setattr(D, "GEMV_IMPL", "units")
+    k, n = 328 * 8, 22
+    wa, wb = make_weight(kind, rand((n, k), 140)), make_weight(kind, rand((n, k), 141))
+    g, bias = rand((k,), 142) + 1.0, rand((n,), 143)
+    seen: list[str] = []
+
+    def stage(gpu: Any, x: Any, g: Any, b: Any, r: Any) -> Any:
+        spy = Spy(gpu)
+        out = (D.linear(spy, x, wa, bias=b, residual=r, norm=g, eps=1e-5), D.linear_swiglu(spy, x, wa, wb, norm=g,
+                                                                                        eps=1e-5))
+        seen.extend(spy.labels)
+        return out
+    for unroll in (2, 3):
+        monkeypatch.setattr(D, "GEMV_UNITS_UNROLL", unroll)
+        for m in (1, 3, 8):
+            x, res = rand((m, k), 150 + m), rand((m, n), 151 + m)
+            y, z = await call(shared_rt, stage, x=x, g=g, b=bias, r=res)
+            close(f"units u{unroll} {kind} M={m}", y, *linear_ref(x, unpack(wa), bias, res, norm=g, eps=1e-5))
+            a, sa = linear_ref(x, unpack(wa), norm=g, eps=1e-5)
+            b2, sb = linear_ref(x, unpack(wb), norm=g, eps=1e-5)
+            sig = 1.0 / (1.0 + np.exp(-a))
+            close(f"units u{unroll} swiglu {kind} M={m}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
+    assert all(f".u{u}." in lb for lb, u in zip(seen, [2] * 6 + [3] * 6))
+
+    hq, hkv, d, nb, bs = 4, 2, 16, 6, 4
+    wq = make_weight(kind, rand(((hq + 2 * hkv) * d, k), 160, scale=0.3))
+    f = inv_freq(d, 10000.0)
+    x = rand((3, k), 161)
+    pos, slots = np.array([3, 17, 40], np.int32), np.array([5, 0, 22], np.int32)
+
+    def rope_stage(gpu: Any, x: Any, g: Any, pos: Any, f: Any, slots: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, nb, bs, hkv, d)
+        return D.linear_rope_kv(gpu, x, wq, pos, f, kc, vc, slots, heads=hq, norm=g, eps=1e-5), kc, vc
+    outs = []
+    for unroll in (1, 2):
+        monkeypatch.setattr(D, "GEMV_UNITS_UNROLL", unroll)
+        outs.append([np.asarray(t) for t in await call(shared_rt, rope_stage, x=x, g=g, pos=pos, f=f, slots=slots)])
+    for name, a, b in zip(("q", "k_cache", "v_cache"), *outs):
+        close(f"linear_rope_kv units u2 {kind} {name}", b, a.astype(np.float64), np.abs(a).max(), rtol=1e-5)
