@@ -115,6 +115,7 @@ back to the host.
 
 Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`,
 :data:`GEMV_IMPL`, :data:`GEMV_UNITS_MIN_K`, :data:`GEMV_LANES_MIN_N`, :data:`GEMV_LANES_WIDE_KINDS`,
+:data:`GEMV_UNITS_WIDE_MIN_K`,
 :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`, :data:`GEMV_LANES_THREADS`,
 :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_UNITS_UNROLL`,
 :data:`GEMV_WIDE_N`,
@@ -173,12 +174,17 @@ GEMV, shorter ones the lanes GEMV (``linear_rope_kv`` is one dispatch on either)
 units kernel took SmolLM2's layer products (K 576 and 1536) in 12% less GPU time a step than
 the lanes kernel (BENCHMARKS.md, twenty-seventh session)."""
 GEMV_LANES_MIN_N = 16384
-"""With ``GEMV_IMPL = "auto"``, products of at least this many output rows (an output head) with
-weights of a kind in :data:`GEMV_LANES_WIDE_KINDS` take the lanes GEMV whatever their K."""
+"""With ``GEMV_IMPL = "auto"``, products of at least this many output rows (an output head) are
+*wide*: those with weights of a kind in :data:`GEMV_LANES_WIDE_KINDS` take the lanes GEMV whatever
+their K, the others the units GEMV from :data:`GEMV_UNITS_WIDE_MIN_K` weights a row."""
 GEMV_LANES_WIDE_KINDS = ("q8_0",)
-"""The weight kinds :data:`GEMV_LANES_MIN_N` applies to. Measured on the H200: a Q8_0 head of 49152
+"""The weight kinds whose wide products stay on lanes. Measured on the H200: a Q8_0 head of 49152
 rows took 7.9 us on lanes against 18.4 on units (K 576) and 32 against 592 (K 2048); the Q4_1 head
 of the 1.07B shape (K 2048) 128 us a step on lanes against 77 on units."""
+GEMV_UNITS_WIDE_MIN_K = 2048
+"""Fewest weights a row for a wide product of another kind to take the units GEMV (the rule before
+:data:`GEMV_UNITS_MIN_K` came down to 512; heads of K under 2048 in f16 or Q4 were not measured on
+units)."""
 GEMV_LANES = 0
 """Lanes (threads) a row of the lanes GEMV; 0 chooses (see ``_lanes_shape``)."""
 GEMV_LANE_CHUNKS = 2
@@ -404,8 +410,9 @@ def _gemv_impl(op: str, k: int, n: int, kind: str) -> str:
     """The GEMV kernel (``"lanes"`` or ``"units"``) for ``n`` rows of ``k`` weights of ``kind``, by
     :data:`GEMV_IMPL`."""
     if GEMV_IMPL == "auto":
-        wide = n >= GEMV_LANES_MIN_N and kind in GEMV_LANES_WIDE_KINDS
-        return "units" if k >= GEMV_UNITS_MIN_K and not wide else "lanes"
+        if n >= GEMV_LANES_MIN_N:  # a wide product: an output head
+            return "units" if kind not in GEMV_LANES_WIDE_KINDS and k >= GEMV_UNITS_WIDE_MIN_K else "lanes"
+        return "units" if k >= GEMV_UNITS_MIN_K else "lanes"
     if GEMV_IMPL not in GEMV_IMPLS:
         raise ValueError(f"{op}: GEMV_IMPL must be 'auto', 'lanes' or 'units', got {GEMV_IMPL!r}")
     return str(GEMV_IMPL)

@@ -136,7 +136,8 @@ def test_lanes_shape_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """M <= 8: one lanes dispatch; M = 9 on path "gemv": two (8 rows, then 1); M = 9 (auto): the tiled kernel;
     GEMV_IMPL = "units": the other GEMV, still right; "auto" takes it from GEMV_UNITS_MIN_K weights a row,
-    but not for GEMV_LANES_MIN_N rows of a kind in GEMV_LANES_WIDE_KINDS; an unknown GEMV_IMPL is refused."""
+    but for GEMV_LANES_MIN_N rows or more only from GEMV_UNITS_WIDE_MIN_K and for no kind in
+    GEMV_LANES_WIDE_KINDS; an unknown GEMV_IMPL is refused."""
     k, n = 64, 20
     pw = make_weight("q8_0", rand((n, k), 70))
     seen: list[list[str]] = []
@@ -175,11 +176,14 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
     x = rand((1, k), 86)
     close("auto GEMV, a wide Q8_0 product", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
     monkeypatch.setattr(D, "GEMV_LANES_WIDE_KINDS", ("q4_1",))
+    monkeypatch.setattr(D, "GEMV_UNITS_WIDE_MIN_K", k)
     close("auto GEMV, wide but not of those kinds", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
+    monkeypatch.setattr(D, "GEMV_UNITS_WIDE_MIN_K", k + 8)
+    close("auto GEMV, wide, rows too short for units", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
     monkeypatch.setattr(D, "GEMV_LANES_MIN_N", n + 1)
     monkeypatch.setattr(D, "GEMV_LANES_WIDE_KINDS", ("q8_0",))
     close("auto GEMV, one row short of wide", await call(shared_rt, stage, x=x), *linear_ref(x, unpack(pw)))
-    assert [labels[0].split(".")[2] for labels in seen] == ["lanes", "gemv", "gemv"]
+    assert [labels[0].split(".")[2] for labels in seen] == ["lanes", "gemv", "lanes", "gemv"]
     monkeypatch.setattr(D, "GEMV_IMPL", "fast")
     with pytest.raises(hetero.StageError, match="GEMV_IMPL must be 'auto', 'lanes' or 'units', got 'fast'"):
         await call(shared_rt, stage, x=rand((1, k), 90))
