@@ -273,10 +273,14 @@ def hetero_gguf(llm: Any, vocab: int, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def step_profile(lm: Any, a: argparse.Namespace, steps: int = 16) -> dict[str, Any]:
-    """Dispatches a step and a layer, and a decode step's wall and GPU time, from a traced run."""
+def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None) -> dict[str, Any]:
+    """Dispatches a step and a layer, and a decode step's wall and GPU time, from a traced run of
+    ``steps`` (default ``--tg``) tokens after a one-token prompt: tg's own contexts, so attention
+    splits (and its combine pass) where tg's steps split it."""
     import hetero
     from hetero.pipelines import LLM
+
+    steps = a.tg if steps is None else steps
 
     with tempfile.TemporaryDirectory(prefix="bench-generate-trace-") as d:
         path = Path(d) / "trace.json"
