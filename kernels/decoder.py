@@ -448,9 +448,8 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
                 kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str,
                 rope: _Rope | None = None) -> Tensor:
     swiglu = len(ws) == 2
-    out = gpu.empty((m, n), np.float32)
     if m == 0:
-        return out
+        return gpu.empty((m, n), np.float32)
     units, blocks = _units(kind, k)
     vec = k % 8 == 0
     if path not in ("auto", "gemv", "tiled"):
@@ -475,6 +474,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         chunks = blocks if kind not in _FLOAT_KINDS else units
         lanes, threads, slot_rows = _lanes_shape(chunks, sg)
         unroll = max(1, int(GEMV_UNROLL))
+        out = gpu.empty((m, n), np.float32)
         for m0 in range(0, m, GEMV_MAX_M):
             mr = min(GEMV_MAX_M, m - m0)
             rows = max(1, min(slot_rows, 8 // mr))
@@ -488,6 +488,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     if gemv:
         sg = _subgroups(gpu)
         # GEMV_MAX_M rows of x at a time (registers); the params say which
+        out = gpu.empty((m, n), np.float32)
         for m0 in range(0, m, GEMV_MAX_M):
             mr = min(GEMV_MAX_M, m - m0)
             rows = 1 if n >= GEMV_WIDE_N else max(1, min(GEMV_ROWS, 8 // mr))
@@ -504,7 +505,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         if kind in G.DP4A_KINDS:
             g = inputs[-1] if norm is not None else None
             return _linear_dp4a(op, gpu, inputs[0], inputs[1:-1] if g is not None else inputs[1:], g, m, k, n, kind,
-                                eps, extras, (swiglu, bias is not None, residual is not None), tag, out, rope)
+                                eps, extras, (swiglu, bias is not None, residual is not None), tag, rope)
         impl = "blocked"  # float weights: no integer blocks to multiply
     shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
 
@@ -518,6 +519,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
     if splits == 1:
+        out = gpu.empty((m, n), np.float32)
         kern = gpu.kernel(source(bias is not None, residual is not None, False), "main", label=label)
         gpu.dispatch(kern, grid, *inputs, *extras, out, params)
         return out
@@ -527,15 +529,16 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     kern = gpu.kernel(source(False, False, True), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, *inputs, part, *pss, params)
     if rope is not None:
-        return _rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag)
+        return _split_rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag)
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")
+    out = gpu.empty((m, n), np.float32)
     gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out
 
 
-def _rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, pss: list[Tensor], extras: list[Any],
+def _split_rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, pss: list[Tensor], extras: list[Any],
                    m: int, n: int, k: int, eps: float, splits: int, tag: str) -> Tensor:
     """The split-K epilogue of linear_rope_kv's product: the splits added, RoPE, q out (``rope.q``)
     and k, v to their cache slots; one dispatch instead of an epilogue and a rope_kv."""
@@ -565,7 +568,7 @@ def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
 
 def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g: Tensor | None, m: int, k: int,
                  n: int, kind: str, eps: float, extras: list[Any], flags: tuple[bool, bool, bool], tag: str,
-                 out: Tensor, rope: _Rope | None = None) -> Tensor:
+                 rope: _Rope | None = None) -> Tensor:
     """The dp4a GEMM (:mod:`hetero.kernels.decoder_gemm`): x quantized a block of 32 (the RMSNorm,
     weight ``g``, folded in there), then integer dot products against the weight's blocks.
     ``weights``: the weights' tensors in binding order; ``flags``: (SwiGLU, bias, residual)."""
@@ -587,6 +590,7 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}.s{nb}{tag}"
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     if splits == 1:
+        out = gpu.empty((m, n), np.float32)
         kern = gpu.kernel(G.linear_dp4a(kind, swiglu, bias, residual, False, shape, nb), "main", label=label)
         gpu.dispatch(kern, grid, xq, xd, xs, *weights, *extras, out, params)
         return out
@@ -596,8 +600,9 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     gpu.dispatch(kern, grid, xq, xd, xs, *weights, part, params)
     etag = "".join(t for t, f in zip((".swiglu", ".bias", ".res"), flags) if f)  # the norm was the quantize pass's
     if rope is not None:
-        return _rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag)
+        return _split_rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag)
     epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main", label=f"decoder.linear.epilogue{etag}")
+    out = gpu.empty((m, n), np.float32)
     gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out

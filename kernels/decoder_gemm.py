@@ -76,6 +76,16 @@ def blocking(m: int, swiglu: bool) -> Blocking:
     return Blocking(bm, bn, tm, tn)
 
 
+def _tile_lines(add: Callable[[str], None], bm: int, bn: int, tx_n: int, m0: str, n0: str) -> None:
+    """A GEMM workgroup's tile (``tile``: x columns, y rows, z the split), its first row ``m0`` and
+    column ``n0``, and the thread's place ``(tx, ty)`` in it, ``tx_n`` threads a row of threads."""
+    add("    let tile = hetero_workgroup_id(wid);")
+    add(f"    let {m0} = tile.y * {bm}u;")
+    add(f"    let {n0} = tile.x * {bn}u;")
+    add(f"    let tx = li % {tx_n}u;")
+    add(f"    let ty = li / {tx_n}u;")
+
+
 def _store_lines(add: Callable[[str], None], shape: Blocking, nw: int, swiglu: bool, partial: bool, norm: bool,
                  m0: str, n0: str) -> None:
     """The store of a thread's ``tm x tn`` block from accumulators ``c{w}_{r}_{h}`` (vec4 of columns
@@ -127,11 +137,7 @@ def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, r
     bk = SLICE_UNITS * 8
     L: list[str] = []
     add = L.append
-    add("    let tile = hetero_workgroup_id(wid);")
-    add(f"    let m0 = tile.y * {bm}u;")
-    add(f"    let n0 = tile.x * {bn}u;")
-    add(f"    let tx = li % {tx_n}u;")
-    add(f"    let ty = li / {tx_n}u;")
+    _tile_lines(add, bm, bn, tx_n, "m0", "n0")
     for w in range(nw):
         for r in range(tm):
             for h in range(gn):
@@ -239,7 +245,9 @@ def quantize_rows(norm: bool) -> str:
     Every load is issued at once (a block's max and sum meet in workgroup memory), so the pass
     costs a few memory latencies, not a serial walk of a block a thread. With the norm, each
     workgroup sums its row's squares itself (the row is read once more, from cache)."""
-    assert QUANT_BLOCKS * 8 == 64
+    if QUANT_BLOCKS * 8 != 64:
+        raise ValueError(f"quantize_rows: its workgroup is 64 threads, 8 a block: QUANT_BLOCKS must be 8, "
+                         f"got {QUANT_BLOCKS}")
     decls, _ = W.buffer_decls(0, [("x", "vec4<f32>", False), ("g", "vec4<f32>", False) if norm else None,
                                   ("xq", "u32", True), ("xd", "f32", True), ("xs", "f32", True)])
     scale = "    let rms = 1.0;\n"
@@ -378,11 +386,7 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
     tail = "" if partial else W.store_fn(swiglu, bias, residual)
     L: list[str] = []
     add = L.append
-    add("    let tile = hetero_workgroup_id(wid);")
-    add(f"    let mbase = tile.y * {bm}u;")
-    add(f"    let nbase = tile.x * {bn}u;")
-    add(f"    let tx = li % {tx_n}u;")
-    add(f"    let ty = li / {tx_n}u;")
+    _tile_lines(add, bm, bn, tx_n, "mbase", "nbase")
     for w in range(nw):
         for i in range(4):
             add(f"    var c{w}_{i}_0 = vec4<f32>(0.0);")

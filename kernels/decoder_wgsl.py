@@ -773,7 +773,7 @@ def split_sums(sums: Sequence[tuple[str, str]], count: str = "p.ks", indent: str
     memory latency per few splits rather than per split. The same order everywhere it is used."""
     u = SPLIT_UNROLL
     out = [f"{indent}var s = 0u;", f"{indent}while (s + {u}u <= {count}) {{"]
-    for j, (acc, expr) in enumerate(sums):
+    for j, (_, expr) in enumerate(sums):
         for t in range(u):
             out.append(f"{indent}    let l{j}_{t} = {expr.replace('{s}', f'(s + {t}u)')};")
     for j, (acc, _) in enumerate(sums):

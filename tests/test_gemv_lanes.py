@@ -189,6 +189,40 @@ async def test_which_kernel_each_m_takes(shared_rt: hetero.Runtime, monkeypatch:
         await call(shared_rt, stage, x=rand((1, k), 90))
 
 
+async def fused_against_unfused(rt: hetero.Runtime, w: Any, x: np.ndarray, g: np.ndarray, bias: np.ndarray,
+                                pos: np.ndarray, f: np.ndarray, slots: np.ndarray, dims: tuple[int, int, int, int, int],
+                                cache: str, what: str) -> tuple[list[str], list[str]]:
+    """linear_rope_kv against linear then rope_kv on the same inputs (RMSNorm and biases folded in):
+    q and both caches whole compared (f16 caches to one f16 rounding); each run's dispatch labels.
+    ``dims``: (heads, kv_heads, head_dim, cache blocks, block size)."""
+    hq, hkv, d, nb, bs = dims
+    labels: list[list[str]] = []
+
+    def stage(gpu: Any, x: Any, g: Any, b: Any, pos: Any, f: Any, slots: Any) -> Any:
+        wt = D.upload_weight(gpu, w)
+        outs = []
+        for fused in (True, False):
+            kc, vc = D.kv_cache(gpu, nb, bs, hkv, d, dtype=cache)
+            spy = Spy(gpu)
+            if fused:
+                q = D.linear_rope_kv(spy, x, wt, pos, f, kc, vc, slots, heads=hq, bias=b, norm=g, eps=1e-5)
+            else:
+                q = D.rope_kv(spy, D.linear(spy, x, wt, bias=b, norm=g, eps=1e-5), pos, f, kc, vc, slots, heads=hq)
+            labels.append(spy.labels)
+            outs += [q, kc, vc]
+        return tuple(outs)
+    got = await call(rt, stage, x=x, g=g, b=bias, pos=pos, f=f, slots=slots)
+    for name, a, b in zip(("q", "k_cache", "v_cache"), got[:3], got[3:]):
+        a, b = np.asarray(a), np.asarray(b)
+        rtol = 1e-5
+        if cache == "f16" and name != "q":
+            a, b = a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32)
+            rtol = 1e-3  # the two paths may round one f16 apart
+        assert np.abs(b).max() > 0, f"{what} {name}"
+        close(f"{what} {name}", a, b.astype(np.float64), np.abs(b).max(), rtol=rtol)
+    return labels[0], labels[1]
+
+
 @ASYNCIO_ONLY
 @pytest.mark.parametrize("impl", ["lanes", "units"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f16"])
@@ -214,35 +248,9 @@ async def test_linear_rope_kv_is_linear_then_rope_kv(shared_rt: hetero.Runtime, 
             x = rand((m, hidden), 110 + m)
             pos = np.random.default_rng(m).integers(0, 50, m).astype(np.int32)
             slots = np.random.default_rng(m + 1).permutation(nb * bs)[:m].astype(np.int32)
-            labels: list[list[str]] = []
-
-            def stage(gpu: Any, x: Any, g: Any, b: Any, pos: Any, f: Any, slots: Any) -> Any:
-                wt = D.upload_weight(gpu, w)
-                outs = []
-                for fused in (True, False):
-                    kc, vc = D.kv_cache(gpu, nb, bs, hkv, d, dtype=cache)
-                    spy = Spy(gpu)
-                    if fused:
-                        q = D.linear_rope_kv(spy, x, wt, pos, f, kc, vc, slots, heads=hq, bias=b, norm=g, eps=1e-5)
-                    else:
-                        qkv = D.linear(spy, x, wt, bias=b, norm=g, eps=1e-5)
-                        q = D.rope_kv(spy, qkv, pos, f, kc, vc, slots, heads=hq)
-                    labels.append(spy.labels)
-                    outs += [q, kc, vc]
-                return tuple(outs)
-            got = await call(shared_rt, stage, x=x, g=g, b=bias, pos=pos, f=f, slots=slots)
-            want = [np.asarray(a) for a in got[3:]]
-            for name, a, b in zip(("q", "k_cache", "v_cache"), got[:3], want):
-                a, b = np.asarray(a), np.asarray(b)
-                if cache == "f16" and name != "q":
-                    a = a.view(np.float16).astype(np.float32)
-                    b = b.view(np.float16).astype(np.float32)
-                    rtol = 1e-3  # the two paths may round one f16 apart
-                else:
-                    rtol = 1e-5
-                close(f"linear_rope_kv {kind} M={m} {cache} {name} subgroups={sg}", a, b.astype(np.float64),
-                      np.abs(b).max(), rtol=rtol)
-            fused_labels = labels[0]
+            fused_labels, _ = await fused_against_unfused(
+                shared_rt, w, x, g, bias, pos, f, slots, (hq, hkv, d, nb, bs), cache,
+                f"linear_rope_kv {kind} M={m} {cache} subgroups={sg}")
             if m <= 8:
                 kernel = "lanes" if impl == "lanes" else "gemv"
                 assert len(fused_labels) == 1 and fused_labels[0].startswith(f"decoder.linear_rope_kv.{kernel}.{kind}.m{m}.")
@@ -272,33 +280,8 @@ async def test_linear_rope_kv_in_the_split_k_epilogue(shared_rt: hetero.Runtime,
         x = rand((m, hidden), 130 + m)
         pos = np.random.default_rng(m).integers(0, 50, m).astype(np.int32)
         slots = np.random.default_rng(m + 1).permutation(nb * bs)[:m].astype(np.int32)
-        labels: list[list[str]] = []
-
-        def stage(gpu: Any, x: Any, g: Any, b: Any, pos: Any, f: Any, slots: Any) -> Any:
-            wt = D.upload_weight(gpu, w)
-            outs = []
-            for fused in (True, False):
-                kc, vc = D.kv_cache(gpu, nb, bs, hkv, d, dtype=cache)
-                spy = Spy(gpu)
-                if fused:
-                    q = D.linear_rope_kv(spy, x, wt, pos, f, kc, vc, slots, heads=hq, bias=b, norm=g, eps=1e-5)
-                else:
-                    q = D.rope_kv(spy, D.linear(spy, x, wt, bias=b, norm=g, eps=1e-5), pos, f, kc, vc, slots,
-                                  heads=hq)
-                labels.append(spy.labels)
-                outs += [q, kc, vc]
-            return tuple(outs)
-        got = await call(shared_rt, stage, x=x, g=g, b=bias, pos=pos, f=f, slots=slots)
-        for name, a, b in zip(("q", "k_cache", "v_cache"), got[:3], got[3:]):
-            a, b = np.asarray(a), np.asarray(b)
-            rtol = 1e-5
-            if cache == "f16" and name != "q":
-                a, b = a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32)
-                rtol = 1e-3  # the two paths may round one f16 apart
-            assert np.abs(b).max() > 0, name
-            close(f"split-K rope {kind} {tiled} M={m} {cache} {name}", a, b.astype(np.float64), np.abs(b).max(),
-                  rtol=rtol)
-        fused, unfused = labels
+        fused, unfused = await fused_against_unfused(shared_rt, w, x, g, bias, pos, f, slots, (hq, hkv, d, nb, bs),
+                                                     cache, f"split-K rope {kind} {tiled} M={m} {cache}")
         assert fused[-1].startswith("decoder.linear.epilogue.rope") and fused[-1].endswith(f".{cache}")
         assert not any("rope_kv" in lb for lb in fused) and len(fused) == len(unfused) - 1
         assert any(".splitk" in lb for lb in fused) and unfused[-1].startswith("decoder.rope_kv")
