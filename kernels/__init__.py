@@ -20,23 +20,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hetero.kernels.decoder import (GPUWeight, add_rmsnorm, embedding, gather_rows, kv_cache, kv_write, linear,
-                                        linear_rope_kv, linear_swiglu, paged_attention, rmsnorm, rope, rope_kv, sample,
-                                        sampling_params, silu_mul, upload_weight)
+    from hetero.kernels.decoder import (AttentionSplits, GPUWeight, add_rmsnorm, combine_attention, embedding,
+                                        gather_rows, kv_cache, kv_write, linear, linear_rope_kv, linear_swiglu,
+                                        paged_attention, rmsnorm, rope, rope_kv, sample, sampling_params, silu_mul,
+                                        upload_weight)
     from hetero.kernels.quant import (BLOCK, BLOCK_BYTES, KINDS, PackedWeight, concat_rows, pack,
                                       quantize_q8_0_blocks, unpack)
 
-_DECODER = ("GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear", "linear_rope_kv",
-            "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight")
+_DECODER = ("AttentionSplits", "GPUWeight", "add_rmsnorm", "combine_attention", "embedding", "gather_rows",
+            "kv_cache", "kv_write", "linear", "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm", "rope",
+            "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight")
 _QUANT = ("BLOCK", "BLOCK_BYTES", "KINDS", "PackedWeight", "concat_rows", "pack", "quantize_q8_0_blocks", "unpack")
 
 __all__ = [
+    "AttentionSplits",
     "BLOCK",
     "BLOCK_BYTES",
     "GPUWeight",
     "KINDS",
     "PackedWeight",
     "add_rmsnorm",
+    "combine_attention",
     "concat_rows",
     "embedding",
     "gather_rows",

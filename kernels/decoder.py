@@ -32,7 +32,9 @@ op                                  what (and what it fuses)
 ``dtype)``
 ``paged_attention(q, k_cache,``     causal grouped-query attention over a paged KV cache, one
 ``v_cache, block_tables,``          dispatch (online softmax), or split along the keys with a
-``query_seq, query_pos, scale)``    combine pass (flash-decoding) when there are few queries
+``query_seq, query_pos, scale,``    combine pass (flash-decoding) when there are few queries;
+``combine)``                        ``combine=False`` leaves the combine to ``linear``
+``combine_attention(splits)``       the combine pass of an :class:`AttentionSplits`
 ``embedding(table, ids,``           rows of a (quantized) table, dequantized; ``src``/``prev``
 ``src, prev)``                      take some ids from a tensor an earlier ``sample`` kept
 ``gather_rows(x, rows)``            rows of a float32 [T, H] tensor (the last token of each
@@ -97,7 +99,10 @@ the values the threads accumulate (constant trip counts, loads in flight togethe
 workgroup's latency is its serial walk over its tiles, so with few workgroups (query rows x
 KV heads x head chunks < :data:`ATTN_SPLIT_MIN_GROUPS`) the keys are split
 (flash-decoding) into up to ``max_blocks * block_size / ATTN_SPLIT_KEYS`` chunks: partial
-(acc, max, sum) per split, then a combine pass. Splits past a row's position end at once.
+(acc, max, sum) per split, then a combine pass. Splits past a row's position end at once. With
+``combine=False`` a split attention returns its partial rows (:class:`AttentionSplits`) instead,
+which ``linear`` takes as x: the units GEMV combines them on load (one dispatch fewer), any other
+kernel after :func:`combine_attention`.
 
 Sampling (``sample``). A workgroup of :data:`SAMPLE_THREADS` threads a row of logits
 ``[S, V]``; per-row parameters (:func:`sampling_params` builds them) so rows of one batch
@@ -121,7 +126,8 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`GEMV_WIDE_N`,
 :data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
-:data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`.
+:data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`,
+:data:`ATTN_COMBINE_IN_LINEAR`, :data:`ATTN_COMBINE_MAX_SPLITS`.
 """
 
 from __future__ import annotations
@@ -139,9 +145,9 @@ from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
 
 # hetero.kernels re-exports this list (its __all__ mirrors this one; a test checks both ways)
-__all__ = ["GPUWeight", "add_rmsnorm", "embedding", "gather_rows", "kv_cache", "kv_write", "linear",
-           "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm", "rope", "rope_kv", "sample",
-           "sampling_params", "silu_mul", "upload_weight"]
+__all__ = ["AttentionSplits", "GPUWeight", "add_rmsnorm", "combine_attention", "embedding", "gather_rows",
+           "kv_cache", "kv_write", "linear", "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm",
+           "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------
 SAMPLE_THREADS = 1024
@@ -238,6 +244,14 @@ ATTN_PREFETCH = False
 """Attention loads a tile's key row and value rows of a thread at once, its value slots read from the
 block table by the thread (head_dim <= 64), instead of the values after the softmax's barriers: one
 memory round trip a tile instead of two. Off by default: not yet timed on a GPU."""
+
+ATTN_COMBINE_IN_LINEAR = False
+"""The decoder engine leaves a split attention's combine to the output projection: the units GEMV
+combines the partial rows on load (:class:`AttentionSplits`), one dispatch a layer fewer at every
+context long enough to split. Off by default: not yet timed on a GPU."""
+ATTN_COMBINE_MAX_SPLITS = 8
+"""Most splits the GEMV combines on load: every workgroup of the product combines the whole rows,
+so their cost grows with the splits where the combine pass's does not."""
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -353,7 +367,10 @@ def _units(kind: str, cols: int) -> tuple[int, int]:
 # -- linear layers ------------------------------------------------------------------------------
 def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, Any]], bias: Any, residual: Any,
                    norm: Any, eps: Any) -> tuple[int, int, int, str]:
-    xs = _arr(op, "x", x, _F32)
+    if isinstance(x, AttentionSplits) and op != "linear":
+        raise TypeError(f"{op}: x is a split attention's partial results (AttentionSplits), which only linear "
+                        "combines on load; pass combine_attention(gpu, x)")
+    xs = x.shape if isinstance(x, AttentionSplits) else _arr(op, "x", x, _F32)
     if len(xs) < 2:
         raise ValueError(f"{op}: x must be [M, K] (or [M, ...] with the trailing axes making K), got shape {xs}")
     m, k = xs[0], math.prod(xs[1:])  # [T, heads, D] (attention's output) is [T, heads * D]
@@ -456,6 +473,13 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
     impl = _gemv_impl(op, k, n, kind) if gemv else None
+    comb = None  # (heads, D, splits) where the units GEMV combines a split attention on load
+    if isinstance(x, AttentionSplits):
+        if impl == "units" and _combines_on_load(gpu, x, min(m, GEMV_MAX_M), vec):
+            comb = (x.shape[1], x.shape[2], x.splits)
+            x = x.part
+        else:
+            x = combine_attention(gpu, x)
     xt = _dev(gpu, x)
     inputs: list[Any] = [xt]  # x, the weights' arrays, the norm weight: what the products read
     for w in ws:
@@ -494,8 +518,9 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
             rows = 1 if n >= GEMV_WIDE_N else max(1, min(GEMV_ROWS, 8 // mr))
             unroll = max(1, int(GEMV_UNITS_UNROLL))
             src = W.linear_gemv(kind, mr, rows, GEMV_THREADS, vec, swiglu, norm is not None, bias is not None,
-                                residual is not None, sg, unroll=unroll)
+                                residual is not None, sg, unroll=unroll, combine=comb)
             kern = gpu.kernel(src, "main", label=f"decoder.linear.gemv.{kind}.m{mr}.r{rows}{tag}"
+                              f"{f'.comb{comb[2]}' if comb else ''}"
                               f"{f'.u{unroll}' if unroll > 1 else ''}{f'.sg{sg}' if sg else ''}")
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
@@ -536,6 +561,19 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
     gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
     return out
+
+
+_GEMV_OWN_BYTES = 4096
+"""Workgroup memory the units GEMV takes for its reductions, at most (its partial sums meet there)."""
+
+
+def _combines_on_load(gpu: GPUContext, x: AttentionSplits, mrows: int, vec: bool) -> bool:
+    """Whether the units GEMV over ``mrows`` rows combines ``x`` on load: rows of a multiple of 8,
+    at most :data:`ATTN_COMBINE_MAX_SPLITS` splits, and the combined rows in workgroup memory."""
+    _, hq, d = x.shape
+    limit = int(gpu.limits["max-compute-workgroup-storage-size"])
+    return (vec and x.splits <= ATTN_COMBINE_MAX_SPLITS
+            and W.combine_bytes(mrows, hq, d, x.splits) + _GEMV_OWN_BYTES <= limit)
 
 
 def _split_rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, pss: list[Tensor], extras: list[Any],
@@ -608,7 +646,7 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     return out
 
 
-def linear(gpu: GPUContext, x: Tensor | np.ndarray, w: PackedWeight | GPUWeight, *,
+def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits, w: PackedWeight | GPUWeight, *,
            bias: Tensor | np.ndarray | None = None, residual: Tensor | np.ndarray | None = None,
            norm: Tensor | np.ndarray | None = None, eps: float = 1e-6, path: str = "auto") -> Tensor:
     """``y = x' @ W.T + bias + residual`` for x float32 [M, K] and a weight [N, K] of any kind -> [M, N].
@@ -620,7 +658,10 @@ def linear(gpu: GPUContext, x: Tensor | np.ndarray, w: PackedWeight | GPUWeight,
     MLP's down projection add the residual stream).
     ``path``: "gemv" (the decode kernel; M <= :data:`GEMV_MAX_M` rows at a time), "tiled"
     (the GEMM kernel) or "auto" (GEMV for M <= :data:`GEMV_MAX_M`). The output head is
-    ``linear(h, embedding_weight, norm=final_norm)`` for a tied embedding.
+    ``linear(h, embedding_weight, norm=final_norm)`` for a tied embedding. ``x`` may be the
+    :class:`AttentionSplits` of a split attention (the output projection): the units GEMV combines
+    them as it loads them, where its workgroup memory holds the combined rows (see
+    :data:`ATTN_COMBINE_MAX_SPLITS`); any other path runs :func:`combine_attention` first.
     """
     m, k, n, kind = _linear_checks("linear", gpu, x, [("w", w)], bias, residual, norm, eps)
     return _linear_run("linear", gpu, x, [w], m, k, n, kind, bias, residual, norm, float(eps), path)
@@ -948,16 +989,48 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
 
 
 # -- paged attention -------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class AttentionSplits:
+    """A split attention's result before its combine pass (``paged_attention(..., combine=False)``).
+
+    ``part`` holds float32 [T, heads, splits, D + 4]: each split's unnormalised sum of values, then
+    its running maximum and sum of weights (base 2). :func:`linear` takes it as x ([T, heads * D]);
+    :func:`combine_attention` makes the [T, heads, D] attention output of it.
+    """
+
+    part: Tensor
+    shape: tuple[int, int, int]  # (T, heads, D) of the combined result
+    splits: int
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return _F32
+
+
+def combine_attention(gpu: GPUContext, splits: AttentionSplits) -> Tensor:
+    """The combine pass of a split attention: ``splits``' partial rows -> float32 [T, heads, D]."""
+    if not isinstance(splits, AttentionSplits):
+        raise TypeError(f"combine_attention: expected the AttentionSplits of paged_attention(..., combine=False), "
+                        f"got {type(splits).__name__}")
+    t, hq, d = splits.shape
+    out = gpu.empty((t, hq, d), np.float32)
+    comb = gpu.kernel(W.attention_combine(), "main", label="decoder.paged_attention.combine")
+    gpu.dispatch(comb, t * hq, splits.part, out, struct.pack("<4I", t * hq, d, splits.splits, 0))
+    return out
+
+
 def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_cache: Tensor,
                     block_tables: Tensor | np.ndarray, query_seq: Tensor | np.ndarray,
                     query_pos: Tensor | np.ndarray, *, scale: float | None = None,
-                    splits: int | None = None) -> Tensor:
+                    splits: int | None = None, combine: bool = True) -> Tensor | AttentionSplits:
     """Causal GQA attention of q [T, heads, D] over the paged caches -> [T, heads, D].
 
     Query row t attends to keys 0 .. ``query_pos[t]`` of sequence ``query_seq[t]``, found
     through ``block_tables`` (int32 [S, max_blocks]). ``scale`` defaults to 1/sqrt(D).
     ``splits``: key chunks (flash-decoding) of ``ceil(max_blocks * block_size / splits)``
-    keys; None chooses (see the module docstring), 1 never splits.
+    keys; None chooses (see the module docstring), 1 never splits. ``combine=False``: where
+    the keys were split, the partial results (:class:`AttentionSplits`, for :func:`linear`
+    to combine on load) instead of the combine pass; a Tensor as before where they were not.
     """
     op = "paged_attention"
     nb, bs, hkv, d = _caches(op, k_cache, v_cache)
@@ -992,10 +1065,11 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
         raise ValueError(f"{op}: scale must be a finite number, got {scale!r}")
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1):
         raise ValueError(f"{op}: splits must be an int >= 1 or None, got {splits!r}")
+    if not isinstance(combine, (bool, np.bool_)):
+        raise ValueError(f"{op}: combine must be True or False, got {combine!r}")
     _fits(gpu, op, "q", (t, hq, d))
-    out = gpu.empty((t, hq, d), np.float32)
     if t == 0 or s == 0:
-        return out
+        return gpu.empty((t, hq, d), np.float32)
     cap = maxb * bs
     # query heads a workgroup serves: the largest divisor of the group <= ATTN_MAX_HEADS (registers)
     per_wg = max(c for c in range(1, min(group, ATTN_MAX_HEADS) + 1) if group % c == 0)
@@ -1022,14 +1096,14 @@ def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_
     qt, btt, qst, qpt = _dev(gpu, q), _dev(gpu, block_tables), _dev(gpu, query_seq), _dev(gpu, query_pos)
     workgroups = t * hkv * chunks * splits
     if not partial:
+        out = gpu.empty((t, hq, d), np.float32)
         gpu.dispatch(kern, workgroups, qt, k_cache, v_cache, btt, qst, qpt, out, params)
         return out
-    _fits(gpu, op, "the partial results", (t, hq, splits, d + 2))
-    part = gpu.empty((t, hq, splits, d + 2), np.float32)
+    _fits(gpu, op, "the partial results", (t, hq, splits, d + W.SPLIT_ROW_PAD))
+    part = gpu.empty((t, hq, splits, d + W.SPLIT_ROW_PAD), np.float32)
     gpu.dispatch(kern, workgroups, qt, k_cache, v_cache, btt, qst, qpt, part, params)
-    comb = gpu.kernel(W.attention_combine(), "main", label="decoder.paged_attention.combine")
-    gpu.dispatch(comb, t * hq, part, out, struct.pack("<4I", t * hq, d, splits, 0))
-    return out
+    result = AttentionSplits(part, (t, hq, d), splits)
+    return result if not combine else combine_attention(gpu, result)
 
 
 # -- embedding ------------------------------------------------------------------------------------

@@ -151,9 +151,51 @@ def store_fn(swiglu: bool, bias: bool, residual: bool) -> str:
     return f"fn store(m: u32, n: u32, a0: f32, a1: f32, scale: f32) {{ y[m * p.n + n] = {val}; }}\n"
 
 
+def _combine_lines(mrows: int, heads: int, d: int, splits: int) -> list[str]:
+    """The units GEMV's prologue that combines a split attention's partial rows (``x``, rows of D +
+    :data:`SPLIT_ROW_PAD` floats a (query row, head, split)) into the activations ``xs`` in workgroup
+    memory: each (row, head)'s split weights 2^(m_i - M) / sum_j l_j 2^(m_j - M) first (``cw``), then
+    x[row, head * D + c] = sum_i acc_i[c] * w_i, as :func:`attention_combine` computes it."""
+    st4, d4, k4 = (d + SPLIT_ROW_PAD) // 4, d // 4, heads * d // 4
+    return [
+        f"    for (var e = li; e < {mrows * heads}u; e += WG) {{  // the splits' weights of (row, head) e",
+        f"        let b = ((p.m0 + e / {heads}u) * {heads}u + e % {heads}u) * {splits}u;",
+        f"        var mx = {_NEG};",
+        f"        for (var i = 0u; i < {splits}u; i++) {{ mx = max(mx, x[(b + i) * {st4}u + {d4}u].x); }}",
+        "        var l = 0.0;",
+        f"        for (var i = 0u; i < {splits}u; i++) {{",
+        f"            let ml = x[(b + i) * {st4}u + {d4}u];",
+        "            l += ml.y * exp2(ml.x - mx);",
+        "        }",
+        f"        for (var i = 0u; i < {splits}u; i++) {{",
+        f"            cw[e * {splits}u + i] = exp2(x[(b + i) * {st4}u + {d4}u].x - mx) / l;",
+        "        }",
+        "    }",
+        "    workgroupBarrier();",
+        f"    for (var e = li; e < {mrows * k4}u; e += WG) {{  // vec4 e of the combined rows",
+        f"        let r = e / {k4}u;",
+        f"        let h = (e % {k4}u) / {d4}u;",
+        f"        let b = ((p.m0 + r) * {heads}u + h) * {splits}u;",
+        "        var a = vec4<f32>(0.0);",
+        f"        for (var i = 0u; i < {splits}u; i++) {{",
+        f"            a += x[(b + i) * {st4}u + e % {d4}u] * cw[(r * {heads}u + h) * {splits}u + i];",
+        "        }",
+        "        xs[e] = a;",
+        "    }",
+        "    workgroupBarrier();",
+    ]
+
+
+def combine_bytes(mrows: int, heads: int, d: int, splits: int) -> int:
+    """Workgroup memory :func:`linear_gemv`'s ``combine`` prologue takes: the combined rows and the
+    splits' weights."""
+    return 4 * mrows * (heads * d + heads * splits)
+
+
 @lru_cache(maxsize=None)
 def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swiglu: bool, norm: bool,
-                bias: bool, residual: bool, subgroups: int, rope: str = "", unroll: int = 1) -> str:
+                bias: bool, residual: bool, subgroups: int, rope: str = "", unroll: int = 1,
+                combine: tuple[int, int, int] | None = None) -> str:
     """y[M, N] = x[M, K] @ W.T for small M: a workgroup of ``threads`` per ``rows`` output rows.
 
     Thread t takes units t, t + threads, ... of every row of its workgroup (consecutive
@@ -173,15 +215,22 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     RoPE and the KV-cache write, as :func:`linear_gemv_lanes` has it: workgroup w takes rows ``2j,
     2j + 1, 2j + D/2, 2j + 1 + D/2`` of head w // (D/4) (j = w mod D/4), and its thread 0 rotates
     and writes them for every activation row.
+
+    ``combine`` ``(heads, D, splits)`` (``vec``, no ``rope``): x is a split attention's partial rows
+    ([M, heads, splits, D + :data:`SPLIT_ROW_PAD`]), combined into workgroup memory by a prologue
+    (:func:`_combine_lines`) and multiplied from there: the attention's combine pass is not a
+    dispatch of its own.
     """
     if rope and (rows != 4 or swiglu or residual or rope not in ("f32", "f16")):
         raise ValueError(f"linear_gemv: rope ({rope!r}) takes 4 rows a workgroup, no SwiGLU and no residual")
+    if combine and (rope or not vec):
+        raise ValueError("linear_gemv: combine needs rows of a multiple of 8 (vec) and no rope")
     nw = 2 if swiglu else 1
     vals = [f"a{w}_{r}_{m}" for w in range(nw) for r in range(rows) for m in range(mrows)]
     if norm:
         vals += [f"ss_{m}" for m in range(mrows)]
     nv = len(vals)
-    lines = []
+    lines = _combine_lines(mrows, *combine) if combine else []
     if rope:
         lines.append("    let gs = hetero_workgroup_id(wid).x;")
         lines.append("    let head = gs / (p.d / 4u);")
@@ -309,14 +358,22 @@ def linear_gemv(kind: str, mrows: int, rows: int, threads: int, vec: bool, swigl
     lines.append("    }")
     return _gemv_source(kind, lines, threads, rows, mrows, nv, red_size, args, vec, norm,
                         LINEAR_PARAMS + _io_decls(kind, vec, swiglu, norm, bias, residual)
-                        + (weight_fns(kind, "1") if swiglu else "") + store_fn(swiglu, bias, residual))
+                        + (weight_fns(kind, "1") if swiglu else "") + store_fn(swiglu, bias, residual), combine)
 
 
 def _gemv_source(kind: str, lines: list[str], threads: int, rows: int, mrows: int, nv: int, red_size: str,
-                 args: str, vec: bool, norm: bool, head: str) -> str:
-    """The units GEMV's WGSL around its body ``lines``; ``head``: its params, bindings and epilogue."""
+                 args: str, vec: bool, norm: bool, head: str, combine: tuple[int, int, int] | None = None) -> str:
+    """The units GEMV's WGSL around its body ``lines``; ``head``: its params, bindings and epilogue;
+    ``combine``: x is read from the combined rows in workgroup memory (``xs``)."""
     body = "\n".join(lines)
-    src = (COMMON + head + weight_fns(kind, "0") + _xoff(kind) + _x_reader(vec)
+    if combine:
+        heads, d, splits = combine
+        reader = (f"var<workgroup> xs: array<vec4<f32>, {mrows * heads * d // 4}>;\n"
+                  f"var<workgroup> cw: array<f32, {mrows * heads * splits}>;\n"
+                  f"fn xv(m: u32, k: u32) -> vec4<f32> {{ return xs[(m - p.m0) * {heads * d // 4}u + k / 4u]; }}\n")
+    else:
+        reader = _x_reader(vec)
+    src = (COMMON + head + weight_fns(kind, "0") + _xoff(kind) + reader
            + (_g_reader(vec) if norm else "")
            + f"""
 const WG: u32 = {threads}u;
@@ -1100,7 +1157,9 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
     its key row and its value rows of a tile together, unrolled, right after the block table
     (each thread reads its value keys' slots there itself), so the values' loads wait for no
     barrier; :func:`attention_prefetches` says where it applies.
-    ``partial``: writes (acc, m, l) unnormalised for the combine pass. ``f16_cache``: K and
+    ``partial``: writes (acc, m, l) unnormalised for the combine pass, a row of D + 4 floats a (query
+    row, head, split) (:data:`SPLIT_ROW_PAD`: rows start on a vec4, so a consumer can read them
+    as vectors), m and l at D and D + 1. ``f16_cache``: K and
     V hold f16 pairs in u32 words (4 values a vec2<u32>).
     """
     wg = ATTN_WG
@@ -1218,7 +1277,7 @@ def attention(group: int, d: int, partial: bool, subgroups: int, f16_cache: bool
         L.append(f"        if (h == {h}u) {{ mh = m{h}; lh = l{h}; }}")
     L.append("        let hq = h0 + h;")
     if partial:
-        L.append("        let pb = ((t * p.hq + hq) * p.nsplit + split) * (p.d + 2u);")
+        L.append(f"        let pb = ((t * p.hq + hq) * p.nsplit + split) * (p.d + {SPLIT_ROW_PAD}u);")
         L.append("        out[pb + 4u * c] = a.x; out[pb + 4u * c + 1u] = a.y;")
         L.append("        out[pb + 4u * c + 2u] = a.z; out[pb + 4u * c + 3u] = a.w;")
         L.append("        if (c == 0u) { out[pb + p.d] = mh; out[pb + p.d + 1u] = lh; }")
@@ -1263,6 +1322,10 @@ def attention_prefetches(d: int) -> bool:
     return d4 <= 16 and -(-ATTN_WG // max(1, ATTN_WG // d4)) <= 16
 
 
+SPLIT_ROW_PAD = 4
+"""Floats a split attention's partial row holds past its D values: m, l and two of padding."""
+
+
 @lru_cache(maxsize=None)
 def attention_combine() -> str:
     """Merge the splits' (acc, m, l) of each (query row, head): o = sum acc_i 2^(m_i - M) / sum l_i 2^(m_i - M)."""
@@ -1271,11 +1334,12 @@ struct Params { rows: u32, d: u32, nsplit: u32, pad: u32 }
 @group(0) @binding(0) var<storage, read> part: array<f32>;
 @group(0) @binding(1) var<storage, read_write> out: array<f32>;
 @group(0) @binding(2) var<uniform> p: Params;
+const PAD: u32 = """ + f"{SPLIT_ROW_PAD}u;" + """
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let row = hetero_workgroup_id(wid).x;
-    let st = p.d + 2u;
+    let st = p.d + PAD;
     let base = row * p.nsplit * st;
     var mx = -3.0e38;
     for (var i = 0u; i < p.nsplit; i++) { mx = max(mx, part[base + i * st + p.d]); }

@@ -213,7 +213,8 @@ def _logits(gpu: GPUContext, r: _Resident, c: LlamaConfig, h: Tensor, pos: Tenso
     for lay in r.layers:
         q = D.linear_rope_kv(gpu, h, lay.qkv, pos, r.inv_freq, lay.k_cache, lay.v_cache, slots,
                              heads=c.num_heads, bias=lay.qkv_bias, norm=lay.attn_norm, eps=eps)
-        att = D.paged_attention(gpu, q, lay.k_cache, lay.v_cache, tables, seqs, pos)
+        att = D.paged_attention(gpu, q, lay.k_cache, lay.v_cache, tables, seqs, pos,
+                                combine=not D.ATTN_COMBINE_IN_LINEAR)
         h = D.linear(gpu, att, lay.o, bias=lay.o_bias, residual=h)
         mlp = D.linear_swiglu(gpu, h, lay.gate, lay.up, norm=lay.mlp_norm, eps=eps)
         h = D.linear(gpu, mlp, lay.down, residual=h)

@@ -577,6 +577,117 @@ async def test_paged_attention_decode_split_along_keys(shared_rt: hetero.Runtime
             close(f"paged_attention decode splits={splits} prefetch={prefetch} cache={cache}", o, want, 1.0)
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q4_1", "f16"])
+async def test_linear_combines_split_attention_on_load(shared_rt: hetero.Runtime, kind: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """paged_attention(combine=False) then linear: the units GEMV combines the splits as it loads them
+    (two dispatches, no combine pass) and agrees with numpy, with and without subgroups, with the
+    residual, the bias and the RMSNorm; past ATTN_COMBINE_MAX_SPLITS, on the lanes GEMV, on the tiled
+    path or without the workgroup memory, the combine pass runs first and the result is the same."""
+    monkeypatch.setattr(D, "ATTN_SPLIT_KEYS", 32)
+    hq, hkv, d, n = 8, 2, 16, 48
+    b = Batch([70, 5, 130], 16, hq, hkv, d, seed=11)
+    last = [max(i for i, (s2, _) in enumerate(b.rows) if s2 == s) for s in range(len(b.lens))]
+    att = b.attention_ref(last).reshape(len(last), -1)
+    wo = make_weight(kind, rand((n, hq * d), 3, scale=0.3))
+    wref = unpack(wo).astype(np.float64)
+    res, bias, g = rand((len(last), n), 9), rand((n,), 10), rand((hq * d,), 12) * 0.2 + 1.0
+    normed = att / np.sqrt((att ** 2).mean(-1, keepdims=True) + 1e-5) * g
+    want = {"res": att @ wref.T + res, "bias-norm": normed @ wref.T + bias}
+    feeds = dict(k=b.k.astype(np.float32), v=b.v.astype(np.float32), slots=b.slots, q=b.q[last].astype(np.float32),
+                 bt=b.bt, seq=np.arange(len(b.lens), dtype=np.int32), pos=b.pos[last], res=res, bias=bias, g=g)
+
+    async def run(splits: int, flags: str, path: str = "auto", rows: int = 3) -> tuple[np.ndarray, list[str]]:
+        spy_labels: list[str] = []
+
+        def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any, res: Any, bias: Any,
+                  g: Any) -> Any:
+            spy = Spy(gpu)
+            kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+            D.kv_write(gpu, kc, vc, k, v, slots)
+            a = D.paged_attention(spy, q, kc, vc, bt, seq, pos, splits=splits, combine=False)
+            assert isinstance(a, D.AttentionSplits) and a.shape == (rows, hq, d) and a.splits == splits
+            if flags == "res":
+                out = D.linear(spy, a, wo, residual=res, path=path)
+            else:
+                out = D.linear(spy, a, wo, bias=bias, norm=g, eps=1e-5, path=path)
+            spy_labels.extend(spy.labels)
+            return out
+        got = await call(shared_rt, stage, **feeds)
+        return got, spy_labels
+
+    monkeypatch.setattr(D, "GEMV_IMPL", "units")
+    for sg in subgroup_modes(shared_rt):
+        monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
+        for splits in (2, 5):
+            for flags in ("res", "bias-norm"):
+                got, labels = await run(splits, flags)
+                assert len(labels) == 2 and labels[1].startswith(f"decoder.linear.gemv.{kind}.m3") \
+                    and f".comb{splits}" in labels[1], labels
+                close(f"linear of split attention {kind} splits={splits} {flags} subgroups={sg}", got, want[flags],
+                      np.abs(want[flags]).max(-1, keepdims=True))
+    # the combine pass first: too many splits, the lanes GEMV, the tiled kernel, too little workgroup memory
+    monkeypatch.setattr(D, "ATTN_COMBINE_MAX_SPLITS", 4)
+    cases: list[tuple[str, str, str, int]] = [("units", "auto", "max-splits", 5), ("lanes", "auto", "lanes", 2),
+                                              ("units", "tiled", "tiled", 2)]
+    for impl, path, why, splits in cases:
+        monkeypatch.setattr(D, "GEMV_IMPL", impl)
+        got, labels = await run(splits, "res", path)
+        assert labels[1] == "decoder.paged_attention.combine" and not any(".comb" in x for x in labels[2:]), \
+            (why, labels)
+        close(f"linear after the combine pass ({why})", got, want["res"], np.abs(want["res"]).max(-1, keepdims=True))
+    monkeypatch.setattr(D, "GEMV_IMPL", "units")
+    monkeypatch.setattr(D, "_GEMV_OWN_BYTES", 1 << 30)
+    got, labels = await run(2, "res")
+    assert labels[1] == "decoder.paged_attention.combine", labels
+
+
+@ASYNCIO_ONLY
+async def test_combine_attention_is_the_combine_pass(shared_rt: hetero.Runtime) -> None:
+    """combine_attention of paged_attention(combine=False) equals paged_attention's own combine;
+    with one split, combine=False gives the Tensor at once; bad arguments are refused."""
+    b = Batch([40, 90], 16, 4, 2, 8, seed=5)
+    last = [max(i for i, (s2, _) in enumerate(b.rows) if s2 == s) for s in range(len(b.lens))]
+    want = b.attention_ref(last)
+
+    def stage(gpu: Any, k: Any, v: Any, slots: Any, q: Any, bt: Any, seq: Any, pos: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, b.nb, b.bs, b.hkv, b.d)
+        D.kv_write(gpu, kc, vc, k, v, slots)
+        whole = D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=3)
+        later = D.combine_attention(gpu, D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=3, combine=False))
+        one = D.paged_attention(gpu, q, kc, vc, bt, seq, pos, splits=1, combine=False)
+        assert isinstance(one, hetero.Tensor)
+        return whole, later, one
+    whole, later, one = await call(shared_rt, stage, k=b.k.astype(np.float32), v=b.v.astype(np.float32),
+                                   slots=b.slots, q=b.q[last].astype(np.float32), bt=b.bt,
+                                   seq=np.arange(2, dtype=np.int32), pos=b.pos[last])
+    assert np.array_equal(whole, later)
+    close("paged_attention, one split", one, want, 1.0)
+    close("combine_attention", later, want, 1.0)
+
+    def bad_combine(gpu: Any, x: Any) -> Any:
+        return D.combine_attention(gpu, x)
+    with pytest.raises(hetero.StageError, match="combine_attention: expected the AttentionSplits"):
+        await call(shared_rt, bad_combine, x=rand((2, 4, 8), 1))
+
+    def bad_flag(gpu: Any, q: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, 2, 4, 2, 8)
+        return D.paged_attention(gpu, q, kc, vc, np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
+                                 np.zeros(1, np.int32), combine="no")
+    with pytest.raises(hetero.StageError, match="paged_attention: combine must be True or False, got 'no'"):
+        await call(shared_rt, bad_flag, q=rand((1, 4, 8), 2))
+
+    def swiglu_of_splits(gpu: Any, q: Any) -> Any:
+        kc, vc = D.kv_cache(gpu, 8, 16, 2, 8)
+        a = D.paged_attention(gpu, q, kc, vc, np.zeros((1, 8), np.int32), np.zeros(1, np.int32),
+                              np.full(1, 100, np.int32), splits=2, combine=False)
+        w = make_weight("f32", rand((8, 32), 3))
+        return D.linear_swiglu(gpu, a, w, w)
+    with pytest.raises(hetero.StageError, match="linear_swiglu: x is a split attention's partial results"):
+        await call(shared_rt, swiglu_of_splits, q=rand((1, 4, 8), 2))
+
+
 async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
     def stage(gpu: Any, q: Any) -> Any:
         kc, vc = D.kv_cache(gpu, 2, 4, 3, 16)

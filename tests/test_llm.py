@@ -282,6 +282,35 @@ def test_f16_kv_cache(files, shared_rt):
         close_logits(llm.logits(ids), reference_logits(llm.model, ids), 2e-3)
 
 
+def test_attention_combined_by_the_output_projection_keeps_greedy_tokens(files, shared_rt, monkeypatch):
+    """ATTN_COMBINE_IN_LINEAR: split attention goes to the output projection uncombined, the decode
+    steps' GEMV combines it on load (a combine pass runs only for the prompt's rows, on the tiled
+    path), and greedy generation still equals the reference."""
+    from hetero.kernels import decoder as D
+    monkeypatch.setattr(D, "ATTN_COMBINE_IN_LINEAR", True)
+    monkeypatch.setattr(D, "ATTN_SPLIT_KEYS", 16)  # a split a block of keys
+    monkeypatch.setattr(D, "GEMV_IMPL", "units")   # the tiny model's rows are short: lanes otherwise
+    seen: dict[str, list[int]] = {"splits": [], "combines": []}
+    linear, combine = D.linear, D.combine_attention
+
+    def counting_linear(gpu, x, *a, **kw):
+        if isinstance(x, D.AttentionSplits):
+            seen["splits"].append(x.shape[0])
+        return linear(gpu, x, *a, **kw)
+
+    def counting_combine(gpu, x):
+        seen["combines"].append(x.shape[0])
+        return combine(gpu, x)
+    monkeypatch.setattr(D, "linear", counting_linear)
+    monkeypatch.setattr(D, "combine_attention", counting_combine)
+    with LLM(files["llama"], runtime=shared_rt, kv_cache_bytes=KV) as llm:
+        ids = llm.encode(PROMPTS[1] + " " + PROMPTS[2])
+        c = llm.generate(ids, max_tokens=16)
+        assert c.token_ids == reference_greedy(llm.model, ids, 16)[:len(c.token_ids)] and len(c.token_ids) > 8
+    decode = [t for t in seen["splits"] if t <= D.GEMV_MAX_M]
+    assert decode and all(t > D.GEMV_MAX_M for t in seen["combines"]), seen
+
+
 def test_own_runtime_closes_with_the_llm(files):
     llm = LLM(files["tied"], kv_cache_bytes=KV)
     rt = llm.runtime
