@@ -199,6 +199,24 @@ async def test_kernels_compile_once_per_device(shared_rt: hetero.Runtime) -> Non
     assert kernels[0] is kernels[1]
 
 
+async def test_one_source_under_two_labels_shares_its_pipeline(shared_rt: hetero.Runtime) -> None:
+    """Kernels that share a WGSL source keep the label each was asked for (traces name them apart)."""
+    kernels = []
+
+    def labelled(gpu: hetero.GPUContext, t: Tensor) -> int:
+        kernels.extend([gpu.kernel(SCALE, label="first"), gpu.kernel(SCALE, label="second"),
+                        gpu.kernel(SCALE, label="first"), gpu.kernel(SCALE)])
+        return 0
+
+    g = hetero.Graph("labels")
+    g.output(g.gpu(labelled, g.input("x")))
+    await shared_rt.run(g, x=np.ones(1, np.float32))
+    first, second, again, plain = kernels
+    assert (first.label, second.label, again.label) == ("first", "second", "first")
+    assert first.pipeline is second.pipeline is plain.pipeline and first.key == second.key
+    assert again is first
+
+
 def test_adapter_selection_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from hetero._gpu.device import select_adapter
 

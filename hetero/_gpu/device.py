@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -225,7 +225,7 @@ class Device:
         self.features: frozenset[str] = frozenset(self.device.features)
         self.summary = adapter_summary(self.adapter)
         self._kernels: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
-        self._by_source: dict[tuple[str, str, tuple[tuple[str, Any], ...]], Kernel] = {}
+        self._by_source: dict[tuple[str, str, tuple[tuple[str, Any], ...], str], Kernel] = {}
         self._kernel_lock = threading.Lock()
         self.loss = LossWatch(self.device, self.summary["summary"])
         self.submission = Submission(self.device, self.loss, max_batch=max_batch, tracer=tracer)
@@ -259,14 +259,18 @@ class Device:
         The cache is keyed by the WGSL's hash, the entry point and the override
         ``constants``; it is thread-safe, and compilation never runs on the event loop
         (GPU stages record on worker threads; ``Runtime.warmup`` compiles on one too).
+        Kernels of one source asked for under different labels share the pipeline and keep
+        their own label (what traces and errors name).
         """
         consts = tuple(sorted(constants.items())) if constants else ()
         # Fast path by the source text itself: a str caches its hash, and kernel
         # generators return the same (memoised) str object, so a hit costs no sha256.
-        source_key = (wgsl, entry_point, consts)
+        source_key = (wgsl, entry_point, consts, label)
         k = self._by_source.get(source_key)
         if k is None:
             k = self._compiled(wgsl, entry_point, label, consts)
+            if label and k.label != label:
+                k = replace(k, label=label)
             if len(self._by_source) < 4096:
                 self._by_source[source_key] = k
         return k
