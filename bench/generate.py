@@ -42,7 +42,8 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 ``--pipeline on|off|both`` times each file with ``LLM(pipeline=)`` steps overlapping, one at a
 time, or both in turn; ``--knob NAME=V1,V2`` (repeatable) with a module attribute of
 ``hetero.kernels.decoder`` (or of ``decoder_gemm``) set to each value in turn, e.g. ``--knob
-ATTN_PREFETCH=False,True --knob GEMV_UNITS_UNROLL=1,2``;
+ATTN_PREFETCH=False,True --knob GEMV_UNITS_UNROLL=1,2`` (a tuple's items joined by ``+``: ``--knob
+GEMV_LANES_WIDE_KINDS=q8_0,q8_0+q4_1``);
 ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
@@ -593,12 +594,20 @@ def _knob_modules() -> tuple[Any, ...]:
     return decoder, decoder_gemm
 
 
-def _knob(text: str) -> tuple[str, list[Any]]:
-    """An argparse type: ``NAME=V1[,V2...]``, NAME an upper-case attribute of hetero.kernels.decoder
-    or decoder_gemm, each value a Python literal of the attribute's type (a scalar: values are
-    split at commas)."""
+def _literal(v: str) -> Any:
+    """A Python literal, or the bare word itself (a string knob)."""
     import ast
 
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+        return v
+
+
+def _knob(text: str) -> tuple[str, list[Any]]:
+    """An argparse type: ``NAME=V1[,V2...]``, NAME an upper-case attribute of hetero.kernels.decoder
+    or decoder_gemm, each value a Python literal of the attribute's type (values are split at
+    commas). A tuple knob's value joins its items with ``+`` (``q8_0+q4_1``; ``()`` is empty)."""
     name, sep, values = text.partition("=")
     name = name.strip()
     mod = next((m for m in _knob_modules() if name.isupper() and hasattr(m, name)), None)
@@ -608,10 +617,14 @@ def _knob(text: str) -> tuple[str, list[Any]]:
     current = getattr(mod, name)
     out = []
     for v in (x.strip() for x in values.split(",") if x.strip()):
-        try:
-            value = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            value = v  # a bare word: a string knob
+        if isinstance(current, tuple):
+            value: Any = () if v == "()" else tuple(_literal(i.strip()) for i in v.split("+") if i.strip())
+            kinds = {type(i) for i in current}
+            if any(type(i) not in kinds for i in value) and kinds:
+                raise argparse.ArgumentTypeError(f"{name} is a tuple of {', '.join(sorted(t.__name__ for t in kinds))} "
+                                                 f"({current!r}); got {v!r} (join items with '+')")
+        else:
+            value = _literal(v)
         if type(value) is not type(current):
             raise argparse.ArgumentTypeError(f"{name} is a {type(current).__name__} ({current!r}); got {v!r}")
         out.append(value)

@@ -285,9 +285,16 @@ def test_knobs_are_timed_in_every_combination_and_set_back(tmp_path):
         "tiny (ATTN_PREFETCH False / True, DP4A_SLICE_BLOCKS 4 / 1)"}
 
 
+def test_a_tuple_knob_joins_its_items_with_plus():
+    assert generate._knob("GEMV_LANES_WIDE_KINDS=q8_0, q8_0+q4_1,()") == (
+        "GEMV_LANES_WIDE_KINDS", [("q8_0",), ("q8_0", "q4_1"), ()])
+
+
 @pytest.mark.parametrize("text,error", [
     ("NOT_A_KNOB=1", "a knob of hetero.kernels.decoder"), ("ATTN_PREFETCH", "NAME=V1"),
-    ("ATTN_PREFETCH=1", "ATTN_PREFETCH is a bool"), ("TILED_MIN_GROUPS=512,512", "distinct values")])
+    ("ATTN_PREFETCH=1", "ATTN_PREFETCH is a bool"), ("TILED_MIN_GROUPS=512,512", "distinct values"),
+    ("GEMV_LANES_WIDE_KINDS=1+2", "GEMV_LANES_WIDE_KINDS is a tuple of str"),
+    ("GEMV_LANES_WIDE_KINDS=q8_0,q8_0", "distinct values")])
 def test_a_knob_must_name_an_attribute_and_match_its_type(text, error):
     with pytest.raises(argparse.ArgumentTypeError, match=error):
         generate._knob(text)
