@@ -445,10 +445,10 @@ def _tiled_impl(op: str, kind: str, n: int, k: int) -> str:
     return str(TILED_IMPL)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Rope:
     """linear_rope_kv's RoPE and KV write, for a split-K product's epilogue to do: what it reads and
-    writes; ``q`` is set once an epilogue wrote q there."""
+    writes."""
 
     positions: Tensor
     inv_freq: Tensor
@@ -458,15 +458,22 @@ class _Rope:
     heads: int
     hkv: int
     d: int
-    q: Tensor | None = None
 
 
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
-                kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str,
-                rope: _Rope | None = None) -> Tensor:
+                kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
+    """The product ``linear`` and ``linear_swiglu`` record: y [M, N]."""
+    return _linear_product(op, gpu, x, ws, m, k, n, kind, bias, residual, norm, eps, path)[0]
+
+
+def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
+                    kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str,
+                    rope: _Rope | None = None) -> tuple[Tensor, bool]:
+    """(y [M, N], False); with ``rope``, (q [M, heads, D], True) where a split-K epilogue did the RoPE
+    and the KV write (``linear_rope_kv``'s product past GEMV_MAX_M rows)."""
     swiglu = len(ws) == 2
     if m == 0:
-        return gpu.empty((m, n), np.float32)
+        return gpu.empty((m, n), np.float32), False
     units, blocks = _units(kind, k)
     vec = k % 8 == 0
     if path not in ("auto", "gemv", "tiled"):
@@ -508,7 +515,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
                               f".u{unroll}{tag}{'.sg' if sg else ''}")
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, threads // lanes * rows), *inputs, *extras, out, params)
-        return out
+        return out, False
     if gemv:
         sg = _subgroups(gpu)
         # GEMV_MAX_M rows of x at a time (registers); the params say which
@@ -524,7 +531,7 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
                               f"{f'.u{unroll}' if unroll > 1 else ''}{f'.sg{sg}' if sg else ''}")
             params = struct.pack("<5If2I", m, n, k, units, blocks, eps, m0, 0)
             gpu.dispatch(kern, _groups(n, rows), *inputs, *extras, out, params)
-        return out
+        return out, False
     impl = _tiled_impl(op, kind, n, k)
     if impl == "dp4a":
         if kind in G.DP4A_KINDS:
@@ -547,20 +554,20 @@ def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWei
         out = gpu.empty((m, n), np.float32)
         kern = gpu.kernel(source(bias is not None, residual is not None, False), "main", label=label)
         gpu.dispatch(kern, grid, *inputs, *extras, out, params)
-        return out
+        return out, False
     _fits(gpu, op, "the split-K partial sums", (splits, len(ws), m, n))
     part = gpu.empty((splits, len(ws), m, n), np.float32)
     pss = [gpu.empty((splits, m), np.float32)] if norm is not None else []
     kern = gpu.kernel(source(False, False, True), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, *inputs, part, *pss, params)
     if rope is not None:
-        return _split_rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag)
+        return _split_rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag), True
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")
     out = gpu.empty((m, n), np.float32)
     gpu.dispatch(epi, _groups(m * n, 64), part, *pss, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
-    return out
+    return out, False
 
 
 _GEMV_OWN_BYTES = 4096
@@ -578,7 +585,7 @@ def _combines_on_load(gpu: GPUContext, x: AttentionSplits, mrows: int, vec: bool
 
 def _split_rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, pss: list[Tensor], extras: list[Any],
                    m: int, n: int, k: int, eps: float, splits: int, tag: str) -> Tensor:
-    """The split-K epilogue of linear_rope_kv's product: the splits added, RoPE, q out (``rope.q``)
+    """The split-K epilogue of linear_rope_kv's product: the splits added, RoPE, q out (returned)
     and k, v to their cache slots; one dispatch instead of an epilogue and a rope_kv."""
     _fits(gpu, op, "q", (m, rope.heads, rope.d))
     q = gpu.empty((m, rope.heads, rope.d), np.float32)
@@ -589,7 +596,6 @@ def _split_rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, ps
     gpu.dispatch(epi, _groups(m * quads, 64), part, *pss, *extras, rope.positions, rope.inv_freq, rope.slots, q,
                  rope.k_cache, rope.v_cache,
                  struct.pack("<5If6I", m, n, k, 0, 0, float(eps), 0, splits, rope.d, rope.heads, rope.hkv, 0))
-    rope.q = q
     return q
 
 
@@ -606,9 +612,10 @@ def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
 
 def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g: Tensor | None, m: int, k: int,
                  n: int, kind: str, eps: float, extras: list[Any], flags: tuple[bool, bool, bool], tag: str,
-                 rope: _Rope | None = None) -> Tensor:
+                 rope: _Rope | None = None) -> tuple[Tensor, bool]:
     """The dp4a GEMM (:mod:`hetero.kernels.decoder_gemm`): x quantized a block of 32 (the RMSNorm,
-    weight ``g``, folded in there), then integer dot products against the weight's blocks.
+    weight ``g``, folded in there), then integer dot products against the weight's blocks; the
+    result as :func:`_linear_product` returns it.
     ``weights``: the weights' tensors in binding order; ``flags``: (SwiGLU, bias, residual)."""
     swiglu, bias, residual = flags
     nw = 2 if swiglu else 1
@@ -631,19 +638,19 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
         out = gpu.empty((m, n), np.float32)
         kern = gpu.kernel(G.linear_dp4a(kind, swiglu, bias, residual, False, shape, nb), "main", label=label)
         gpu.dispatch(kern, grid, xq, xd, xs, *weights, *extras, out, params)
-        return out
+        return out, False
     _fits(gpu, op, "the split-K partial sums", (splits, nw, m, n))
     part = gpu.empty((splits, nw, m, n), np.float32)
     kern = gpu.kernel(G.linear_dp4a(kind, swiglu, False, False, True, shape, nb), "main", label=f"{label}.splitk")
     gpu.dispatch(kern, grid, xq, xd, xs, *weights, part, params)
     etag = "".join(t for t, f in zip((".swiglu", ".bias", ".res"), flags) if f)  # the norm was the quantize pass's
     if rope is not None:
-        return _split_rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag)
+        return _split_rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag), True
     epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main", label=f"decoder.linear.epilogue{etag}")
     out = gpu.empty((m, n), np.float32)
     gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
                  struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, splits))
-    return out
+    return out, False
 
 
 def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits, w: PackedWeight | GPUWeight, *,
@@ -948,9 +955,10 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
         # a split-K product does RoPE and the KV write in its epilogue; otherwise the two ops
         rope = (_Rope(_dev(gpu, positions), _dev(gpu, inv_freq), _dev(gpu, slots), k_cache, v_cache, int(heads),
                       hkv, d) if d % 4 == 0 else None)
-        qkv = _linear_run(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto", rope)
-        if rope is not None and rope.q is not None:
-            return rope.q
+        qkv, rotated = _linear_product(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto",
+                                       rope)
+        if rotated:
+            return qkv
         return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
     impl = _gemv_impl(op, k, n, kind)
     _fits(gpu, op, "q", (m, heads, d))
