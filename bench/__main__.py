@@ -34,6 +34,7 @@ BENCHES = {
     "generate": "LLM text generation (decode, prefill, batched) beside transformers on the same random weights",
     "generate_serve": "hetero serve text generation under 1-256 streaming clients beside in-process generate()",
     "decode_profile": "each decoder op of a decode step alone on the GPU (both GEMV kernels), the step, its host replay",
+    "tensor_cores": "cooperative matrices through wgpu: offered, requestable, right, TFLOP/s beside an fp32 FMA loop",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200). A benchmark missing here is
 # not part of `all` (multigpu needs a machine with several GPUs; run it alone).
@@ -56,6 +57,7 @@ ALL_ARGS = {
     "serve": ["--concurrency", "1,16,256", "--duration", "10"],
     "placement": [],
     "embed_cpu": ["--n", "1024"],
+    "tensor_cores": [],
 }
 
 
