@@ -11,6 +11,10 @@ reaches it with ``enable wgpu_cooperative_matrix;`` (``coop_mat16x16<f16, A>``, 
 - its rate: a subgroup's loop of products on four accumulators, TFLOP/s, beside a loop of fp32
   FMAs on the same adapter in the same run (the rate the decoder's GEMMs work against).
 
+Where the adapter offers another of wgpu's experimental features (``ray-query``: lavapipe from Mesa
+24 has it), a device asking for it says whether this wgpu-native lets experimental features be
+enabled at all; cooperative matrices are one of them.
+
 Nothing here is used by hetero's kernels yet: it decides whether a tensor-core GEMM is worth
 writing for prefill and many streams.
 """
@@ -31,6 +35,7 @@ emit = emitter("tensor_cores")
 # (name, WGSL scalar of A and B, of C, fragment side, numpy dtype of A and B)
 SHAPES = (("16x16x16 f16->f32", "f16", "f32", 16, np.float16),
           ("8x8x8 f32", "f32", "f32", 8, np.float32))
+EXPERIMENTAL = ("cooperative-matrix", "ray-query")  # wgpu-native's features behind wgpu's experimental gate
 SUBGROUP = 32  # a fragment's scope is a subgroup: a workgroup of one subgroup (NVIDIA's 32)
 ACCUMULATORS = 4  # independent accumulators a subgroup's loop keeps (latency hidden behind each other)
 
@@ -216,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     target = a.ms / 1e3
     plain = adapter.request_device_sync(label="fma")
     emit(measure="fp32 FMA loop", tflops=round(fma_rate(plain, a.groups, target), 2))
+    for feature in (f for f in EXPERIMENTAL if f in adapter.features and f != "cooperative-matrix"):
+        try:
+            adapter.request_device_sync(label=feature, required_features=[feature])
+            emit(experimental_feature=feature, device=True)
+        except Exception as e:  # "experimental features are not enabled": the gate is shut in this build
+            emit(experimental_feature=feature, device=False, error=" ".join(str(e).split())[:400])
     if not offered:
         emit(verdict="the adapter does not offer cooperative-matrix: no tensor cores through wgpu here")
         return 0
