@@ -48,7 +48,8 @@ GEMV_LANES_WIDE_KINDS=q8_0,q8_0+q4_1``);
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
 that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
-first is a ratio line against the first, same file, same run.
+first is a ratio line against the first, same file, same run. The step profiles run with the
+first combination's kernels, or with ``--profile-each`` with each one's (a ``setting`` field names it).
 
 With ``--vs-llama-cpp BIN_DIR`` (the kit's ``run.sh`` builds into ``.llm-build/build/bin``)
 llama-bench and llama-batched-bench run on the same files with the same sizes, and each
@@ -298,10 +299,11 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None) -> di
     n_steps = sum(n for n, _ in gpu_time_by_name(trace, "GPU queue").values())
     per_step = {name: n / n_steps for name, (n, _) in kernels.items()} if n_steps else {}
     layers = lm.config.num_layers
-    # a kernel dispatched at least once a layer belongs to the layers (the embedding, the head and
-    # sampling run once or twice a step)
-    per_layer = sum(int(n // layers) for n in per_step.values() if n >= layers)
-    out: dict[str, Any] = {"dispatches_per_step": round(sum(per_step.values()), 2), "dispatches_per_layer": per_layer,
+    # a step's own dispatches are four (the embedding, gather_rows, the output head, sample); the rest
+    # are the layers', on average (attention's combine pass runs only where the keys split)
+    total = sum(per_step.values())
+    per_layer = round((total - 4) / layers, 2) if per_step else 0
+    out: dict[str, Any] = {"dispatches_per_step": round(total, 2), "dispatches_per_layer": per_layer,
                            "kernels_per_step": {k: round(v, 2) for k, v in sorted(per_step.items())}}
     if n_steps:  # both traced calls, so the capture's first step counts; by GPU time, most first
         out["kernels_gpu_us_per_step"] = {k: round(ms / n_steps * 1e3, 1) for k, (_, ms) in kernels.items()}
@@ -508,9 +510,12 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),
                  roofline_fraction=round(step_bytes * tg / bw, 4))
-        if not a.no_profile:
-            emit(**label, side="hetero", measure="step", **step_profile(lm, a))
-            emit(**label, side="hetero", measure="streams step", **streams_profile(lm, a))
+        if not a.no_profile:  # under the first setting (the one the ratios above are against), or each
+            for setting in settings if a.profile_each else settings[:1]:
+                named = {"setting": setting.name} if len(settings) > 1 else {}
+                with kernel_settings(setting):
+                    emit(**label, **named, side="hetero", measure="step", **step_profile(lm, a))
+                    emit(**label, **named, side="hetero", measure="streams step", **streams_profile(lm, a))
         if a.vs_llama_cpp:
             try:
                 ref = llama_cpp_gguf(a.vs_llama_cpp, f, a, timeout=max(10.0, min(180.0, budget.left())))
@@ -709,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--npl", type=_ints, default=[1, 64], help="streams, comma-separated (llama-batched-bench -npl)")
     g.add_argument("--no-transformers", action="store_true", help="skip the transformers reference on GGUF files")
     g.add_argument("--no-profile", action="store_true", help="skip the traced step profile")
+    g.add_argument("--profile-each", action="store_true",
+                   help="trace the step profiles under the kernels of every setting (--gemv, --tiled, --knob), "
+                        "not the first only")
     g.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds")
     g.add_argument("--pipeline", choices=("on", "off", "both"), default="on",
                    help="LLM(pipeline=): steps overlap (on, the default), one at a time (off), or both in turn")

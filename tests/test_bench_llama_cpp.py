@@ -285,6 +285,26 @@ def test_knobs_are_timed_in_every_combination_and_set_back(tmp_path):
         "tiny (ATTN_PREFETCH False / True, DP4A_SLICE_BLOCKS 4 / 1)"}
 
 
+def test_profile_each_traces_the_step_under_every_setting(tmp_path):
+    """--profile-each: a step profile and a streams-step profile per setting, each named, with the
+    setting's kernels (the GEMV forced to units shows in its labels); without it, the first only."""
+    f = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
+    args = ["--gguf", str(f), "--tg", "3", "--pp", "4", "--npp", "2", "--ntg", "2", "--npl", "1,2", "--reps", "1",
+            "--gemv", "lanes,units"]
+    for extra, count in (([], 1), (["--profile-each"], 2)):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert generate.main(args + extra) == 0
+        lines = [json.loads(x) for x in out.getvalue().splitlines()]
+        steps = [x for x in lines if x.get("measure") == "step"]
+        assert len(steps) == count == len([x for x in lines if x.get("measure") == "streams step"])
+        assert [x["setting"].split()[0] for x in steps] == ["gemv=lanes", "gemv=units"][:count]
+        for x in steps:
+            impl = x["setting"].split()[0].removeprefix("gemv=")
+            assert any(k.startswith("decoder.linear.lanes." if impl == "lanes" else "decoder.linear.gemv.")
+                       for k in x["kernels_per_step"]), x["kernels_per_step"]
+
+
 def test_a_tuple_knob_joins_its_items_with_plus():
     assert generate._knob("GEMV_LANES_WIDE_KINDS=q8_0, q8_0+q4_1,()") == (
         "GEMV_LANES_WIDE_KINDS", [("q8_0",), ("q8_0", "q4_1"), ()])
