@@ -632,7 +632,7 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     nb = G.dp4a_slice_blocks(shape, kind, swiglu, int(gpu.limits["max-compute-workgroup-storage-size"]))
     splits, ks = _splits(m, n, units, shape)
     grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)
-    label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}.s{nb}{tag}"
+    label = f"decoder.linear.tiled.{kind}.dp4a.{shape.bm}x{shape.bn}.t{shape.tm}x{shape.tn}.s{nb}{tag}"
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     if splits == 1:
         out = gpu.empty((m, n), np.float32)

@@ -38,7 +38,7 @@ from typing import Callable
 
 from hetero.kernels import decoder_wgsl as W
 
-__all__ = ["DP4A_KINDS", "DP4A_SLICE_BLOCKS", "QUANT_BLOCKS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
+__all__ = ["DP4A_KINDS", "DP4A_SLICE_BLOCKS", "DP4A_THREAD_TILE", "QUANT_BLOCKS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
            "dp4a_slice_blocks", "linear_dp4a", "quantize_rows"]
 
 SLICE_UNITS = 2
@@ -230,6 +230,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 #   ``xd * wd * sum(xq * wq)`` (``dot4I8Packed``, exact in i32), plus ``xs * wm`` where the
 #   weight has an offset (Q4_1: its m; Q4_0: -8 d). Q4's nibbles, low then high, are the
 #   block's elements 0-15 then 16-31, as x's words 0-3 then 4-7.
+# * A thread's outputs (DP4A_THREAD_TILE) lie as the blocked kernel's do (rows g*4*TY + 4*ty + i,
+#   columns h*4*TX + 4*tx + j); each output adds its blocks in K's order whatever the tile, so
+#   every tile gives the same outputs, bit for bit.
 # * The error against float activations is x's rounding: at most d / 2 an element of a block.
 
 QUANT_BLOCKS = 8
@@ -305,10 +308,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """)
 
 
+DP4A_THREAD_TILE = (4, 4)
+"""Outputs a thread of the dp4a GEMM computes: (rows, columns), each 4 or 8. Every word of x and of the
+weight a thread reads from workgroup memory serves ``columns`` (``rows``) dot products, so 4 x 4
+reads 2 bytes of workgroup memory a ``dot4I8Packed`` (about what an SM's workgroup memory serves at
+its integer rate) and 8 x 8 one, for twice the accumulators (two sets: integer, float). Not yet
+timed on a GPU past 4 x 4."""
+
+
 def dp4a_blocking(m: int, swiglu: bool) -> Blocking:
-    """The dp4a GEMM's tile: 64 rows (32 at m <= 32), 64 columns (32 with SwiGLU), 4 x 4 outputs a
-    thread (its i32 and float accumulators both in registers)."""
-    return Blocking(32 if m <= 32 else 64, 32 if swiglu else 64, 4, 4)
+    """The dp4a GEMM's tile: 64 rows (32 at m <= 32), 64 columns (32 with SwiGLU),
+    :data:`DP4A_THREAD_TILE` outputs a thread (at most the tile's side)."""
+    bm, bn = 32 if m <= 32 else 64, 32 if swiglu else 64
+    tm, tn = (int(v) for v in DP4A_THREAD_TILE)
+    if tm not in (4, 8) or tn not in (4, 8):
+        raise ValueError(f"DP4A_THREAD_TILE must be (rows, columns) of 4 or 8 each, got {DP4A_THREAD_TILE!r}")
+    return Blocking(bm, bn, min(tm, bm), min(tn, bn))
 
 
 DP4A_SLICE_BLOCKS = 4
@@ -358,13 +373,15 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
     if kind not in ("q8_0", "q4_0", "q4_1"):
         raise ValueError(f"linear_dp4a: weights of kind {kind!r} are not integer blocks (q8_0, q4_0, q4_1)")
     bm, bn, tm, tn = shape.bm, shape.bn, shape.tm, shape.tn
-    if (tm, tn) != (4, 4) or bm % 4 or bn % 4:
-        raise ValueError(f"linear_dp4a: takes 4 x 4 outputs a thread and tiles of multiples of 4, got {shape}")
+    if tm not in (4, 8) or tn not in (4, 8) or bm % tm or bn % tn:
+        raise ValueError(f"linear_dp4a: takes 4 or 8 outputs a thread each way and tiles of multiples of them, "
+                         f"got {shape}")
     nb = int(slice_blocks)
     if nb < 1:
         raise ValueError(f"linear_dp4a: slice_blocks must be >= 1, got {slice_blocks}")
     nw = 2 if swiglu else 1
-    ty_n, tx_n = bm // 4, bn // 4
+    gm, gn = tm // 4, tn // 4  # a thread's vec4 groups of rows and of columns
+    ty_n, tx_n = bm // tm, bn // tn
     threads = ty_n * tx_n
     offset = kind != "q8_0"
     q8 = kind == "q8_0"
@@ -387,9 +404,11 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
     L: list[str] = []
     add = L.append
     _tile_lines(add, bm, bn, tx_n, "mbase", "nbase")
+    rows = [(g, i, g * 4 + i) for g in range(gm) for i in range(4)]  # (group, lane, accumulator row)
     for w in range(nw):
-        for i in range(4):
-            add(f"    var c{w}_{i}_0 = vec4<f32>(0.0);")
+        for _, _, r in rows:
+            for h in range(gn):
+                add(f"    var c{w}_{r}_{h} = vec4<f32>(0.0);")
     add("    let kb0 = tile.z * p.ks;")
     add("    let kb1 = min(p.units, kb0 + p.ks);")
     add(f"    for (var kb = kb0; kb < kb1; kb += {4 * nb}u) {{")
@@ -458,32 +477,39 @@ def linear_dp4a(kind: str, swiglu: bool, bias: bool, residual: bool, partial: bo
         stores += st
     L += loads + stores  # a slice's loads all issued before its first store
     add("        workgroupBarrier();")
+    # thread (tx, ty)'s rows are mbase + g*4*TY + 4*ty + i, its columns nbase + h*4*TX + 4*tx + j (as
+    # the blocked kernel's): its reads of workgroup memory are vec4 g*TY + ty and h*TX + tx of a word
     add(f"        for (var s = 0u; s < {nb}u; s++) {{")
     for w in range(nw):
-        for i in range(4):
-            add(f"            var s{w}_{i} = vec4<i32>(0);")
+        for _, _, r in rows:
+            for h in range(gn):
+                add(f"            var s{w}_{r}_{h} = vec4<i32>(0);")
     add("            for (var j = 0u; j < 8u; j++) {")
-    add(f"                let a = Aw[(s * 8u + j) * {bm // 4}u + ty];")
+    for g in range(gm):
+        add(f"                let a{g} = Aw[(s * 8u + j) * {bm // 4}u + {g * ty_n}u + ty];")
     for w in range(nw):
-        add(f"                let b{w} = Bw{w}[(s * 8u + j) * {bn // 4}u + tx];")
-        for i in range(4):
-            ai = f"a.{_XYZW[i]}"
-            dots = ", ".join(f"dot4I8Packed({ai}, b{w}.{_XYZW[c]})" for c in range(4))
-            add(f"                s{w}_{i} += vec4<i32>({dots});")
+        for h in range(gn):
+            add(f"                let b{w}_{h} = Bw{w}[(s * 8u + j) * {bn // 4}u + {h * tx_n}u + tx];")
+            for g, i, r in rows:
+                ai = f"a{g}.{_XYZW[i]}"
+                dots = ", ".join(f"dot4I8Packed({ai}, b{w}_{h}.{_XYZW[c]})" for c in range(4))
+                add(f"                s{w}_{r}_{h} += vec4<i32>({dots});")
     add("            }")
-    add(f"            let ad = Ad[s * {bm // 4}u + ty];")
-    if offset:
-        add(f"            let as4 = As[s * {bm // 4}u + ty];")
-    for w in range(nw):
-        add(f"            let bd{w} = Bd{w}[s * {bn // 4}u + tx];")
+    for g in range(gm):
+        add(f"            let ad{g} = Ad[s * {bm // 4}u + {g * ty_n}u + ty];")
         if offset:
-            add(f"            let bm{w} = Bm{w}[s * {bn // 4}u + tx];")
-        for i in range(4):
-            xi = _XYZW[i]
-            term = f"vec4<f32>(s{w}_{i}) * (ad.{xi} * bd{w})"
+            add(f"            let as{g} = As[s * {bm // 4}u + {g * ty_n}u + ty];")
+    for w in range(nw):
+        for h in range(gn):
+            add(f"            let bd{w}_{h} = Bd{w}[s * {bn // 4}u + {h * tx_n}u + tx];")
             if offset:
-                term += f" + as4.{xi} * bm{w}"
-            add(f"            c{w}_{i}_0 += {term};")
+                add(f"            let bm{w}_{h} = Bm{w}[s * {bn // 4}u + {h * tx_n}u + tx];")
+            for g, i, r in rows:
+                xi = _XYZW[i]
+                term = f"vec4<f32>(s{w}_{r}_{h}) * (ad{g}.{xi} * bd{w}_{h})"
+                if offset:
+                    term += f" + as{g}.{xi} * bm{w}_{h}"
+                add(f"            c{w}_{r}_{h} += {term};")
     add("        }")
     add("        workgroupBarrier();")
     add("    }")

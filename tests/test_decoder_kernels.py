@@ -343,6 +343,37 @@ async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runt
         await _dp4a_case(shared_rt, kind, k, monkeypatch)
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+async def test_dp4a_thread_tiles_give_the_same_outputs(shared_rt: hetero.Runtime, kind: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP4A_THREAD_TILE 8 x 8, 8 x 4 and 4 x 8 compute each output from the same blocks in the same
+    order as 4 x 4: equal outputs, bit for bit (the bias, residual, folded norm, SwiGLU; one split
+    and K split; M 9 and 70, N 70: partial tiles both ways); an unknown tile is refused."""
+    monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
+    n, k = 70, 320
+    wa, wb = make_weight(kind, rand((n, k), 90)), make_weight(kind, rand((n, k), 91))
+    g, bias = rand((k,), 92) + 1.0, rand((n,), 93)
+    got: dict[tuple[int, int], list[np.ndarray]] = {}
+    for tile in ((4, 4), (8, 8), (8, 4), (4, 8)):
+        monkeypatch.setattr(G, "DP4A_THREAD_TILE", tile)
+        outs = got[tile] = []
+        for groups in (1, 10**6):
+            monkeypatch.setattr(D, "TILED_MIN_GROUPS", groups)
+            monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", 1)
+            for m in (9, 70):
+                x, res = rand((m, k), 94 + m, scale=2.0), rand((m, n), 95 + m)
+                outs += list(await call(shared_rt, lambda gpu, x, g, b, r: (
+                    D.linear(gpu, x, wa, bias=b, residual=r, norm=g, eps=1e-5, path="tiled"),
+                    D.linear_swiglu(gpu, x, wa, wb, path="tiled")), x=x, g=g, b=bias, r=res))
+    for tile, outs in got.items():
+        assert all(np.array_equal(a, b) for a, b in zip(outs, got[(4, 4)])), tile
+    assert G.dp4a_blocking(70, False) == G.Blocking(64, 64, 4, 8)  # the last tile set
+    monkeypatch.setattr(G, "DP4A_THREAD_TILE", (16, 4))
+    with pytest.raises(ValueError, match=r"DP4A_THREAD_TILE must be \(rows, columns\) of 4 or 8 each"):
+        G.dp4a_blocking(70, False)
+
+
 async def _dp4a_case(shared_rt: hetero.Runtime, kind: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     n = 70
     wa, wb = make_weight(kind, rand((n, k), 80)), make_weight(kind, rand((n, k), 81))
