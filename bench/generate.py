@@ -47,7 +47,8 @@ GEMV_LANES_WIDE_KINDS=q8_0,q8_0+q4_1``);
 ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
-that many decode steps (``LLM(steps_per_run=)``). Every combination is timed; each after the
+that many decode steps (``LLM(steps_per_run=)``); ``--kv-cache f32,f16`` with the KV cache's type
+(``LLM(kv_cache_dtype=)``; llama.cpp's is f16). Every combination is timed; each after the
 first is a ratio line against the first, same file, same run. The step profiles run with the
 first combination's kernels, or with ``--profile-each`` with each one's (a ``setting`` field names it).
 
@@ -275,7 +276,7 @@ def hetero_gguf(llm: Any, vocab: int, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None) -> dict[str, Any]:
+def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None, kv_cache: str = "f32") -> dict[str, Any]:
     """Dispatches a step and a layer, and a decode step's wall and GPU time, from a traced run of
     ``steps`` (default ``--tg``) tokens after a one-token prompt: tg's own contexts, so attention
     splits (and its combine pass) where tg's steps split it."""
@@ -287,7 +288,8 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None) -> di
     with tempfile.TemporaryDirectory(prefix="bench-generate-trace-") as d:
         path = Path(d) / "trace.json"
         rt = hetero.Runtime(trace=path, gpu_timing=True)
-        with LLM(lm, runtime=rt, kv_cache_bytes=kv_bytes(lm.config, 1, 2 * steps + 8)) as llm:
+        with LLM(lm, runtime=rt, kv_cache_bytes=kv_bytes(lm.config, 1, 2 * steps + 8),
+                 kv_cache_dtype=kv_cache) as llm:
             one = prompts(1, 1, lm.config.vocab_size, 5)[0]
             llm.generate(one, max_tokens=steps)
             t0 = time.perf_counter()
@@ -317,7 +319,7 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None) -> di
     return out
 
 
-def streams_profile(lm: Any, a: argparse.Namespace, top: int = 12) -> dict[str, Any]:
+def streams_profile(lm: Any, a: argparse.Namespace, top: int = 12, kv_cache: str = "f32") -> dict[str, Any]:
     """A decode step of ``max(--npl)`` streams, by kernel: GPU time and dispatches a step (``gpu_timing``).
 
     ``generate()`` of that many ``--npp``-token prompts with ``--ntg + 1`` new tokens, less the
@@ -336,7 +338,7 @@ def streams_profile(lm: Any, a: argparse.Namespace, top: int = 12) -> dict[str, 
             path = Path(d) / "trace.json"
             rt = hetero.Runtime(trace=path, gpu_timing=True)
             with LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
-                     prefill_chunk=PREFILL_BATCH) as llm:
+                     prefill_chunk=PREFILL_BATCH, kv_cache_dtype=kv_cache) as llm:
                 llm.generate(ids, max_tokens=new)
                 t0 = time.perf_counter_ns()
                 llm.generate(ids, max_tokens=new)
@@ -480,13 +482,15 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
-        settings = [Setting(impl, tiled, spr, pipeline, knobs) for impl in a.gemv for tiled in a.tiled
-                    for spr in a.steps_per_run for pipeline in modes for knobs in _knob_grid(a.knob)]
+        settings = [Setting(impl, tiled, spr, pipeline, kvc, knobs) for impl in a.gemv for tiled in a.tiled
+                    for spr in a.steps_per_run for pipeline in modes for kvc in a.kv_cache
+                    for knobs in _knob_grid(a.knob)]
         figs: dict[Setting, dict[str, Any]] = {}
         for setting in settings:
             with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
                                                prefill_chunk=PREFILL_BATCH, pipeline=setting.pipeline,
-                                               steps_per_run=setting.steps_per_run) as llm:
+                                               steps_per_run=setting.steps_per_run,
+                                               kv_cache_dtype=setting.kv_cache) as llm:
                 if not figs:
                     emit(**label, side="hetero", loaded_s=round(time.perf_counter() - t0, 1),
                          layers=lm.config.num_layers, hidden=lm.config.hidden_size, matrices=dict(kinds),
@@ -514,8 +518,10 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
             for setting in settings if a.profile_each else settings[:1]:
                 named = {"setting": setting.name} if len(settings) > 1 else {}
                 with kernel_settings(setting):
-                    emit(**label, **named, side="hetero", measure="step", **step_profile(lm, a))
-                    emit(**label, **named, side="hetero", measure="streams step", **streams_profile(lm, a))
+                    emit(**label, **named, side="hetero", measure="step",
+                         **step_profile(lm, a, kv_cache=setting.kv_cache))
+                    emit(**label, **named, side="hetero", measure="streams step",
+                         **streams_profile(lm, a, kv_cache=setting.kv_cache))
         if a.vs_llama_cpp:
             try:
                 ref = llama_cpp_gguf(a.vs_llama_cpp, f, a, timeout=max(10.0, min(180.0, budget.left())))
@@ -569,19 +575,22 @@ def shapes_main(a: argparse.Namespace, torch: Any, rt: Any, bw: float | None) ->
 
 
 class Setting(NamedTuple):
-    """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run and
-    pipeline, and other kernel knobs (``--knob``: (module attribute, value) pairs)."""
+    """One timed combination: the decode GEMV, the GEMM past GEMV_MAX_M rows, LLM's steps a run,
+    pipeline and KV-cache type, and other kernel knobs (``--knob``: (module attribute, value) pairs)."""
 
     gemv: str
     tiled: str
     steps_per_run: int
     pipeline: bool
-    knobs: tuple[tuple[str, Any], ...] = ()
+    kv_cache: str = "f32"
+    knobs: tuple[tuple[str, Any], ...] = ()  # the last field (_setting_change)
 
     @property
     def name(self) -> str:
         return (f"gemv={self.gemv} tiled={self.tiled} steps_per_run={self.steps_per_run} "
-                f"pipeline={'on' if self.pipeline else 'off'}" + "".join(f" {k}={v}" for k, v in self.knobs))
+                f"pipeline={'on' if self.pipeline else 'off'}"
+                + (f" kv_cache={self.kv_cache}" if self.kv_cache != "f32" else "")
+                + "".join(f" {k}={v}" for k, v in self.knobs))
 
 
 def _setting_change(first: Setting, other: Setting) -> str:
@@ -727,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(TILED_IMPLS)} (default {TILED_IMPL})")
     g.add_argument("--steps-per-run", type=_ints, default=[1], metavar="K[,K...]",
                    help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
+    g.add_argument("--kv-cache", type=_choices(("f32", "f16")), default=["f32"], metavar="f32,f16",
+                   help="LLM(kv_cache_dtype=) in turn (default f32; llama.cpp's default cache is f16)")
     g.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
                    help="a module attribute of hetero.kernels.decoder (or decoder_gemm) set to each value in turn "
                         "(repeatable: every combination is timed)")

@@ -291,6 +291,11 @@ def test_profile_each_traces_the_step_under_every_setting(tmp_path):
     f = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
     args = ["--gguf", str(f), "--tg", "3", "--pp", "4", "--npp", "2", "--ntg", "2", "--npl", "1,2", "--reps", "1",
             "--gemv", "lanes,units"]
+    out = io.StringIO()
+    with redirect_stdout(out):  # the KV cache's type is a setting too
+        assert generate.main(args[:-2] + ["--kv-cache", "f32,f16", "--no-profile"]) == 0
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert {x["model"] for x in lines if "ratio" in x} == {"tiny (kv_cache f32 / f16)"}
     for extra, count in (([], 1), (["--profile-each"], 2)):
         out = io.StringIO()
         with redirect_stdout(out):
