@@ -124,7 +124,7 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`, :data:`GEMV_LANES_THREADS`,
 :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_UNITS_UNROLL`,
 :data:`GEMV_WIDE_N`,
-:data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_MIN_GROUPS`,
+:data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_F16`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`,
 :data:`ATTN_COMBINE_IN_LINEAR`, :data:`ATTN_COMBINE_MAX_SPLITS`.
@@ -220,6 +220,11 @@ dp4a GEMM. On the H200 it ran the 1.07B shape's products (4.2M-16.8M weights) 1.
 on a 512-token prompt and 1.04-1.31x on 64 streams than the blocked kernel, and SmolLM2's
 (0.3M-0.9M) 0.73-0.79x on 64 streams: its quantize pass is a dispatch more a product, which small
 products do not repay (BENCHMARKS.md, twenty-seventh session)."""
+TILED_F16 = False
+"""The blocked GEMM multiplies in f16 where the device has ``shader-f16``: its tiles stored in f16, a
+slice's 16 products a thread's output summed in f16 and then added in float32 (see
+:func:`~hetero.kernels.decoder_gemm.linear_blocked`). Activations must fit f16's range (llama.cpp's
+cuBLAS path makes the same assumption). Off by default: not yet timed on a GPU."""
 TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
@@ -540,13 +545,15 @@ def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GP
                                 eps, extras, (swiglu, bias is not None, residual is not None), tag, rope)
         impl = "blocked"  # float weights: no integer blocks to multiply
     shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
+    half = impl == "blocked" and bool(TILED_F16) and "shader-f16" in gpu.features
 
     def source(bias: bool, residual: bool, partial: bool) -> str:
         if impl == "blocked":
-            return G.linear_blocked(kind, vec, swiglu, norm is not None, bias, residual, partial, shape)
+            return G.linear_blocked(kind, vec, swiglu, norm is not None, bias, residual, partial, shape, half)
         return W.linear_tiled(kind, vec, swiglu, norm is not None, bias, residual, partial=partial)
     label = (f"decoder.linear.tiled.{kind}.{impl}"
-             + (f".{shape.bm}x{shape.bn}.t{shape.tm}x{shape.tn}" if impl == "blocked" else "") + tag)
+             + (f".{shape.bm}x{shape.bn}.t{shape.tm}x{shape.tn}" if impl == "blocked" else "")
+             + (".f16math" if half else "") + tag)
     splits, ks = _splits(m, n, units, shape)
     params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, ks)
     grid = (_groups(n, shape.bn), _groups(m, shape.bm), splits)

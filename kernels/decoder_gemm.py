@@ -123,9 +123,14 @@ def _store_lines(add: Callable[[str], None], shape: Blocking, nw: int, swiglu: b
 
 @lru_cache(maxsize=None)
 def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, residual: bool, partial: bool,
-                   shape: Blocking) -> str:
+                   shape: Blocking, f16: bool = False) -> str:
     """The kernel's WGSL (see the module's rules); bindings and params as
-    :func:`~hetero.kernels.decoder_wgsl.linear_tiled`'s, its grid ``(ceil(N / bn), ceil(M / bm), splits)``."""
+    :func:`~hetero.kernels.decoder_wgsl.linear_tiled`'s, its grid ``(ceil(N / bn), ceil(M / bm), splits)``.
+
+    ``f16`` (the device's ``shader-f16``): the tiles are stored in f16 and a slice's products are
+    summed in f16 accumulators (vec4<f16>: twice the float32 rate where the GPU packs them), then
+    added to the float32 ones, so an output's f16 rounding comes from its inputs and one slice's
+    sums (:data:`SLICE_UNITS` x 8 terms), not from K's. The norm's sum of squares stays float32."""
     bm, bn, tm, tn = shape.bm, shape.bn, shape.tm, shape.tn
     if min(bm, bn, tm, tn) < 4 or any(v % 4 for v in (bm, bn, tm, tn)) or bm % tm or bn % tn:
         raise ValueError(f"linear_blocked: a tile of {bm} x {bn}, {tm} x {tn} a thread: all must be multiples "
@@ -161,7 +166,7 @@ def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, r
     add("            }")
     add(f"            let at = (part / 2u) * 8u + (part % 2u) * 4u;")
     for c in range(4):
-        add(f"            As[(at + {c}u) * {bm // 4}u + rr / 4u][rr % 4u] = v.{_XYZW[c]};")
+        add(f"            As[(at + {c}u) * {bm // 4}u + rr / 4u][rr % 4u] = {'f16' if f16 else ''}(v.{_XYZW[c]});")
     add("        }")
     # weights: bn rows x SLICE_UNITS units, dequantized; a row's units go to consecutive threads
     add(f"        for (var e = li; e < {bn * SLICE_UNITS}u; e += {threads}u) {{")
@@ -181,35 +186,51 @@ def linear_blocked(kind: str, vec: bool, swiglu: bool, norm: bool, bias: bool, r
         if norm:
             add(f"                q{w}.lo *= ga; q{w}.hi *= gb;")
     add("            }")
+    cast = "f16" if f16 else ""  # what a tile's element is stored as (f16(v) rounds to nearest)
     for w in range(nw):
         for c in range(4):
-            add(f"            Bs{w}[(j * 8u + {c}u) * {bn // 4}u + rr / 4u][rr % 4u] = q{w}.lo.{_XYZW[c]};")
-            add(f"            Bs{w}[(j * 8u + {4 + c}u) * {bn // 4}u + rr / 4u][rr % 4u] = q{w}.hi.{_XYZW[c]};")
+            add(f"            Bs{w}[(j * 8u + {c}u) * {bn // 4}u + rr / 4u][rr % 4u] = {cast}(q{w}.lo.{_XYZW[c]});")
+            add(f"            Bs{w}[(j * 8u + {4 + c}u) * {bn // 4}u + rr / 4u][rr % 4u] = "
+                f"{cast}(q{w}.hi.{_XYZW[c]});")
     add("        }")
     add("        workgroupBarrier();")
+    acc, ft = ("h", "f16") if f16 else ("c", "f32")  # the slice's accumulators
+    if f16:
+        for w in range(nw):
+            for r in range(tm):
+                for h in range(gn):
+                    add(f"        var h{w}_{r}_{h} = vec4<f16>(0.0h);")
     add(f"        for (var kk = 0u; kk < {bk}u; kk++) {{")
     for g in range(gm):
         add(f"            let a{g} = As[kk * {bm // 4}u + {g * ty_n}u + ty];")
         if norm:
-            add(f"            ss{g} = fma(a{g}, a{g}, ss{g});")
+            av = f"vec4<f32>(a{g})" if f16 else f"a{g}"
+            add(f"            ss{g} = fma({av}, {av}, ss{g});")
     for w in range(nw):
         for h in range(gn):
             add(f"            let b{w}_{h} = Bs{w}[kk * {bn // 4}u + {h * tx_n}u + tx];")
     for g in range(gm):
         for i in range(4):
             r = g * 4 + i
-            add(f"            let s{r} = vec4<f32>(a{g}.{_XYZW[i]});")
+            add(f"            let s{r} = vec4<{ft}>(a{g}.{_XYZW[i]});")
             for w in range(nw):
                 for h in range(gn):
-                    add(f"            c{w}_{r}_{h} = fma(s{r}, b{w}_{h}, c{w}_{r}_{h});")
+                    add(f"            {acc}{w}_{r}_{h} = fma(s{r}, b{w}_{h}, {acc}{w}_{r}_{h});")
     add("        }")
+    if f16:
+        for w in range(nw):
+            for r in range(tm):
+                for h in range(gn):
+                    add(f"        c{w}_{r}_{h} += vec4<f32>(h{w}_{r}_{h});")
     add("        workgroupBarrier();")
     add("    }")
     _store_lines(add, shape, nw, swiglu, partial, norm, "m0", "n0")
     body = "\n".join(L)
-    shared = f"var<workgroup> As: array<vec4<f32>, {bk * bm // 4}>;\n" + "".join(
-        f"var<workgroup> Bs{w}: array<vec4<f32>, {bk * bn // 4}>;\n" for w in range(nw))
-    return (W.tiled_prelude(kind, vec, swiglu, norm, bias, residual, partial) + "\n" + shared + f"""
+    et = "f16" if f16 else "f32"
+    shared = f"var<workgroup> As: array<vec4<{et}>, {bk * bm // 4}>;\n" + "".join(
+        f"var<workgroup> Bs{w}: array<vec4<{et}>, {bk * bn // 4}>;\n" for w in range(nw))
+    return (("enable f16;\n" if f16 else "")
+            + W.tiled_prelude(kind, vec, swiglu, norm, bias, residual, partial) + "\n" + shared + f"""
 @compute @workgroup_size({threads})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
 {body}

@@ -286,6 +286,56 @@ async def test_linear_gemm_kernels_every_kind_and_tile_edge(shared_rt: hetero.Ru
             close(f"linear_swiglu {impl} {kind} M={m}", z, a * sig * b2, sa * np.abs(b2) + sb * np.abs(a * sig))
 
 
+F16_RTOL = (2 + 2 * G.SLICE_UNITS * 8) * 2.0 ** -11
+"""The f16 blocked GEMM's error bound, relative to sum |x'| |w|: x' and w each rounded to f16 (2^-11
+each), and a slice's terms summed in f16 (one rounding an add, of at most the sum of its terms),
+with a factor of two to spare for the f16 sum's magnitude."""
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("kind", ["f32", "q8_0", "q4_1"])
+async def test_blocked_gemm_in_f16_within_its_rounding(shared_rt: hetero.Runtime, kind: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """TILED_F16: the blocked GEMM's tiles in f16 and a slice's sums in f16 accumulators, within
+    F16_RTOL of sum |x'| |w| (the folded norm, bias, residual; SwiGLU through both products' bounds);
+    one split and K split; M 9 and 70, N 70 (partial tiles); its kernels are the f16 ones and its
+    outputs are not the float32 kernel's."""
+    if "shader-f16" not in hetero.lowlevel.device_of(shared_rt).features:
+        pytest.skip("the adapter has no shader-f16")
+    monkeypatch.setattr(D, "TILED_IMPL", "blocked")
+    n, k = 70, 320
+    wa, wb = make_weight(kind, rand((n, k), 70, scale=0.5)), make_weight(kind, rand((n, k), 71, scale=0.5))
+    g, bias = rand((k,), 72) + 1.0, rand((n,), 73)
+    for groups in (1, 10**6):
+        monkeypatch.setattr(D, "TILED_MIN_GROUPS", groups)
+        for m in (9, 70):
+            x, res = rand((m, k), 74 + m, scale=2.0), rand((m, n), 75 + m)
+            got = {}
+            for half in (False, True):
+                monkeypatch.setattr(D, "TILED_F16", half)
+                labels: list[str] = []
+
+                def stage(gpu: Any, x: Any, g: Any, b: Any, r: Any) -> Any:
+                    spy = Spy(gpu)
+                    out = (D.linear(spy, x, wa, bias=b, residual=r, norm=g, eps=1e-5, path="tiled"),
+                           D.linear_swiglu(spy, x, wa, wb, path="tiled"))
+                    labels.extend(spy.labels)
+                    return out
+                got[half] = await call(shared_rt, stage, x=x, g=g, b=bias, r=res)
+                products = [x for x in labels if ".blocked." in x]
+                assert products and all((".f16math" in x) == half for x in products), labels
+            y, z = got[True]
+            want, scale = linear_ref(x, unpack(wa), bias, res, norm=g, eps=1e-5)
+            close(f"f16 blocked {kind} M={m} splits={groups}", y, want, scale, rtol=F16_RTOL)
+            assert not np.array_equal(y, got[False][0])
+            a, sa = linear_ref(x, unpack(wa))
+            b2, sb = linear_ref(x, unpack(wb))
+            ea, eb = F16_RTOL * sa, F16_RTOL * sb
+            sig = 1.0 / (1.0 + np.exp(-a))
+            tol = 1.1 * np.abs(b2) * ea + (np.abs(a * sig) + 1.1 * ea) * eb
+            assert np.all(np.abs(z - a * sig * b2) <= tol + 1e-6), f"f16 blocked swiglu {kind} M={m}"
+
+
 def x_rounding(x: np.ndarray, norm: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:
     """Half the step of the dp4a GEMM's activation quantization, per element: (max |v| of its block
     of 32) / 254, v = x (RMSNorm-scaled by ``norm``)."""
