@@ -211,13 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.ms <= 0 or a.groups < 1:
         ap.error("--ms must be > 0 and --groups >= 1")
-    from hetero._gpu.device import adapter_summary, select_adapter
+    import hetero
+    from hetero.lowlevel import device_of
 
-    adapter = select_adapter(None)
-    summary = adapter_summary(adapter)
+    from bench._common import adapter_fields
+
+    rt = hetero.Runtime()  # the adapter hetero would pick (HETERO_ADAPTER and all); its own device is not used
+    dev = device_of(rt)
+    adapter = dev.adapter
     offered = "cooperative-matrix" in adapter.features
-    emit(adapter=summary["summary"], backend=summary["backend"], type=summary["type"], offered=offered,
-         shader_f16="shader-f16" in adapter.features)
+    emit(**adapter_fields(dev), offered=offered, shader_f16="shader-f16" in adapter.features)
+    try:
+        return _probe(adapter, offered, a)
+    finally:
+        rt.close()
+
+
+def _probe(adapter: Any, offered: bool, a: argparse.Namespace) -> int:
     target = a.ms / 1e3
     plain = adapter.request_device_sync(label="fma")
     emit(measure="fp32 FMA loop", tflops=round(fma_rate(plain, a.groups, target), 2))

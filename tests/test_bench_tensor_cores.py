@@ -25,9 +25,9 @@ def test_the_probe_reports_the_adapter_and_an_fma_rate(capsys: pytest.CaptureFix
 def test_a_shape_the_device_lacks_is_reported_not_raised() -> None:
     """Without the feature (a device made without it), the WGSL front end refuses the extension: the
     shape's line says so."""
-    from hetero._gpu.device import select_adapter
+    import wgpu
 
-    device = select_adapter(None).request_device_sync(label="plain")
+    device = wgpu.gpu.request_adapter_sync().request_device_sync(label="plain")
     got = tensor_cores.probe_shape(device, "8x8x8 f32", "f32", "f32", 8, "float32", 4, 0.001)
     assert got["shape"] == "8x8x8 f32" and got["compiled"] is False
     assert "wgpu_cooperative_matrix" in got["error"]
