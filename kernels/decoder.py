@@ -125,7 +125,8 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_UNITS_UNROLL`,
 :data:`GEMV_WIDE_N`,
 :data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_F16`, :data:`TILED_MIN_GROUPS`,
-:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`USE_SUBGROUPS`,
+:data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`SAMPLE_ARGMAX_PASS`,
+:data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`,
 :data:`ATTN_COMBINE_IN_LINEAR`, :data:`ATTN_COMBINE_MAX_SPLITS`.
 """
@@ -153,6 +154,12 @@ __all__ = ["AttentionSplits", "GPUWeight", "add_rmsnorm", "combine_attention", "
 SAMPLE_THREADS = 1024
 """Threads of a sampling workgroup (one a row), at most the adapter's limit: each pass over the
 row is a serial walk of V / threads tokens a thread."""
+SAMPLE_ARGMAX_PASS = False
+"""``sample`` first finds each chunk's largest logit with many workgroups at once
+(:func:`~hetero.kernels.decoder_wgsl.argmax_chunks`), and each row's workgroup then reads those
+pairs, not its row, for the largest: all a greedy row needs. A dispatch more a step, for a walk of
+the vocabulary by one workgroup less (67 us a step for the 1.07B shape's 128,256 logits at batch 1
+on the H200). Off by default: not yet timed on a GPU."""
 SAMPLE_REGS = 16
 """Most vec4 registers a sampling thread holds the row in (V <= 4 x threads x this, and V a
 multiple of 4): the row is read from memory once, the 16-20 passes walk registers."""
@@ -1269,10 +1276,18 @@ def sample(gpu: GPUContext, logits: Tensor | np.ndarray, params: Tensor | np.nda
     sg = sg if sg and wg // sg * 16 <= 4096 else 0  # the histogram scratch holds 16 bins a subgroup
     regs = _groups(v, 4 * wg) if vec else 0
     regs = regs if regs <= SAMPLE_REGS else 0
-    kern = gpu.kernel(W.sample(vec, wg, sg, regs, keep is not None), "main",
+    lt = _dev(gpu, logits)
+    chunks = _groups(v, W.ARGMAX_CHUNK) if SAMPLE_ARGMAX_PASS else 0
+    extra: tuple[Tensor, ...] = () if keep is None else (keep,)
+    if chunks:
+        part = gpu.empty((s, chunks, 2), np.uint32)
+        first = gpu.kernel(W.argmax_chunks(vec), "main", label=f"decoder.sample.argmax{'.vec4' if vec else ''}")
+        gpu.dispatch(first, (chunks, s), lt, part, struct.pack("<4I", s, v, chunks, 0))
+        extra += (part,)
+    kern = gpu.kernel(W.sample(vec, wg, sg, regs, keep is not None, bool(chunks)), "main",
                       label=f"decoder.sample.t{wg}{'.vec4' if vec else ''}{f'.sg{sg}' if sg else ''}"
-                      f"{f'.r{regs}' if regs else ''}{'.keep' if keep is not None else ''}")
-    gpu.dispatch(kern, s, _dev(gpu, logits), _dev(gpu, params), out, struct.pack("<4I", s, v, 0, 0),
-                 *(() if keep is None else (keep,)))
+                      f"{f'.r{regs}' if regs else ''}{'.keep' if keep is not None else ''}"
+                      f"{'.chunks' if chunks else ''}")
+    gpu.dispatch(kern, s, lt, _dev(gpu, params), out, struct.pack("<4I", s, v, chunks, 0), *extra)
     return out
 

@@ -1453,12 +1453,83 @@ def _hist_reduce(sg: int) -> str:
             for (var j = 0u; j < 16u; j++) {{ t2 += hist[li * 256u + j]; }}
             bins[li] = t2;
         }}"""
+_CHUNK_BEST = """for (var c = li; c < p.pad0; c += WG) {
+        let v = bitcast<f32>(part[(row * p.pad0 + c) * 2u]);
+        let i = part[(row * p.pad0 + c) * 2u + 1u];
+        if (i != 0xffffffffu && (bi == 0xffffffffu || v > bv)) { bv = v; bi = i; }
+    }"""
 _GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0.5) * (1.0 / 16777216.0); "
            "let sc = (v - mx) * inv_t - log(-log(u)); if (sc > gv || gi == 0xffffffffu) { gv = sc; gi = i; } }")
 
 
+ARGMAX_WG = 256
+"""Threads of a workgroup of :func:`argmax_chunks`."""
+ARGMAX_LOADS = 4
+"""Loads (vec4, or four scalars) a thread of :func:`argmax_chunks` issues at once."""
+ARGMAX_CHUNK = ARGMAX_WG * ARGMAX_LOADS * 4
+"""Logits a workgroup of :func:`argmax_chunks` takes."""
+
+
 @lru_cache(maxsize=None)
-def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0, keep: bool = False) -> str:
+def argmax_chunks(vec: bool) -> str:
+    """Each chunk of :data:`ARGMAX_CHUNK` logits of a row: its largest (NaN as -inf; ties to the lowest
+    id) as (value bits, id) pairs in ``part`` [S, chunks, 2]; the grid (chunks, S). Every load of a
+    thread is issued at once, so a chunk costs one memory latency and a workgroup tree, and a row's
+    chunks run side by side on as many SMs (a sample workgroup walks its row alone)."""
+    n4 = ARGMAX_WG * ARGMAX_LOADS  # vec4 (or groups of four scalars) a chunk
+    if vec:
+        loads = "\n".join(
+            f"    let i4_{j} = g.x * {n4}u + li + {j * ARGMAX_WG}u;\n"
+            f"    var v{j} = vec4<f32>(bitcast<f32>(0xff800000u));\n"
+            f"    if (i4_{j} < p.v / 4u) {{ v{j} = logits[g.y * (p.v / 4u) + i4_{j}]; }}" for j in range(ARGMAX_LOADS))
+        visits = "\n".join(
+            f"    for (var c = 0u; c < 4u; c++) {{ let i = i4_{j} * 4u + c; let v = clean(v{j}[c]); "
+            f"if (i < p.v && (v > bv || bi == 0xffffffffu)) {{ bv = v; bi = i; }} }}" for j in range(ARGMAX_LOADS))
+    else:  # four scalars a load group: ids chunk * 4 * n4 + li + k * WG, visited in increasing order
+        loads = "\n".join(
+            f"    let i_{k} = g.x * {4 * n4}u + li + {k * ARGMAX_WG}u;\n"
+            f"    var v{k} = bitcast<f32>(0xff800000u);\n"
+            f"    if (i_{k} < p.v) {{ v{k} = clean(logits[g.y * p.v + i_{k}]); }}" for k in range(4 * ARGMAX_LOADS))
+        visits = "\n".join(
+            f"    if (i_{k} < p.v && (v{k} > bv || bi == 0xffffffffu)) {{ bv = v{k}; bi = i_{k}; }}"
+            for k in range(4 * ARGMAX_LOADS))
+    return f"""
+struct Params {{ s: u32, v: u32, chunks: u32, pad: u32 }}
+@group(0) @binding(0) var<storage, read> logits: array<{'vec4<f32>' if vec else 'f32'}>;
+@group(0) @binding(1) var<storage, read_write> part: array<u32>;
+@group(0) @binding(2) var<uniform> p: Params;
+var<workgroup> rf: array<f32, {ARGMAX_WG}>;
+var<workgroup> ru: array<u32, {ARGMAX_WG}>;
+fn clean(v: f32) -> f32 {{ return select(v, bitcast<f32>(0xff800000u), v != v); }}
+
+@compute @workgroup_size({ARGMAX_WG})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
+    let g = hetero_workgroup_id(wid);
+{loads}
+    var bv = bitcast<f32>(0xff800000u);
+    var bi = 0xffffffffu;
+{visits}
+    rf[li] = bv;
+    ru[li] = bi;
+    workgroupBarrier();
+    for (var s = {ARGMAX_WG // 2}u; s > 0u; s >>= 1u) {{
+        if (li < s) {{
+            let ov = rf[li + s];
+            let oi = ru[li + s];
+            if (ov > rf[li] || (ov == rf[li] && oi < ru[li])) {{ rf[li] = ov; ru[li] = oi; }}
+        }}
+        workgroupBarrier();
+    }}
+    if (li == 0u) {{
+        part[(g.y * p.chunks + g.x) * 2u] = bitcast<u32>(rf[0]);
+        part[(g.y * p.chunks + g.x) * 2u + 1u] = ru[0];
+    }}
+}}
+"""
+
+
+@lru_cache(maxsize=None)
+def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0, keep: bool = False, chunks: bool = False) -> str:
     """One token a row of logits: greedy (temperature 0) or top-k / top-p / temperature with Gumbel-max.
 
     ``vec`` (V % 4 == 0): the row is read as vec4s, four tokens a load; each thread still
@@ -1467,7 +1538,10 @@ def sample(vec: bool, wg: int = 256, sg: int = 0, regs: int = 0, keep: bool = Fa
     ``sg``: the radix histograms are summed with subgroupAdd (the smallest subgroup size; 0:
     through workgroup memory only). ``regs`` (with ``vec``): the row is read once into
     ``regs`` vec4 registers a thread (V <= 4 * wg * regs) and every later pass walks those,
-    not memory. ``keep``: each row's id is also written to ``keep`` (binding 4).
+    not memory. ``keep``: each row's id is also written to ``keep`` (binding 4). ``chunks``: the
+    row's largest logit comes from :func:`argmax_chunks`' pairs (``part``, the binding after the
+    others; ``p.pad0`` chunks a row) instead of a walk over the row, and a greedy row reads nothing
+    else.
     """
     kept = " keep[row] = out[row];" if keep else ""
 
@@ -1534,6 +1608,7 @@ struct Params {{ s: u32, v: u32, pad0: u32, pad1: u32 }}
 @group(0) @binding(2) var<storage, read_write> out: array<i32>;
 @group(0) @binding(3) var<uniform> p: Params;
 {"@group(0) @binding(4) var<storage, read_write> keep: array<i32>;" if keep else ""}
+{f"@group(0) @binding({5 if keep else 4}) var<storage, read> part: array<u32>;" if chunks else ""}
 var<workgroup> rf: array<f32, {wg}>;
 var<workgroup> ru: array<u32, {wg}>;
 const WG: u32 = {wg}u;
@@ -1601,16 +1676,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let top_p = bitcast<f32>(rp[row * 8u + 2u]);
     let seed = rp[row * 8u + 3u];
     let step = rp[row * 8u + 4u];
-    {_reg_loads(regs)}
+    {_reg_loads(regs) if not chunks else ""}
     // the largest logit (greedy's answer)
     var bv = bitcast<f32>(0xff800000u);
     var bi = 0xffffffffu;
-    {each("if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }")}
+    {each("if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }") if not chunks else _CHUNK_BEST}
     let best = argmax(li, bv, bi);
     if (!(temp > 0.0)) {{
         if (li == 0u) {{ out[row] = i32(best);{kept} }}
         return;
     }}
+    {_reg_loads(regs) if chunks else ""}
     let mx = logit(row, best);
     let inv_t = 1.0 / temp;
     // top-k: the largest key tk with count(key >= tk) >= k (the k-th largest logit), digit by digit

@@ -905,26 +905,48 @@ def sample_ref(logits: np.ndarray, prm: np.ndarray) -> tuple[np.ndarray, list[np
 
 
 @ASYNCIO_ONLY
-async def test_sample_greedy_is_argmax_with_ties_to_the_lowest_id(shared_rt: hetero.Runtime) -> None:
-    logits = rand((6, 1000), 80, scale=2.0)
-    logits[1, [17, 400, 999]] = 50.0  # a tie: lowest id
-    logits[2, :] = 0.0                # all equal
-    logits[3, 999] = 60.0             # the last id
-    logits[4, 0] = 60.0               # the first
-    logits[5, 7] = np.nan             # NaN never wins
-    ids = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits, p=D.sampling_params(0.0, rows=6))
-    want = np.nan_to_num(logits, nan=-np.inf).argmax(-1)
-    np.testing.assert_array_equal(ids, want)
-    assert ids.dtype == np.int32 and ids[1] == 17 and ids[2] == 0
-    top1 = await call(shared_rt, lambda gpu, l, p: D.sample(gpu, l, p), l=logits,
-                      p=D.sampling_params(0.7, top_k=1, seed=np.arange(6), rows=6))
-    np.testing.assert_array_equal(top1[[0, 3, 4]], want[[0, 3, 4]])
-    assert top1[1] in (17, 400, 999) and np.isfinite(logits[5, top1[5]])
+@pytest.mark.parametrize("argmax_pass", [False, True], ids=["one-pass", "chunks"])
+async def test_sample_greedy_is_argmax_with_ties_to_the_lowest_id(shared_rt: hetero.Runtime, argmax_pass: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows are numpy's argmax (NaN as -inf, ties to the lowest id), with the row walked by its
+    workgroup or (SAMPLE_ARGMAX_PASS) from chunks' largest found first: ties inside a chunk and across
+    chunks (ARGMAX_CHUNK apart), rows of -inf and NaN only, V not a multiple of 4 and one chunk only."""
+    monkeypatch.setattr(D, "SAMPLE_ARGMAX_PASS", argmax_pass)
+    labels: list[str] = []
+
+    def stage(gpu: Any, l: Any, p: Any) -> Any:
+        spy = Spy(gpu)
+        out = D.sample(spy, l, p)
+        labels.extend(spy.labels)
+        return out
+    chunk = W.ARGMAX_CHUNK
+    for v in (1000, 2 * chunk + 9, 3 * chunk):
+        logits = rand((9, v), 80 + v, scale=2.0)
+        logits[1, [17, 400, 999]] = 50.0    # a tie: lowest id
+        logits[2, :] = 0.0                  # all equal
+        logits[3, v - 1] = 60.0             # the last id (the last chunk's)
+        logits[4, 0] = 60.0                 # the first
+        logits[5, 7] = np.nan               # NaN never wins
+        logits[6, :] = -np.inf              # nothing but -inf: id 0
+        logits[7, :] = np.nan               # nothing but NaN: id 0
+        logits[8, [v - 1, min(v - 1, chunk), min(v - 1, chunk - 1)]] = 70.0  # the largest at a chunk's edges
+        labels.clear()
+        ids = await call(shared_rt, stage, l=logits, p=D.sampling_params(0.0, rows=9))
+        want = np.nan_to_num(logits, nan=-np.inf).argmax(-1)
+        np.testing.assert_array_equal(ids, want, err_msg=f"V={v}")
+        assert ids.dtype == np.int32 and ids[1] == 17 and ids[2] == 0 and ids[6] == 0 and ids[7] == 0
+        assert (labels[0].startswith("decoder.sample.argmax") and labels[1].endswith(".chunks")
+                if argmax_pass else len(labels) == 1), labels
+        top1 = await call(shared_rt, stage, l=logits, p=D.sampling_params(0.7, top_k=1, seed=np.arange(9), rows=9))
+        np.testing.assert_array_equal(top1[[0, 3, 4]], want[[0, 3, 4]])
+        assert top1[1] in (17, 400, 999) and np.isfinite(logits[5, top1[5]])
+        assert logits[8, top1[8]] == 70.0  # top-k keeps every token tied at its threshold
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("argmax_pass", [False, True], ids=["one-pass", "chunks"])
 @pytest.mark.parametrize("threads", [256, 1024])
-async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runtime, threads: int,
+async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runtime, threads: int, argmax_pass: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed rows in one batch (greedy, top-k, top-p, both, plain temperature): every token is inside
     numpy's candidate set, equals the numpy sampler (same hash), and the same seed and step repeat;
@@ -932,6 +954,7 @@ async def test_sample_inside_top_k_top_p_and_reproducible(shared_rt: hetero.Runt
     subgroups and through workgroup memory, rows read as scalars (V = 517), as vec4s from memory
     at every pass and once into registers (V = 520, 2080)."""
     monkeypatch.setattr(D, "SAMPLE_THREADS", threads)
+    monkeypatch.setattr(D, "SAMPLE_ARGMAX_PASS", argmax_pass)
     for sg in subgroup_modes(shared_rt):
         monkeypatch.setattr(D, "USE_SUBGROUPS", sg)
         for v, regs in ((517, 16), (520, 0), (520, 16), (2080, 16)):  # 2080: 3 registers at 256 threads
