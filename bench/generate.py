@@ -43,7 +43,8 @@ llama-bench's definitions (see :mod:`bench.llama_cpp`):
 time, or both in turn; ``--knob NAME=V1,V2`` (repeatable) with a module attribute of
 ``hetero.kernels.decoder`` (or of ``decoder_gemm``) set to each value in turn, e.g. ``--knob
 ATTN_PREFETCH=False,True --knob GEMV_UNITS_UNROLL=1,2`` (a tuple's items joined by ``+``: ``--knob
-GEMV_LANES_WIDE_KINDS=q8_0,q8_0+q4_1``);
+GEMV_LANES_WIDE_KINDS=q8_0,q8_0+q4_1``; ``--knob-each``: one knob at a time, the others at their
+first value, instead of every combination);
 ``--gemv auto,lanes,units`` (any of them, in turn) with the decode GEMV
 that ``hetero.kernels.decoder.GEMV_IMPL`` names; ``--tiled auto,blocked,dp4a`` with the GEMM of prompt
 chunks and many streams that ``TILED_IMPL`` names; ``--steps-per-run 1,2,4`` with runs of up to
@@ -484,7 +485,7 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
         settings = [Setting(impl, tiled, spr, pipeline, kvc, knobs) for impl in a.gemv for tiled in a.tiled
                     for spr in a.steps_per_run for pipeline in modes for kvc in a.kv_cache
-                    for knobs in _knob_grid(a.knob)]
+                    for knobs in _knob_grid(a.knob, a.knob_each)]
         figs: dict[Setting, dict[str, Any]] = {}
         for setting in settings:
             with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
@@ -647,12 +648,19 @@ def _knob(text: str) -> tuple[str, list[Any]]:
     return name, out
 
 
-def _knob_grid(knobs: list[tuple[str, list[Any]]]) -> list[tuple[tuple[str, Any], ...]]:
-    """Every combination of the ``--knob`` values, the first knob's values outermost."""
-    grid: list[tuple[tuple[str, Any], ...]] = [()]
+def _knob_grid(knobs: list[tuple[str, list[Any]]], each: bool = False) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the ``--knob`` values, the first knob's values outermost; with ``each``,
+    the first values of all, then each later value of one knob with the others at their first."""
+    if each:
+        first = tuple((name, values[0]) for name, values in knobs)
+        grid = [first]
+        for i, (name, values) in enumerate(knobs):
+            grid += [first[:i] + ((name, v),) + first[i + 1:] for v in values[1:]]
+        return grid
+    combos: list[tuple[tuple[str, Any], ...]] = [()]
     for name, values in knobs:
-        grid = [g + ((name, v),) for g in grid for v in values]
-    return grid
+        combos = [g + ((name, v),) for g in combos for v in values]
+    return combos
 
 
 def _choices(names: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -741,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
                    help="a module attribute of hetero.kernels.decoder (or decoder_gemm) set to each value in turn "
                         "(repeatable: every combination is timed)")
+    g.add_argument("--knob-each", action="store_true",
+                   help="time the --knob values one knob at a time (the others at their first value), not every "
+                        "combination")
     a = ap.parse_args(argv)
     for name in ("tg", "pp", "reps", "npp", "ntg"):
         if getattr(a, name) < 1:

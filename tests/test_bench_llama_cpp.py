@@ -310,6 +310,14 @@ def test_profile_each_traces_the_step_under_every_setting(tmp_path):
                        for k in x["kernels_per_step"]), x["kernels_per_step"]
 
 
+def test_knob_each_varies_one_knob_at_a_time():
+    knobs = [("A", [1, 2, 3]), ("B", [False, True]), ("C", ["x"])]
+    assert generate._knob_grid(knobs, each=True) == [
+        (("A", 1), ("B", False), ("C", "x")), (("A", 2), ("B", False), ("C", "x")),
+        (("A", 3), ("B", False), ("C", "x")), (("A", 1), ("B", True), ("C", "x"))]
+    assert len(generate._knob_grid(knobs)) == 6 and generate._knob_grid([], each=True) == [()]
+
+
 def test_a_tuple_knob_joins_its_items_with_plus():
     assert generate._knob("GEMV_LANES_WIDE_KINDS=q8_0, q8_0+q4_1,()") == (
         "GEMV_LANES_WIDE_KINDS", [("q8_0",), ("q8_0", "q4_1"), ()])
