@@ -178,6 +178,27 @@ def gpu_time_by_name(trace: dict[str, Any], track: str = "GPU dispatches",
     return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
 
 
+def dispatches_between(trace: dict[str, Any], first: str, last: str, track: str = "GPU dispatches") -> list[int]:
+    """From a hetero trace: for each dispatch whose name starts with ``first``, how many dispatches run
+    after it before the next whose name starts with ``last`` (in start order on ``track``)."""
+    events = trace["traceEvents"]
+    tids = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and e.get("args", {}).get("name") == track}
+    names = [e["name"] for e in sorted((e for e in events if e.get("ph") == "X" and e.get("tid") in tids),
+                                       key=lambda e: e["ts"])]
+    out: list[int] = []
+    count: int | None = None
+    for name in names:
+        if name.startswith(first):
+            count = 0
+        elif count is not None and name.startswith(last):
+            out.append(count)
+            count = None
+        elif count is not None:
+            count += 1
+    return out
+
+
 class TraceIndex:
     """What :func:`gpu_idle_causes` and :func:`lone_timeline` read of a hetero trace (the JSON of
     ``Runtime(trace=..., trace_dispatches=False)``), by run where the events name one."""

@@ -81,7 +81,7 @@ import numpy as np
 
 import hetero
 from bench import llama_cpp
-from bench._common import adapter_fields, emitter, gpu_time_by_name, torch_cuda
+from bench._common import adapter_fields, dispatches_between, emitter, gpu_time_by_name, torch_cuda
 
 emit = emitter("generate")
 
@@ -302,10 +302,11 @@ def step_profile(lm: Any, a: argparse.Namespace, steps: int | None = None, kv_ca
     n_steps = sum(n for n, _ in gpu_time_by_name(trace, "GPU queue").values())
     per_step = {name: n / n_steps for name, (n, _) in kernels.items()} if n_steps else {}
     layers = lm.config.num_layers
-    # a step's own dispatches are four (the embedding, gather_rows, the output head, sample); the rest
-    # are the layers', on average (attention's combine pass runs only where the keys split)
+    # the layers' dispatches: those between a step's embedding and its gather_rows, on average over the
+    # steps (attention's combine pass runs only where the keys split)
+    spans = dispatches_between(trace, "decoder.embedding", "decoder.gather_rows")
     total = sum(per_step.values())
-    per_layer = round((total - 4) / layers, 2) if per_step else 0
+    per_layer = round(sum(spans) / len(spans) / layers, 2) if spans else 0
     out: dict[str, Any] = {"dispatches_per_step": round(total, 2), "dispatches_per_layer": per_layer,
                            "kernels_per_step": {k: round(v, 2) for k, v in sorted(per_step.items())}}
     if n_steps:  # both traced calls, so the capture's first step counts; by GPU time, most first

@@ -326,3 +326,18 @@ def test_lone_timeline_takes_the_median_of_each_mark_per_call() -> None:
                    "s recorded": 500.0, "s submitted": 600.0, "s on the GPU from": 650.0,
                    "s on the GPU until": 850.0, "downloaded": 950.0, "call returns": 1100.0}
     assert list(got)[1:] == sorted(list(got)[1:], key=lambda k: got[k])
+
+
+def test_dispatches_between_counts_each_span_in_start_order() -> None:
+    from bench._common import dispatches_between
+
+    def span(name: str, ts: float, tid: int = 2) -> dict:
+        return {"ph": "X", "tid": tid, "ts": ts, "dur": 1.0, "name": name}
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "tid": 2, "args": {"name": "GPU dispatches"}},
+        {"ph": "M", "name": "thread_name", "tid": 3, "args": {"name": "GPU queue"}},
+        span("embed", 0), span("a", 2), span("b", 1), span("gather", 3), span("head", 4),  # out of order: by ts
+        span("a", 4.5, tid=3),  # another track: not counted
+        span("embed", 5), span("a", 6), span("gather", 7), span("a", 8)]}
+    assert dispatches_between(trace, "embed", "gather") == [2, 1]
+    assert dispatches_between(trace, "embed", "nothing") == []
