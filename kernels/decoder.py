@@ -382,6 +382,8 @@ def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, An
     if isinstance(x, AttentionSplits) and op != "linear":
         raise TypeError(f"{op}: x is a split attention's partial results (AttentionSplits), which only linear "
                         "combines on load; pass combine_attention(gpu, x)")
+    if isinstance(x, AttentionSplits):
+        _splits_check(op, x)
     xs = x.shape if isinstance(x, AttentionSplits) else _arr(op, "x", x, _F32)
     if len(xs) < 2:
         raise ValueError(f"{op}: x must be [M, K] (or [M, ...] with the trailing axes making K), got shape {xs}")
@@ -1029,11 +1031,23 @@ class AttentionSplits:
         return _F32
 
 
+def _splits_check(op: str, x: AttentionSplits) -> None:
+    """``x``'s partial rows are what its shape and splits say (an AttentionSplits made by hand may not be)."""
+    t, hq, d = x.shape
+    want = (t, hq, x.splits, d + W.SPLIT_ROW_PAD)
+    if not isinstance(x.part, Tensor) or x.part.dtype != _F32 or tuple(x.part.shape) != want:
+        got = f"{np.dtype(x.part.dtype).name} {tuple(x.part.shape)}" if isinstance(x.part, Tensor) else \
+            type(x.part).__name__
+        raise ValueError(f"{op}: an AttentionSplits of shape {x.shape} and {x.splits} splits holds float32 partial "
+                         f"rows {want}, got {got}; make it with paged_attention(..., combine=False)")
+
+
 def combine_attention(gpu: GPUContext, splits: AttentionSplits) -> Tensor:
     """The combine pass of a split attention: ``splits``' partial rows -> float32 [T, heads, D]."""
     if not isinstance(splits, AttentionSplits):
         raise TypeError(f"combine_attention: expected the AttentionSplits of paged_attention(..., combine=False), "
                         f"got {type(splits).__name__}")
+    _splits_check("combine_attention", splits)
     t, hq, d = splits.shape
     out = gpu.empty((t, hq, d), np.float32)
     comb = gpu.kernel(W.attention_combine(), "main", label="decoder.paged_attention.combine")

@@ -768,6 +768,14 @@ async def test_combine_attention_is_the_combine_pass(shared_rt: hetero.Runtime) 
     with pytest.raises(hetero.StageError, match="linear_swiglu: x is a split attention's partial results"):
         await call(shared_rt, swiglu_of_splits, q=rand((1, 4, 8), 2))
 
+    def by_hand(gpu: Any, q: Any) -> Any:  # partial rows of the wrong shape: refused, nothing read
+        a = D.AttentionSplits(gpu.upload(np.zeros((1, 4, 2, 10), np.float32)), (1, 4, 8), 2)
+        return D.linear(gpu, a, make_weight("f32", rand((8, 32), 3)))
+    with pytest.raises(hetero.StageError, match=r"linear: an AttentionSplits of shape \(1, 4, 8\) and 2 splits "
+                                                r"holds float32 partial rows \(1, 4, 2, 12\), got float32 "
+                                                r"\(1, 4, 2, 10\)"):
+        await call(shared_rt, by_hand, q=rand((1, 4, 8), 2))
+
 
 async def test_attention_and_rope_errors(shared_rt: hetero.Runtime) -> None:
     def stage(gpu: Any, q: Any) -> Any:
