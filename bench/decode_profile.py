@@ -198,14 +198,15 @@ def forward(gpu: Any, r: Resident, shape: Shape, layers: int, ids: Any, pos: Any
     """The LLM's decode step (pipelines.llm_engine's forward): embedding, six dispatches a layer, the
     last rows, the head with the final norm, greedy sampling. The QKV projection and RoPE + KV write
     stay two dispatches here so that each is timed alone; the engine fuses them (linear_rope_kv) for
-    steps of at most GEMV_MAX_M rows."""
+    steps of at most GEMV_MAX_M rows. Split attention goes to the output projection uncombined where
+    the engine's would (ATTN_COMBINE_IN_LINEAR)."""
     eps = shape.eps
     h = D.embedding(gpu, r.embed, ids)
     for n in range(layers):
         kc, vc = r.caches[n]
         qkv = D.linear(gpu, h, r.qkv, bias=r.qkv_bias, norm=r.norm, eps=eps)
         q = D.rope_kv(gpu, qkv, pos, r.inv_freq, kc, vc, slots, heads=shape.heads)
-        att = D.paged_attention(gpu, q, kc, vc, tables, seqs, pos)
+        att = D.paged_attention(gpu, q, kc, vc, tables, seqs, pos, combine=not D.ATTN_COMBINE_IN_LINEAR)
         h = D.linear(gpu, att, r.o, residual=h)
         mlp = D.linear_swiglu(gpu, h, r.gate, r.up, norm=r.norm, eps=eps)
         h = D.linear(gpu, mlp, r.down, residual=h)

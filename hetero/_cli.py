@@ -47,11 +47,40 @@ _BYTE_LIMITS = {"max-buffer-size", "max-storage-buffer-binding-size", "max-compu
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     try:
-        return _main(argv)
+        with _interrupts_redelivered():
+            return _main(argv)
     except KeyboardInterrupt:  # anywhere once hetero's code runs: while parsing, working or closing
         print("hetero: interrupted", file=sys.stderr)
         _forget_unhandled_interrupt()
         return 130
+
+
+@contextlib.contextmanager
+def _interrupts_redelivered() -> Iterator[None]:
+    """While the block runs, a KeyboardInterrupt that Python ignores is delivered again.
+
+    Ctrl-C raises KeyboardInterrupt in whatever code the main thread is running. If that code is a
+    callback whose exceptions Python only reports, the interrupt is lost and the command goes on.
+    Such callbacks are a weakref callback (the import system's module locks have one), a
+    ``__del__`` or a garbage collector callback. The unraisable hook then has a new thread signal
+    the main thread again (``_thread.interrupt_main``), and the handler raises the interrupt in
+    the code the main thread runs next. The signal must come from another thread: raised in the
+    hook itself, it would be ignored again."""
+    import _thread  # loaded with the interpreter (the import system uses it)
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            _thread.start_new_thread(_thread.interrupt_main, ())
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def _forget_unhandled_interrupt() -> None:

@@ -258,6 +258,39 @@ def test_interrupts_held_until_the_teardown_ends() -> None:
     assert steps == ["teardown finished", "again"]
 
 
+def test_an_interrupt_python_ignores_is_delivered_again() -> None:
+    """A KeyboardInterrupt raised where Python only reports exceptions (a __del__ here; a weakref
+    callback of the import system in the wild) is not lost: the command line's hook signals the main
+    thread again and the interrupt is raised in the code that runs next. Outside the hook, it is lost."""
+    from hetero._cli import _interrupts_redelivered
+
+    class Dies:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    def spin(seconds: float) -> None:  # ordinary code the re-delivered interrupt lands in
+        deadline = time.monotonic() + seconds  # a guard against a lost interrupt, not a measurement
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground program
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _interrupts_redelivered():
+                Dies()
+                spin(60.0)
+        hooks: list[Any] = []
+        before, sys.unraisablehook = sys.unraisablehook, hooks.append
+        try:
+            Dies()  # without the hook: reported (here: collected) and lost
+            spin(0.2)
+        finally:
+            sys.unraisablehook = before
+        assert [h.exc_type for h in hooks] == [KeyboardInterrupt]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches the process through /proc")
 def test_ctrl_c_during_imports_and_runs_ends_with_interrupted() -> None:
     """SIGINT while numpy is being imported, while wgpu is, and while the demo's runs go on: each
