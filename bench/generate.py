@@ -52,6 +52,8 @@ that many decode steps (``LLM(steps_per_run=)``); ``--kv-cache f32,f16`` with th
 (``LLM(kv_cache_dtype=)``; llama.cpp's is f16). Every combination is timed; each after the
 first is a ratio line against the first, same file, same run. The step profiles run with the
 first combination's kernels, or with ``--profile-each`` with each one's (a ``setting`` field names it).
+With several combinations, each after the first also has an accuracy line against the first: the
+logits of one 128-token prompt (the GEMMs) and 32 greedy tokens from it (the GEMVs), compared.
 
 With ``--vs-llama-cpp BIN_DIR`` (the kit's ``run.sh`` builds into ``.llm-build/build/bin``)
 llama-bench and llama-batched-bench run on the same files with the same sizes, and each
@@ -234,6 +236,25 @@ class Budget:
             return True
         emit(**label, skipped=what, reason=f"budget: {max(self.left(), 0):.0f} s left, about {need_s:.0f} s needed")
         return False
+
+
+ACCURACY_PROMPT = 128
+"""Tokens of the prompt whose logits (prefill: the GEMMs) each setting computes for the accuracy line."""
+ACCURACY_TOKENS = 32
+"""Greedy tokens each setting decodes from that prompt (decode: the GEMVs) for the accuracy line."""
+
+
+def agreement(ref_logits: np.ndarray, ref_tokens: list[int], logits: np.ndarray,
+              tokens: list[int]) -> dict[str, Any]:
+    """How far one setting's outputs are from another's on the same prompt: the largest error a row
+    relative to the row's largest logit, the positions whose argmax agree, and the greedy tokens
+    equal before the first that differs."""
+    scale = np.abs(ref_logits).max(-1)
+    err = np.abs(logits.astype(np.float64) - ref_logits).max(-1) / np.where(scale > 0, scale, 1.0)
+    same = next((i for i, (x, y) in enumerate(zip(ref_tokens, tokens)) if x != y), min(len(ref_tokens), len(tokens)))
+    return {"logits_max_row_error": float(err.max()),
+            "argmax_agree": round(float((logits.argmax(-1) == ref_logits.argmax(-1)).mean()), 4),
+            "greedy_same_tokens": same, "greedy_tokens": len(ref_tokens)}
 
 
 def kv_bytes(config: Any, streams: int, tokens: int, block: int = 16) -> int:
@@ -481,13 +502,15 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         lm.config = dataclasses.replace(lm.config, eos_token_ids=())  # random weights: decode every token asked
         vocab = lm.config.vocab_size
         rt = hetero.Runtime()
-        kv = kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2)
+        kv = max(kv_bytes(lm.config, max(a.npl), a.npp + a.ntg + 2),
+                 kv_bytes(lm.config, 1, ACCURACY_PROMPT + ACCURACY_TOKENS + 2))
         # prompts enter in steps of up to 2048 rows, llama.cpp's n_batch, decoding streams or not
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
         settings = [Setting(impl, tiled, spr, pipeline, kvc, knobs) for impl in a.gemv for tiled in a.tiled
                     for spr in a.steps_per_run for pipeline in modes for kvc in a.kv_cache
                     for knobs in _knob_grid(a.knob, a.knob_each)]
         figs: dict[Setting, dict[str, Any]] = {}
+        outputs: dict[Setting, tuple[np.ndarray, list[int]]] = {}
         for setting in settings:
             with kernel_settings(setting), LLM(lm, runtime=rt, kv_cache_bytes=kv, max_batch_tokens=PREFILL_BATCH,
                                                prefill_chunk=PREFILL_BATCH, pipeline=setting.pipeline,
@@ -501,6 +524,10 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
                     ids = prompts(1, 64, vocab, 4)[0]
                     greedy = llm.generate(ids, max_tokens=64).token_ids
                     checks[f] = {"ids": ids, "logits": llm.logits(ids), "greedy": greedy}
+                if len(settings) > 1:  # what each setting computes, against the first's (accuracy)
+                    acc_ids = prompts(1, ACCURACY_PROMPT, vocab, 8)[0]
+                    outputs[setting] = (llm.logits(acc_ids),
+                                        llm.generate(acc_ids, max_tokens=ACCURACY_TOKENS).token_ids)
                 fig = figs[setting] = hetero_gguf(llm, vocab, a)
                 step_bytes = llm.engine.packed.nbytes
                 emit(**label, side="hetero", weights="auto", pipeline=llm.pipeline, gemv=setting.gemv,
@@ -512,6 +539,8 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         mine[f] = fig
         for setting in settings[1:]:  # each setting against the first, same file, same run
             ratios(f"{f.stem} ({_setting_change(first, setting)})", fig, figs[setting], f"hetero {setting.name}")
+            emit(**label, side="hetero", measure="accuracy", setting=setting.name, against=first.name,
+                 **agreement(*outputs[first], *outputs[setting]))
         if bw is not None and step_bytes:
             tg = fig[f"tg{a.tg}"]["tok_s"]
             emit(**label, weight_MB_per_step=round(step_bytes / 1e6, 1),

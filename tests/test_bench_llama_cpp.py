@@ -18,6 +18,7 @@ import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -296,6 +297,10 @@ def test_profile_each_traces_the_step_under_every_setting(tmp_path):
         assert generate.main(args[:-2] + ["--kv-cache", "f32,f16", "--no-profile"]) == 0
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert {x["model"] for x in lines if "ratio" in x} == {"tiny (kv_cache f32 / f16)"}
+    (acc,) = [x for x in lines if x.get("measure") == "accuracy"]  # the second setting's, against the first
+    assert "kv_cache=f16" in acc["setting"] and "kv_cache" not in acc["against"]
+    assert isinstance(acc["logits_max_row_error"], float) and 0.0 <= acc["argmax_agree"] <= 1.0
+    assert 0 <= acc["greedy_same_tokens"] <= acc["greedy_tokens"] == generate.ACCURACY_TOKENS
     for extra, count in (([], 1), (["--profile-each"], 2)):
         out = io.StringIO()
         with redirect_stdout(out):
@@ -308,6 +313,15 @@ def test_profile_each_traces_the_step_under_every_setting(tmp_path):
             impl = x["setting"].split()[0].removeprefix("gemv=")
             assert any(k.startswith("decoder.linear.lanes." if impl == "lanes" else "decoder.linear.gemv.")
                        for k in x["kernels_per_step"]), x["kernels_per_step"]
+
+
+def test_agreement_of_two_settings_outputs():
+    ref = np.array([[1.0, 3.0, 2.0], [4.0, -8.0, 0.0]])
+    got = np.array([[1.0, 2.5, 2.9], [4.0, -8.0, 0.4]])
+    a = generate.agreement(ref, [5, 6, 7, 8], got, [5, 6, 9, 8])
+    assert a == {"logits_max_row_error": pytest.approx(0.3), "argmax_agree": 0.5, "greedy_same_tokens": 2,
+                 "greedy_tokens": 4}
+    assert generate.agreement(ref, [1, 2], ref, [1, 2])["greedy_same_tokens"] == 2
 
 
 def test_knob_each_varies_one_knob_at_a_time():
