@@ -20,16 +20,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hetero.kernels.decoder import (AttentionSplits, GPUWeight, add_rmsnorm, combine_attention, embedding,
-                                        gather_rows, kv_cache, kv_write, linear, linear_rope_kv, linear_swiglu,
-                                        paged_attention, rmsnorm, rope, rope_kv, sample, sampling_params, silu_mul,
-                                        upload_weight)
+    from hetero.kernels.decoder import (AttentionSplits, GPUWeight, QuantizedRows, add_rmsnorm, combine_attention,
+                                        embedding, gather_rows, kv_cache, kv_write, linear, linear_rope_kv,
+                                        linear_swiglu, paged_attention, rmsnorm, rope, rope_kv, sample,
+                                        sampling_params, silu_mul, takes_quantized_rows, upload_weight)
     from hetero.kernels.quant import (BLOCK, BLOCK_BYTES, KINDS, PackedWeight, concat_rows, pack,
                                       quantize_q8_0_blocks, unpack)
 
-_DECODER = ("AttentionSplits", "GPUWeight", "add_rmsnorm", "combine_attention", "embedding", "gather_rows",
+_DECODER = ("AttentionSplits", "GPUWeight", "QuantizedRows", "add_rmsnorm", "combine_attention", "embedding", "gather_rows",
             "kv_cache", "kv_write", "linear", "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm", "rope",
-            "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight")
+            "rope_kv", "sample", "sampling_params", "silu_mul", "takes_quantized_rows", "upload_weight")
 _QUANT = ("BLOCK", "BLOCK_BYTES", "KINDS", "PackedWeight", "concat_rows", "pack", "quantize_q8_0_blocks", "unpack")
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "GPUWeight",
     "KINDS",
     "PackedWeight",
+    "QuantizedRows",
     "add_rmsnorm",
     "combine_attention",
     "concat_rows",
@@ -58,6 +59,7 @@ __all__ = [
     "sample",
     "sampling_params",
     "silu_mul",
+    "takes_quantized_rows",
     "unpack",
     "upload_weight",
 ]

@@ -128,7 +128,7 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`SAMPLE_ARGMAX_PASS`,
 :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`,
-:data:`ATTN_COMBINE_IN_LINEAR`, :data:`ATTN_COMBINE_MAX_SPLITS`.
+:data:`ATTN_COMBINE_IN_LINEAR`, :data:`ATTN_COMBINE_MAX_SPLITS`, :data:`SWIGLU_QUANTIZES`.
 """
 
 from __future__ import annotations
@@ -146,9 +146,10 @@ from hetero.kernels.quant import PackedWeight
 from hetero.lowlevel import GPUContext, Tensor
 
 # hetero.kernels re-exports this list (its __all__ mirrors this one; a test checks both ways)
-__all__ = ["AttentionSplits", "GPUWeight", "add_rmsnorm", "combine_attention", "embedding", "gather_rows",
-           "kv_cache", "kv_write", "linear", "linear_rope_kv", "linear_swiglu", "paged_attention", "rmsnorm",
-           "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "upload_weight"]
+__all__ = ["AttentionSplits", "GPUWeight", "QuantizedRows", "add_rmsnorm", "combine_attention", "embedding",
+           "gather_rows", "kv_cache", "kv_write", "linear", "linear_rope_kv", "linear_swiglu", "paged_attention",
+           "rmsnorm", "rope", "rope_kv", "sample", "sampling_params", "silu_mul", "takes_quantized_rows",
+           "upload_weight"]
 
 # -- tuning and test hooks ---------------------------------------------------------------------
 SAMPLE_THREADS = 1024
@@ -232,6 +233,11 @@ TILED_F16 = False
 slice's 16 products a thread's output summed in f16 and then added in float32 (see
 :func:`~hetero.kernels.decoder_gemm.linear_blocked`). Activations must fit f16's range (llama.cpp's
 cuBLAS path makes the same assumption). Off by default: not yet timed on a GPU."""
+SWIGLU_QUANTIZES = False
+"""The decoder engine asks ``linear_swiglu`` for :class:`QuantizedRows` where the down projection
+takes the dp4a GEMM (:func:`takes_quantized_rows`): where gate/up splits K, its epilogue quantizes
+the SwiGLU output for down, one dispatch a layer (down's quantize pass) fewer and no float32
+[M, F] written and read. Off by default: not yet timed on a GPU."""
 TILED_MIN_GROUPS = 512
 """The tiled kernel splits K (partial sums, then an epilogue pass) while its output tiles are
 fewer workgroups than this (prefill of a short prompt, a few dozen streams): about four of the
@@ -384,7 +390,9 @@ def _linear_checks(op: str, gpu: GPUContext, x: Any, weights: list[tuple[str, An
                         "combines on load; pass combine_attention(gpu, x)")
     if isinstance(x, AttentionSplits):
         _splits_check(op, x)
-    xs = x.shape if isinstance(x, AttentionSplits) else _arr(op, "x", x, _F32)
+    if isinstance(x, QuantizedRows) and op != "linear":
+        raise TypeError(f"{op}: x is quantized rows (QuantizedRows), which only linear's dp4a GEMM takes")
+    xs = x.shape if isinstance(x, (AttentionSplits, QuantizedRows)) else _arr(op, "x", x, _F32)
     if len(xs) < 2:
         raise ValueError(f"{op}: x must be [M, K] (or [M, ...] with the trailing axes making K), got shape {xs}")
     m, k = xs[0], math.prod(xs[1:])  # [T, heads, D] (attention's output) is [T, heads * D]
@@ -477,14 +485,18 @@ class _Rope:
 def _linear_run(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
                 kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str) -> Tensor:
     """The product ``linear`` and ``linear_swiglu`` record: y [M, N]."""
-    return _linear_product(op, gpu, x, ws, m, k, n, kind, bias, residual, norm, eps, path)[0]
+    y = _linear_product(op, gpu, x, ws, m, k, n, kind, bias, residual, norm, eps, path)[0]
+    assert isinstance(y, Tensor)  # quantized output is asked for only by linear_swiglu
+    return y
 
 
 def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GPUWeight], m: int, k: int, n: int,
                     kind: str, bias: Any, residual: Any, norm: Any, eps: float, path: str,
-                    rope: _Rope | None = None) -> tuple[Tensor, bool]:
+                    rope: _Rope | None = None, quantize: bool = False) -> tuple[Tensor | QuantizedRows, bool]:
     """(y [M, N], False); with ``rope``, (q [M, heads, D], True) where a split-K epilogue did the RoPE
-    and the KV write (``linear_rope_kv``'s product past GEMV_MAX_M rows)."""
+    and the KV write (``linear_rope_kv``'s product past GEMV_MAX_M rows); with ``quantize`` (SwiGLU),
+    y as QuantizedRows where a split-K epilogue quantized it, else the float32 y (the caller
+    quantizes it)."""
     swiglu = len(ws) == 2
     if m == 0:
         return gpu.empty((m, n), np.float32), False
@@ -492,6 +504,16 @@ def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GP
     vec = k % 8 == 0
     if path not in ("auto", "gemv", "tiled"):
         raise ValueError(f"{op}: path must be 'auto', 'gemv' or 'tiled', got {path!r}")
+    if isinstance(x, QuantizedRows):
+        if norm is not None or not takes_quantized_rows(m, ws[0], path):
+            raise ValueError(f"{op}: x is quantized rows, which only the dp4a GEMM takes (Q8_0 or Q4 weights, "
+                             f"past GEMV_MAX_M={GEMV_MAX_M} rows, TILED_IMPL choosing dp4a, no norm: the rows are "
+                             f"final); got {m} rows of a {kind} weight [{n}, {k}]{' and a norm' if norm is not None else ''}"
+                             "; check takes_quantized_rows first")
+        ends = [_dev(gpu, t) for t in (bias, residual) if t is not None]
+        tag = "".join(t for t, f in zip((".bias", ".res"), (bias is not None, residual is not None)) if f)
+        return _linear_dp4a(op, gpu, x.xq, _weight_tensors(gpu, ws[0]), None, m, k, n, kind, eps, ends,
+                            (False, bias is not None, residual is not None), tag + ".q8in", pre=x)
     gemv = path == "gemv" or (path == "auto" and m <= GEMV_MAX_M)
     impl = _gemv_impl(op, k, n, kind) if gemv else None
     comb = None  # (heads, D, splits) where the units GEMV combines a split attention on load
@@ -551,7 +573,8 @@ def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GP
         if kind in G.DP4A_KINDS:
             g = inputs[-1] if norm is not None else None
             return _linear_dp4a(op, gpu, inputs[0], inputs[1:-1] if g is not None else inputs[1:], g, m, k, n, kind,
-                                eps, extras, (swiglu, bias is not None, residual is not None), tag, rope)
+                                eps, extras, (swiglu, bias is not None, residual is not None), tag, rope,
+                                quantize=quantize)
         impl = "blocked"  # float weights: no integer blocks to multiply
     shape = G.blocking(m, swiglu) if impl == "blocked" else G.Blocking(32, 32, 4, 4)
     half = impl == "blocked" and bool(TILED_F16) and "shader-f16" in gpu.features
@@ -578,6 +601,8 @@ def _linear_product(op: str, gpu: GPUContext, x: Any, ws: list[PackedWeight | GP
     gpu.dispatch(kern, grid, *inputs, part, *pss, params)
     if rope is not None:
         return _split_rope_epilogue(gpu, op, rope, part, pss, extras, m, n, k, eps, splits, tag), True
+    if quantize and swiglu:
+        return _swiglu_quantized_epilogue(gpu, op, part, pss, m, n, k, eps, splits, tag), False
     epi = gpu.kernel(W.linear_epilogue(swiglu, norm is not None, bias is not None, residual is not None), "main",
                      label=f"decoder.linear.epilogue{tag}")
     out = gpu.empty((m, n), np.float32)
@@ -615,6 +640,19 @@ def _split_rope_epilogue(gpu: GPUContext, op: str, rope: _Rope, part: Tensor, ps
     return q
 
 
+def _swiglu_quantized_epilogue(gpu: GPUContext, op: str, part: Tensor, pss: list[Tensor], m: int, n: int, k: int,
+                               eps: float, splits: int, tag: str) -> QuantizedRows:
+    """A split-K SwiGLU product's epilogue that writes its output quantized for the next product
+    (:func:`~hetero.kernels.decoder_gemm.swiglu_epilogue_quantized`): one dispatch where the epilogue
+    and the next product's quantize pass were two, and no float32 [M, N] written."""
+    blocks = n // 32
+    xq, xd, xs = _quantized_buffers(gpu, op, m, blocks)
+    epi = gpu.kernel(G.swiglu_epilogue_quantized(bool(pss)), "main", label=f"decoder.linear.epilogue{tag}.q8out")
+    gpu.dispatch(epi, (_groups(blocks, G.QUANT_BLOCKS), m), part, *pss, xq, xd, xs,
+                 struct.pack("<5If2I", m, n, k, 0, blocks, float(eps), 0, splits))
+    return QuantizedRows(xq, xd, xs, (m, n))
+
+
 def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
     """(splits of K, units a split) for a GEMM of ``shape`` tiles: K splits while the output tiles
     alone are fewer than TILED_MIN_GROUPS workgroups (a workgroup's latency is its serial walk
@@ -628,22 +666,24 @@ def _splits(m: int, n: int, units: int, shape: G.Blocking) -> tuple[int, int]:
 
 def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g: Tensor | None, m: int, k: int,
                  n: int, kind: str, eps: float, extras: list[Any], flags: tuple[bool, bool, bool], tag: str,
-                 rope: _Rope | None = None) -> tuple[Tensor, bool]:
+                 rope: _Rope | None = None, pre: QuantizedRows | None = None,
+                 quantize: bool = False) -> tuple[Tensor | QuantizedRows, bool]:
     """The dp4a GEMM (:mod:`hetero.kernels.decoder_gemm`): x quantized a block of 32 (the RMSNorm,
-    weight ``g``, folded in there), then integer dot products against the weight's blocks; the
-    result as :func:`_linear_product` returns it.
+    weight ``g``, folded in there; ``pre``: x came quantized), then integer dot products against the
+    weight's blocks; the result as :func:`_linear_product` returns it.
     ``weights``: the weights' tensors in binding order; ``flags``: (SwiGLU, bias, residual)."""
     swiglu, bias, residual = flags
     nw = 2 if swiglu else 1
     units, blocks = _units(kind, k)
-    _fits(gpu, op, "the quantized activations", (m, blocks * 8), 4)
-    xq = gpu.empty((m, blocks * 8), np.uint32)
-    xd = gpu.empty((m, blocks), np.float32)
-    xs = gpu.empty((m, blocks), np.float32)
-    params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
-    quant = gpu.kernel(G.quantize_rows(g is not None), "main",
-                       label=f"decoder.linear.quantize{'.norm' if g is not None else ''}")
-    gpu.dispatch(quant, (_groups(blocks, G.QUANT_BLOCKS), m), xt, *([g] if g is not None else []), xq, xd, xs, params)
+    if pre is not None:
+        xq, xd, xs = pre.xq, pre.xd, pre.xs
+    else:
+        xq, xd, xs = _quantized_buffers(gpu, op, m, blocks)
+        params = struct.pack("<5If2I", m, n, k, units, blocks, eps, 0, 0)
+        quant = gpu.kernel(G.quantize_rows(g is not None), "main",
+                           label=f"decoder.linear.quantize{'.norm' if g is not None else ''}")
+        gpu.dispatch(quant, (_groups(blocks, G.QUANT_BLOCKS), m), xt, *([g] if g is not None else []), xq, xd, xs,
+                     params)
     shape = G.dp4a_blocking(m, swiglu)
     nb = G.dp4a_slice_blocks(shape, kind, swiglu, int(gpu.limits["max-compute-workgroup-storage-size"]))
     splits, ks = _splits(m, n, units, shape)
@@ -662,6 +702,8 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     etag = "".join(t for t, f in zip((".swiglu", ".bias", ".res"), flags) if f)  # the norm was the quantize pass's
     if rope is not None:
         return _split_rope_epilogue(gpu, op, rope, part, [], extras, m, n, k, eps, splits, etag), True
+    if quantize and swiglu:
+        return _swiglu_quantized_epilogue(gpu, op, part, [], m, n, k, eps, splits, etag), False
     epi = gpu.kernel(W.linear_epilogue(swiglu, False, bias, residual), "main", label=f"decoder.linear.epilogue{etag}")
     out = gpu.empty((m, n), np.float32)
     gpu.dispatch(epi, _groups(m * n, 64), part, *extras, out,
@@ -669,7 +711,7 @@ def _linear_dp4a(op: str, gpu: GPUContext, xt: Tensor, weights: list[Tensor], g:
     return out, False
 
 
-def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits, w: PackedWeight | GPUWeight, *,
+def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits | QuantizedRows, w: PackedWeight | GPUWeight, *,
            bias: Tensor | np.ndarray | None = None, residual: Tensor | np.ndarray | None = None,
            norm: Tensor | np.ndarray | None = None, eps: float = 1e-6, path: str = "auto") -> Tensor:
     """``y = x' @ W.T + bias + residual`` for x float32 [M, K] and a weight [N, K] of any kind -> [M, N].
@@ -684,7 +726,9 @@ def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits, w: PackedW
     ``linear(h, embedding_weight, norm=final_norm)`` for a tied embedding. ``x`` may be the
     :class:`AttentionSplits` of a split attention (the output projection): the units GEMV combines
     them as it loads them, where its workgroup memory holds the combined rows (see
-    :data:`ATTN_COMBINE_MAX_SPLITS`); any other path runs :func:`combine_attention` first.
+    :data:`ATTN_COMBINE_MAX_SPLITS`); any other path runs :func:`combine_attention` first. ``x``
+    may also be :class:`QuantizedRows` where the product runs the dp4a GEMM
+    (:func:`takes_quantized_rows`): its quantize pass is then not run.
     """
     m, k, n, kind = _linear_checks("linear", gpu, x, [("w", w)], bias, residual, norm, eps)
     return _linear_run("linear", gpu, x, [w], m, k, n, kind, bias, residual, norm, float(eps), path)
@@ -692,15 +736,26 @@ def linear(gpu: GPUContext, x: Tensor | np.ndarray | AttentionSplits, w: PackedW
 
 def linear_swiglu(gpu: GPUContext, x: Tensor | np.ndarray, w_gate: PackedWeight | GPUWeight,
                   w_up: PackedWeight | GPUWeight, *, norm: Tensor | np.ndarray | None = None, eps: float = 1e-6,
-                  path: str = "auto") -> Tensor:
+                  path: str = "auto", quantize: bool = False) -> Tensor | QuantizedRows:
     """``silu(x' Wg^T) * (x' Wu^T)`` -> [M, F]: the MLP's gate and up projections and SwiGLU, one dispatch.
 
     ``x'`` as in :func:`linear` (``norm`` folds the post-attention RMSNorm in). Both
-    weights [F, K] of one kind.
+    weights [F, K] of one kind. ``quantize``: the result as :class:`QuantizedRows` for a next
+    product that runs the dp4a GEMM (:func:`takes_quantized_rows`; F a multiple of 32). Where K is
+    split, the epilogue that adds the splits quantizes them too (one dispatch, no float32 [M, F]);
+    otherwise the quantize pass runs on the float32 result.
     """
-    m, k, n, kind = _linear_checks("linear_swiglu", gpu, x, [("w_gate", w_gate), ("w_up", w_up)], None, None,
-                                   norm, eps)
-    return _linear_run("linear_swiglu", gpu, x, [w_gate, w_up], m, k, n, kind, None, None, norm, float(eps), path)
+    op = "linear_swiglu"
+    m, k, n, kind = _linear_checks(op, gpu, x, [("w_gate", w_gate), ("w_up", w_up)], None, None, norm, eps)
+    if not isinstance(quantize, (bool, np.bool_)):
+        raise ValueError(f"{op}: quantize must be True or False, got {quantize!r}")
+    if quantize and n % 32:
+        raise ValueError(f"{op}: quantize needs rows of a multiple of 32 values (blocks of 32), got {n}")
+    y = _linear_product(op, gpu, x, [w_gate, w_up], m, k, n, kind, None, None, norm, float(eps), path,
+                        quantize=bool(quantize))[0]
+    if quantize and isinstance(y, Tensor):
+        return _quantize(gpu, op, y) if m else QuantizedRows(*_quantized_buffers(gpu, op, 0, n // 32), (0, n))
+    return y
 
 
 def silu_mul(gpu: GPUContext, gate: Tensor | np.ndarray, up: Tensor | np.ndarray) -> Tensor:
@@ -973,6 +1028,7 @@ def linear_rope_kv(gpu: GPUContext, x: Tensor | np.ndarray, w_qkv: PackedWeight 
                       hkv, d) if d % 4 == 0 else None)
         qkv, rotated = _linear_product(op, gpu, x, [w_qkv], m, k, n, kind, bias, None, norm, float(eps), "auto",
                                        rope)
+        assert isinstance(qkv, Tensor)  # no quantized output was asked for
         if rotated:
             return qkv
         return rope_kv(gpu, qkv, positions, inv_freq, k_cache, v_cache, slots, heads=int(heads))
@@ -1053,6 +1109,49 @@ def combine_attention(gpu: GPUContext, splits: AttentionSplits) -> Tensor:
     comb = gpu.kernel(W.attention_combine(), "main", label="decoder.paged_attention.combine")
     gpu.dispatch(comb, t * hq, splits.part, out, struct.pack("<4I", t * hq, d, splits.splits, 0))
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedRows:
+    """Activations [M, K] quantized for the dp4a GEMM, as llama.cpp's Q8_1 does a block of 32: ``xq``
+    (uint32 [M, K / 4], four int8 a word), ``xd`` (float32 [M, K / 32]: each block's d) and ``xs``
+    (float32 [M, K / 32]: d * sum(q)). ``linear_swiglu(..., quantize=True)`` makes them and
+    :func:`linear` takes them as x where its product runs the dp4a GEMM
+    (:func:`takes_quantized_rows`)."""
+
+    xq: Tensor
+    xd: Tensor
+    xs: Tensor
+    shape: tuple[int, int]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return _F32
+
+
+def takes_quantized_rows(m: int, w: PackedWeight | GPUWeight, path: str = "auto") -> bool:
+    """Whether ``linear(x, w, path=path)`` over ``m`` rows runs the dp4a GEMM, so that x may be
+    :class:`QuantizedRows` (the settings read now: :data:`TILED_IMPL`, :data:`GEMV_MAX_M`)."""
+    kind, (n, k) = _weight("takes_quantized_rows", "w", w)
+    tiled = path == "tiled" or (path == "auto" and m > GEMV_MAX_M)
+    return tiled and kind in G.DP4A_KINDS and k % 32 == 0 and _tiled_impl("takes_quantized_rows", kind, n, k) == "dp4a"
+
+
+def _quantize(gpu: GPUContext, op: str, y: Tensor) -> QuantizedRows:
+    """``y`` [M, K] (K a multiple of 32) as QuantizedRows: the dp4a GEMM's quantize pass."""
+    m, k = (int(v) for v in y.shape)
+    blocks = k // 32
+    xq, xd, xs = _quantized_buffers(gpu, op, m, blocks)
+    params = struct.pack("<5If2I", m, 0, k, k // 8, blocks, 0.0, 0, 0)
+    quant = gpu.kernel(G.quantize_rows(False), "main", label="decoder.linear.quantize")
+    gpu.dispatch(quant, (_groups(blocks, G.QUANT_BLOCKS), m), y, xq, xd, xs, params)
+    return QuantizedRows(xq, xd, xs, (m, k))
+
+
+def _quantized_buffers(gpu: GPUContext, op: str, m: int, blocks: int) -> tuple[Tensor, Tensor, Tensor]:
+    _fits(gpu, op, "the quantized activations", (m, blocks * 8), 4)
+    return (gpu.empty((m, blocks * 8), np.uint32), gpu.empty((m, blocks), np.float32),
+            gpu.empty((m, blocks), np.float32))
 
 
 def paged_attention(gpu: GPUContext, q: Tensor | np.ndarray, k_cache: Tensor, v_cache: Tensor,

@@ -39,7 +39,7 @@ from typing import Callable
 from hetero.kernels import decoder_wgsl as W
 
 __all__ = ["DP4A_KINDS", "DP4A_SLICE_BLOCKS", "DP4A_THREAD_TILE", "QUANT_BLOCKS", "SLICE_UNITS", "THREAD_BLOCK", "Blocking", "blocking", "dp4a_blocking", "linear_blocked",
-           "dp4a_slice_blocks", "linear_dp4a", "quantize_rows"]
+           "dp4a_slice_blocks", "linear_dp4a", "quantize_rows", "swiglu_epilogue_quantized"]
 
 SLICE_UNITS = 2
 """Weight units (8 weights) of K a slice of the blocked kernel takes: 16 k, so that a 64 x 64
@@ -293,20 +293,28 @@ def quantize_rows(norm: bool) -> str:
     let rms = inverseSqrt(red[0] / f32(p.k) + p.eps);
 """
     value = "x[base + k4] * g[k4] * rms" if norm else "x[base + k4]"
-    return (W.LINEAR_PARAMS + decls + f"""var<workgroup> red: array<f32, 64>;
-var<workgroup> amx: array<f32, 64>;
+    return (W.LINEAR_PARAMS + decls + "var<workgroup> red: array<f32, 64>;\n"
+            + _quantized_rows_main(f"""    let base = row * (p.k / 4u);
+{scale}    var v = vec4<f32>(0.0);
+    if (inside) {{ v = {value}; }}"""))
+
+
+def _quantized_rows_main(values: str) -> str:
+    """The quantize pass's entry point around ``values``, WGSL setting ``var v`` (vec4) to this
+    thread's four values of the row (``row``, block ``blk``, word ``w`` of it, ``k4 = blk * 8 + w``;
+    ``inside``: the block is in the row): their Q8_1 word, and the block's d and d * sum(q), to xq,
+    xd and xs (see :func:`quantize_rows`)."""
+    return f"""var<workgroup> amx: array<f32, 64>;
 var<workgroup> qsum: array<i32, 64>;
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
     let g3 = hetero_workgroup_id(wid);
     let row = g3.y;
-    let base = row * (p.k / 4u);
     let blk = g3.x * {QUANT_BLOCKS}u + li / 8u;
     let w = li % 8u;
     let inside = blk < p.blocks;
-{scale}    let k4 = blk * 8u + w;
-    var v = vec4<f32>(0.0);
-    if (inside) {{ v = {value}; }}
+    let k4 = blk * 8u + w;
+{values}
     let a = abs(v);
     amx[li] = max(max(a.x, a.y), max(a.z, a.w));
     workgroupBarrier();
@@ -326,7 +334,37 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         xs[row * p.blocks + blk] = d * f32(sum);
     }}
 }}
-""")
+"""
+
+
+@lru_cache(maxsize=None)
+def swiglu_epilogue_quantized(norm: bool) -> str:
+    """A split-K SwiGLU product's epilogue that quantizes its output for the next product's dp4a GEMM:
+    bindings part ([splits, 2, M, N] partial sums), [pss], xq, xd, xs, params (the linear ``Params``:
+    ``p.ks`` the splits, ``p.k`` the product's K, ``p.n`` its N and ``p.blocks`` N / 32); the grid
+    ``(ceil(blocks / QUANT_BLOCKS), M)``. Each output is :func:`~hetero.kernels.decoder_wgsl.linear_epilogue`'s
+    (the same sums in the same order), and its blocks are what :func:`quantize_rows` makes of them, so
+    the next product computes what it would from the float32 output, bit for bit; the output itself is
+    never written. N a multiple of 32."""
+    decls, _ = W.buffer_decls(0, [("part", "f32", False), ("pss", "f32", False) if norm else None,
+                                  ("xq", "u32", True), ("xd", "f32", True), ("xs", "f32", True)])
+    sums = []
+    for c in range(4):
+        col = f"(k4 * 4u + {c}u)"
+        sums.append((f"a0_{c}", f"part[(({{s}} * 2u) * p.m + row) * p.n + {col}]"))
+        sums.append((f"a1_{c}", f"part[(({{s}} * 2u + 1u) * p.m + row) * p.n + {col}]"))
+    if norm:
+        sums.append(("ss", "pss[{s} * p.m + row]"))
+    acc = "\n".join(f"    var a0_{c} = 0.0;\n    var a1_{c} = 0.0;" for c in range(4)) + "\n    var ss = 0.0;"
+    scale = "let scale = inverseSqrt(ss / f32(p.k) + p.eps);" if norm else "let scale = 1.0;"
+    value = ", ".join(f"silu(a0_{c} * scale) * (a1_{c} * scale)" for c in range(4))
+    return (W.COMMON + W.LINEAR_PARAMS + decls + _quantized_rows_main(f"""{acc}
+    var v = vec4<f32>(0.0);
+    if (inside) {{
+{W.split_sums(sums, indent="        ")}
+        {scale}
+        v = vec4<f32>({value});
+    }}"""))
 
 
 DP4A_THREAD_TILE = (4, 4)

@@ -216,7 +216,8 @@ def _logits(gpu: GPUContext, r: _Resident, c: LlamaConfig, h: Tensor, pos: Tenso
         att = D.paged_attention(gpu, q, lay.k_cache, lay.v_cache, tables, seqs, pos,
                                 combine=not D.ATTN_COMBINE_IN_LINEAR)
         h = D.linear(gpu, att, lay.o, bias=lay.o_bias, residual=h)
-        mlp = D.linear_swiglu(gpu, h, lay.gate, lay.up, norm=lay.mlp_norm, eps=eps)
+        quantize = D.SWIGLU_QUANTIZES and D.takes_quantized_rows(int(h.shape[0]), lay.down)
+        mlp = D.linear_swiglu(gpu, h, lay.gate, lay.up, norm=lay.mlp_norm, eps=eps, quantize=quantize)
         h = D.linear(gpu, mlp, lay.down, residual=h)
     return D.linear(gpu, D.gather_rows(gpu, h, last), r.head, norm=r.norm, eps=eps)
 

@@ -394,6 +394,64 @@ async def test_linear_dp4a_within_its_activation_rounding(shared_rt: hetero.Runt
 
 
 @ASYNCIO_ONLY
+@pytest.mark.parametrize("gate_impl", ["blocked", "dp4a"])
+async def test_swiglu_quantized_for_down_gives_the_same_outputs(shared_rt: hetero.Runtime, gate_impl: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_swiglu(quantize=True) then linear: down reads the gate/up output as QuantizedRows. Where
+    gate/up splits K its epilogue quantizes (no float32 output, no quantize pass for down); otherwise
+    the quantize pass runs on the float32 output. Either way down's outputs equal those of the
+    float32 path bit for bit (the folded norm, M 9 and 70); QuantizedRows go only to the dp4a GEMM."""
+    f, hidden = 96, 64
+    wg, wu = make_weight("q4_1", rand((f, hidden), 60)), make_weight("q4_1", rand((f, hidden), 61))
+    wd = make_weight("q8_0", rand((hidden, f), 62))
+    g = rand((hidden,), 63) + 1.0
+
+    def impl(op: str, kind: str, n: int, k: int) -> str:  # gate/up on gate_impl, down on dp4a
+        return "dp4a" if k == f else gate_impl
+    monkeypatch.setattr(D, "_tiled_impl", impl)
+    for groups in (1, 10**6):  # gate/up in one split, and K split
+        monkeypatch.setattr(D, "TILED_MIN_GROUPS", groups)
+        monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", 1)
+        for m in (9, 70):
+            x, res = rand((m, hidden), 64 + m), rand((m, hidden), 65 + m)
+            got = {}
+            for quantize in (False, True):
+                labels: list[str] = []
+
+                def stage(gpu: Any, x: Any, g: Any, r: Any) -> Any:
+                    spy = Spy(gpu)
+                    mlp = D.linear_swiglu(spy, x, wg, wu, norm=g, eps=1e-5, quantize=quantize)
+                    assert isinstance(mlp, D.QuantizedRows) == quantize and D.takes_quantized_rows(m, wd)
+                    out = D.linear(spy, mlp, wd, residual=r)
+                    labels.extend(spy.labels)
+                    return out
+                got[quantize] = await call(shared_rt, stage, x=x, g=g, r=res)
+                fused = [x for x in labels if x.endswith(".q8out")]
+                passes = [x for x in labels if x.startswith("decoder.linear.quantize")]
+                if quantize and groups > 1:  # the epilogue quantizes: down has no pass of its own
+                    assert len(fused) == 1 and ".swiglu" in fused[0] and \
+                        len(passes) == (1 if gate_impl == "dp4a" else 0), labels
+                else:
+                    assert not fused and len(passes) == 1 + (gate_impl == "dp4a"), labels
+            np.testing.assert_array_equal(got[True], got[False], err_msg=f"{gate_impl} M={m} splits={groups}")
+
+    def to_gemv(gpu: Any, x: Any) -> Any:
+        rows = D.linear_swiglu(gpu, x, wg, wu, quantize=True, path="tiled")
+        return D.linear(gpu, rows, wd)  # 2 rows: the GEMV, which cannot take quantized rows
+    with pytest.raises(hetero.StageError, match="linear: x is quantized rows, which only the dp4a GEMM takes"):
+        await call(shared_rt, to_gemv, x=rand((2, hidden), 66))
+
+    def to_swiglu(gpu: Any, x: Any) -> Any:
+        rows = D.linear_swiglu(gpu, x, wg, wu, quantize=True)
+        return D.linear_swiglu(gpu, rows, wd, wd)
+    with pytest.raises(hetero.StageError, match="linear_swiglu: x is quantized rows"):
+        await call(shared_rt, to_swiglu, x=rand((12, hidden), 67))
+    odd = make_weight("f32", rand((33, hidden), 68))
+    with pytest.raises(hetero.StageError, match="linear_swiglu: quantize needs rows of a multiple of 32 values"):
+        await call(shared_rt, lambda gpu, x: D.linear_swiglu(gpu, x, odd, odd, quantize=True), x=rand((12, hidden), 69))
+
+
+@ASYNCIO_ONLY
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
 async def test_dp4a_thread_tiles_give_the_same_outputs(shared_rt: hetero.Runtime, kind: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:

@@ -311,6 +311,32 @@ def test_attention_combined_by_the_output_projection_keeps_greedy_tokens(files, 
     assert decode and all(t > D.GEMV_MAX_M for t in seen["combines"]), seen
 
 
+def test_swiglu_quantized_for_down_keeps_greedy_tokens(files, shared_rt, monkeypatch):
+    """SWIGLU_QUANTIZES with every product on the dp4a GEMM and K split: the prompt's step hands
+    gate/up's output to down as QuantizedRows (decode steps, on the GEMV, do not), and the tokens
+    are those of the same settings without it."""
+    from hetero.kernels import decoder as D
+    monkeypatch.setattr(D, "TILED_IMPL", "dp4a")
+    monkeypatch.setattr(D, "TILED_MIN_GROUPS", 1 << 20)
+    monkeypatch.setattr(D, "TILED_SPLIT_MIN_CHUNKS", 1)
+    asked: list[bool] = []
+    swiglu = D.linear_swiglu
+
+    def counting(gpu, x, *a, quantize=False, **kw):
+        asked.append(quantize)
+        return swiglu(gpu, x, *a, quantize=quantize, **kw)
+    monkeypatch.setattr(D, "linear_swiglu", counting)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(D, "SWIGLU_QUANTIZES", on)
+        with LLM(files["q4_1"], runtime=shared_rt, kv_cache_bytes=KV) as llm:
+            ids = llm.encode(PROMPTS[1] + " " + PROMPTS[0])
+            assert len(ids) > D.GEMV_MAX_M
+            tokens[on] = llm.generate(ids, max_tokens=12).token_ids
+    assert tokens[True] == tokens[False] and len(tokens[True]) > 4
+    assert True in asked and asked.count(True) < len(asked)  # the prompt's steps only
+
+
 def test_own_runtime_closes_with_the_llm(files):
     llm = LLM(files["tied"], kv_cache_bytes=KV)
     rt = llm.runtime
