@@ -35,6 +35,7 @@ BENCHES = {
     "generate_serve": "hetero serve text generation under 1-256 streaming clients beside in-process generate()",
     "decode_profile": "each decoder op of a decode step alone on the GPU (both GEMV kernels), the step, its host replay",
     "tensor_cores": "cooperative matrices through wgpu: offered, requestable, right, TFLOP/s beside an fp32 FMA loop",
+    "accuracy": "each kernel setting's logits and greedy tokens on a real model and real text beside float64 numpy",
 }
 # What `all` passes to each (kept within ~10 minutes on an H200). A benchmark missing here is
 # not part of `all` (multigpu needs a machine with several GPUs; run it alone).
