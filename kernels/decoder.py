@@ -124,7 +124,7 @@ Tuning and test hooks (module attributes, read at each call): :data:`GEMV_MAX_M`
 :data:`GEMV_LANES`, :data:`GEMV_LANE_CHUNKS`, :data:`GEMV_MAX_LANES`, :data:`GEMV_LANES_THREADS`,
 :data:`GEMV_SLOT_ROWS`, :data:`GEMV_UNROLL`, :data:`GEMV_THREADS`, :data:`GEMV_ROWS`, :data:`GEMV_UNITS_UNROLL`,
 :data:`GEMV_WIDE_N`,
-:data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_F16`, :data:`TILED_MIN_GROUPS`,
+:data:`TILED_IMPL`, :data:`TILED_DP4A_MIN_WEIGHTS`, :data:`TILED_DP4A_WIDE`, :data:`TILED_F16`, :data:`TILED_MIN_GROUPS`,
 :data:`TILED_SPLIT_MIN_CHUNKS`, :data:`SAMPLE_THREADS`, :data:`SAMPLE_REGS`, :data:`SAMPLE_ARGMAX_PASS`,
 :data:`USE_SUBGROUPS`,
 :data:`ATTN_SPLIT_KEYS`, :data:`ATTN_SPLIT_MIN_GROUPS`, :data:`ATTN_MAX_HEADS`, :data:`ATTN_PREFETCH`,
@@ -228,6 +228,12 @@ dp4a GEMM. On the H200 it ran the 1.07B shape's products (4.2M-16.8M weights) 1.
 on a 512-token prompt and 1.04-1.31x on 64 streams than the blocked kernel, and SmolLM2's
 (0.3M-0.9M) 0.73-0.79x on 64 streams: its quantize pass is a dispatch more a product, which small
 products do not repay (BENCHMARKS.md, twenty-seventh session)."""
+TILED_DP4A_WIDE = True
+"""With ``TILED_IMPL = "auto"``, wide products (at least :data:`GEMV_LANES_MIN_N` rows: output heads) take
+the dp4a GEMM like the others. False keeps them on the blocked kernel, so a step of many rows rounds
+its logits as a batch-1 step's float32 GEMV does: the dp4a head moved 3 of 128 argmaxes of a real
+SmolLM2 prompt (BENCHMARKS.md, twenty-eighth session) and took 139 us against 197 a 64-stream step
+(twenty-seventh)."""
 TILED_F16 = False
 """The blocked GEMM multiplies in f16 where the device has ``shader-f16``: its tiles stored in f16, a
 slice's 16 products a thread's output summed in f16 and then added in float32 (see
@@ -463,7 +469,8 @@ def _tiled_impl(op: str, kind: str, n: int, k: int) -> str:
     if TILED_IMPL not in TILED_IMPLS:
         raise ValueError(f"{op}: TILED_IMPL must be one of {', '.join(map(repr, TILED_IMPLS))}, got {TILED_IMPL!r}")
     if TILED_IMPL == "auto":
-        return "dp4a" if kind in G.DP4A_KINDS and n * k >= TILED_DP4A_MIN_WEIGHTS else "blocked"
+        wide_ok = TILED_DP4A_WIDE or n < GEMV_LANES_MIN_N
+        return "dp4a" if kind in G.DP4A_KINDS and n * k >= TILED_DP4A_MIN_WEIGHTS and wide_ok else "blocked"
     return str(TILED_IMPL)
 
 

@@ -375,6 +375,12 @@ async def test_tiled_auto_takes_dp4a_for_large_integer_weights(shared_rt: hetero
     assert ".blocked." in firsts[1]
     assert firsts[2] == "decoder.linear.quantize" and ".q8_0.dp4a." in seen[2][1]
     assert ".f16.blocked." in firsts[3]
+    # wide products (output heads) take dp4a too, unless TILED_DP4A_WIDE is off
+    monkeypatch.setattr(D, "TILED_DP4A_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(D, "GEMV_LANES_MIN_N", n)
+    for wide, taken in ((True, "dp4a"), (False, "blocked")):
+        monkeypatch.setattr(D, "TILED_DP4A_WIDE", wide)
+        assert D._tiled_impl("linear", "q8_0", n, k) == taken and D._tiled_impl("linear", "q8_0", n - 1, k) == "dp4a"
 
 
 @ASYNCIO_ONLY
