@@ -16,7 +16,9 @@ op                                  what (and what it fuses)
                                     the RMSNorm of x into the product, ``residual`` the residual
                                     add; GEMV for M <= 8 rows, tiled GEMM above
 ``linear_swiglu(x, w_gate, w_up,``  ``silu(x Wg^T) * (x Wu^T)`` in one dispatch (RMSNorm folded
-``norm, eps)``                      in too): the MLP's gate, up and SiLU-mul
+``norm, eps, quantize)``            in too): the MLP's gate, up and SiLU-mul; ``quantize`` returns
+                                    :class:`QuantizedRows` for a dp4a product next
+``takes_quantized_rows(m, w)``      whether ``linear(x, w)`` over m rows takes QuantizedRows
 ``linear_rope_kv(x, w_qkv, ...)``   the QKV projection (RMSNorm, biases) with RoPE and the KV-cache
                                     write in its epilogue: one dispatch for decode rows (the lanes
                                     GEMV), ``linear`` then ``rope_kv`` otherwise
