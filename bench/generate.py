@@ -508,7 +508,7 @@ def gguf_main(a: argparse.Namespace, torch: Any, bw: float | None) -> int:
         modes = {"on": [True], "off": [False], "both": [True, False]}[a.pipeline]
         settings = [Setting(impl, tiled, spr, pipeline, kvc, knobs) for impl in a.gemv for tiled in a.tiled
                     for spr in a.steps_per_run for pipeline in modes for kvc in a.kv_cache
-                    for knobs in _knob_grid(a.knob, a.knob_each)]
+                    for knobs in knob_grid(a.knob, a.knob_each)]
         figs: dict[Setting, dict[str, Any]] = {}
         outputs: dict[Setting, tuple[np.ndarray, list[int]]] = {}
         for setting in settings:
@@ -649,7 +649,7 @@ def _literal(v: str) -> Any:
         return v
 
 
-def _knob(text: str) -> tuple[str, list[Any]]:
+def parse_knob(text: str) -> tuple[str, list[Any]]:
     """An argparse type: ``NAME=V1[,V2...]``, NAME an upper-case attribute of hetero.kernels.decoder
     or decoder_gemm, each value a Python literal of the attribute's type (values are split at
     commas). A tuple knob's value joins its items with ``+`` (``q8_0+q4_1``; ``()`` is empty)."""
@@ -678,7 +678,7 @@ def _knob(text: str) -> tuple[str, list[Any]]:
     return name, out
 
 
-def _knob_grid(knobs: list[tuple[str, list[Any]]], each: bool = False) -> list[tuple[tuple[str, Any], ...]]:
+def knob_grid(knobs: list[tuple[str, list[Any]]], each: bool = False) -> list[tuple[tuple[str, Any], ...]]:
     """Every combination of the ``--knob`` values, the first knob's values outermost; with ``each``,
     the first values of all, then each later value of one knob with the others at their first."""
     if each:
@@ -776,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="LLM(steps_per_run=) in turn: decode steps one GPU run may take (1 to 4; default 1)")
     g.add_argument("--kv-cache", type=_choices(("f32", "f16")), default=["f32"], metavar="f32,f16",
                    help="LLM(kv_cache_dtype=) in turn (default f32; llama.cpp's default cache is f16)")
-    g.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
+    g.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=V1[,V2...]",
                    help="a module attribute of hetero.kernels.decoder (or decoder_gemm) set to each value in turn "
                         "(repeatable: every combination is timed)")
     g.add_argument("--knob-each", action="store_true",

@@ -762,9 +762,7 @@ def linear_swiglu(gpu: GPUContext, x: Tensor | np.ndarray, w_gate: PackedWeight 
         raise ValueError(f"{op}: quantize needs rows of a multiple of 32 values (blocks of 32), got {n}")
     y = _linear_product(op, gpu, x, [w_gate, w_up], m, k, n, kind, None, None, norm, float(eps), path,
                         quantize=bool(quantize))[0]
-    if quantize and isinstance(y, Tensor):
-        return _quantize(gpu, op, y) if m else QuantizedRows(*_quantized_buffers(gpu, op, 0, n // 32), (0, n))
-    return y
+    return _quantize(gpu, op, y) if quantize and isinstance(y, Tensor) else y
 
 
 def silu_mul(gpu: GPUContext, gate: Tensor | np.ndarray, up: Tensor | np.ndarray) -> Tensor:
@@ -1151,6 +1149,8 @@ def _quantize(gpu: GPUContext, op: str, y: Tensor) -> QuantizedRows:
     m, k = (int(v) for v in y.shape)
     blocks = k // 32
     xq, xd, xs = _quantized_buffers(gpu, op, m, blocks)
+    if m == 0:
+        return QuantizedRows(xq, xd, xs, (m, k))
     params = struct.pack("<5If2I", m, 0, k, k // 8, blocks, 0.0, 0, 0)
     quant = gpu.kernel(G.quantize_rows(False), "main", label="decoder.linear.quantize")
     gpu.dispatch(quant, (_groups(blocks, G.QUANT_BLOCKS), m), y, xq, xd, xs, params)

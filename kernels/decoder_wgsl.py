@@ -165,11 +165,11 @@ def _combine_lines(mrows: int, heads: int, d: int, splits: int) -> list[str]:
         "        var l = 0.0;",
         f"        for (var i = 0u; i < {splits}u; i++) {{",
         f"            let ml = x[(b + i) * {st4}u + {d4}u];",
-        "            l += ml.y * exp2(ml.x - mx);",
+        "            let wi = exp2(ml.x - mx);",
+        f"            cw[e * {splits}u + i] = wi;",
+        "            l += ml.y * wi;",
         "        }",
-        f"        for (var i = 0u; i < {splits}u; i++) {{",
-        f"            cw[e * {splits}u + i] = exp2(x[(b + i) * {st4}u + {d4}u].x - mx) / l;",
-        "        }",
+        f"        for (var i = 0u; i < {splits}u; i++) {{ cw[e * {splits}u + i] = cw[e * {splits}u + i] / l; }}",
         "    }",
         "    workgroupBarrier();",
         f"    for (var e = li; e < {mrows * k4}u; e += WG) {{  // vec4 e of the combined rows",
@@ -1462,6 +1462,29 @@ _GUMBEL = ("if (fkey(v) >= lo) { let u = (f32(rand_u32(seed, step, i) >> 8u) + 0
            "let sc = (v - mx) * inv_t - log(-log(u)); if (sc > gv || gi == 0xffffffffu) { gv = sc; gi = i; } }")
 
 
+def _argmax_fn(wg: int) -> str:
+    """WGSL ``fn argmax2(li, v, i) -> vec2<u32>``: over a workgroup of ``wg`` threads (workgroup arrays
+    ``rf`` and ``ru`` of ``wg`` each), the bits of the largest ``v`` and its ``i``; ties go to the lowest
+    index, as numpy.argmax (a thread with no value passes -inf and 0xffffffff)."""
+    return f"""fn argmax2(li: u32, v: f32, i: u32) -> vec2<u32> {{
+    rf[li] = v;
+    ru[li] = i;
+    workgroupBarrier();
+    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{
+        if (li < s) {{
+            let bv = rf[li + s];
+            let bi = ru[li + s];
+            if (bv > rf[li] || (bv == rf[li] && bi < ru[li])) {{ rf[li] = bv; ru[li] = bi; }}
+        }}
+        workgroupBarrier();
+    }}
+    let r = vec2<u32>(bitcast<u32>(rf[0]), ru[0]);
+    workgroupBarrier();
+    return r;
+}}
+"""
+
+
 ARGMAX_WG = 256
 """Threads of a workgroup of :func:`argmax_chunks`."""
 ARGMAX_LOADS = 4
@@ -1501,7 +1524,7 @@ struct Params {{ s: u32, v: u32, chunks: u32, pad: u32 }}
 var<workgroup> rf: array<f32, {ARGMAX_WG}>;
 var<workgroup> ru: array<u32, {ARGMAX_WG}>;
 fn clean(v: f32) -> f32 {{ return select(v, bitcast<f32>(0xff800000u), v != v); }}
-
+{_argmax_fn(ARGMAX_WG)}
 @compute @workgroup_size({ARGMAX_WG})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {{
     let g = hetero_workgroup_id(wid);
@@ -1509,20 +1532,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var bv = bitcast<f32>(0xff800000u);
     var bi = 0xffffffffu;
 {visits}
-    rf[li] = bv;
-    ru[li] = bi;
-    workgroupBarrier();
-    for (var s = {ARGMAX_WG // 2}u; s > 0u; s >>= 1u) {{
-        if (li < s) {{
-            let ov = rf[li + s];
-            let oi = ru[li + s];
-            if (ov > rf[li] || (ov == rf[li] && oi < ru[li])) {{ rf[li] = ov; ru[li] = oi; }}
-        }}
-        workgroupBarrier();
-    }}
+    let best = argmax2(li, bv, bi);
     if (li == 0u) {{
-        part[(g.y * p.chunks + g.x) * 2u] = bitcast<u32>(rf[0]);
-        part[(g.y * p.chunks + g.x) * 2u + 1u] = ru[0];
+        part[(g.y * p.chunks + g.x) * 2u] = best.x;
+        part[(g.y * p.chunks + g.x) * 2u + 1u] = best.y;
     }}
 }}
 """
@@ -1646,23 +1659,9 @@ fn sum_u(li: u32, v: u32) -> u32 {{
     workgroupBarrier();
     return r;
 }}
-// (value, index) of the largest value; ties go to the lowest index, as numpy.argmax
-fn argmax(li: u32, v: f32, i: u32) -> u32 {{
-    rf[li] = v;
-    ru[li] = i;
-    workgroupBarrier();
-    for (var s = {wg // 2}u; s > 0u; s >>= 1u) {{
-        if (li < s) {{
-            let bv = rf[li + s];
-            let bi = ru[li + s];
-            if (bv > rf[li] || (bv == rf[li] && bi < ru[li])) {{ rf[li] = bv; ru[li] = bi; }}
-        }}
-        workgroupBarrier();
-    }}
-    let r = ru[0];
-    workgroupBarrier();
-    return r;
-}}
+{_argmax_fn(wg)}
+// the index of the largest value; ties go to the lowest index, as numpy.argmax
+fn argmax(li: u32, v: f32, i: u32) -> u32 {{ return argmax2(li, v, i).y; }}
 
 var<workgroup> hist: array<f32, 4096>;
 var<workgroup> bins: array<f32, 16>;

@@ -326,14 +326,14 @@ def test_agreement_of_two_settings_outputs():
 
 def test_knob_each_varies_one_knob_at_a_time():
     knobs = [("A", [1, 2, 3]), ("B", [False, True]), ("C", ["x"])]
-    assert generate._knob_grid(knobs, each=True) == [
+    assert generate.knob_grid(knobs, each=True) == [
         (("A", 1), ("B", False), ("C", "x")), (("A", 2), ("B", False), ("C", "x")),
         (("A", 3), ("B", False), ("C", "x")), (("A", 1), ("B", True), ("C", "x"))]
-    assert len(generate._knob_grid(knobs)) == 6 and generate._knob_grid([], each=True) == [()]
+    assert len(generate.knob_grid(knobs)) == 6 and generate.knob_grid([], each=True) == [()]
 
 
 def test_a_tuple_knob_joins_its_items_with_plus():
-    assert generate._knob("GEMV_LANES_WIDE_KINDS=q8_0, q8_0+q4_1,()") == (
+    assert generate.parse_knob("GEMV_LANES_WIDE_KINDS=q8_0, q8_0+q4_1,()") == (
         "GEMV_LANES_WIDE_KINDS", [("q8_0",), ("q8_0", "q4_1"), ()])
 
 
@@ -344,4 +344,4 @@ def test_a_tuple_knob_joins_its_items_with_plus():
     ("GEMV_LANES_WIDE_KINDS=q8_0,q8_0", "distinct values")])
 def test_a_knob_must_name_an_attribute_and_match_its_type(text, error):
     with pytest.raises(argparse.ArgumentTypeError, match=error):
-        generate._knob(text)
+        generate.parse_knob(text)
