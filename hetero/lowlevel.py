@@ -18,7 +18,8 @@ Recording work (inside a GPU stage, or a context of your own):
   ``write_uploads`` are the runtime's capture interface (what replaying a captured stage
   uses); stage functions have no need of them.
 - :class:`Kernel`: a compiled pipeline (``kernel.pipeline``; ``kernel.grid`` is true when
-  the WGSL uses ``hetero_workgroup_id`` and so takes the grid uniform at group 1).
+  its entry point uses ``hetero_workgroup_id`` and so takes the grid uniform in ``@group(0)``,
+  at ``@binding(kernel.n_bindings)``, after the dispatch's own bindings).
 - :class:`Tensor`: a typed view of a GPU buffer (``buffer``, ``offset``, ``shape``, ``dtype``).
 
 Devices and caches:
@@ -44,7 +45,7 @@ Devices and caches:
   results to a coroutine; calls after the loop closed are dropped).
 
 Recording outside ``gpu.dispatch`` (timing one submission, for instance):
-:func:`grid_uniform` builds the group-1 uniform a grid kernel reads. Tuning caches are
+:func:`grid_uniform` builds the grid uniform a grid kernel reads (its last binding). Tuning caches are
 written with :func:`atomic_write_text` (:func:`atomic_write` for bytes); :func:`check_writable` checks, before any work,
 that an output file can be written. :func:`positive_int` is the ``argparse`` type of a
 count option (``--workers N``), as hetero's own command line reads it (:func:`non_negative_int`

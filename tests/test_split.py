@@ -106,6 +106,56 @@ def test_cost_model_rises_at_once_and_decays_slowly() -> None:
     assert m.chunk("k", 1e12, per_x=1, limit=65535) == 65535
 
 
+def test_quiet_until_is_when_the_first_of_its_keys_is_due_a_sample() -> None:
+    from hetero._gpu.grid import RESAMPLE_S
+
+    clock = [100.0]
+    m = CostModel(clock=lambda: clock[0])
+    assert m.quiet_until(["a", "b"]) == 0.0
+    for _ in range(8):  # the first 8 dispatches of each kernel are timed
+        assert m.should_time("a") and m.should_time("b")
+    assert m.quiet_until(["a", "b"]) == 0.0  # sampled once a second from now on, not yet
+    assert m.should_time("a")
+    clock[0] = 100.5
+    assert m.should_time("b") and not m.should_time("a")
+    assert m.quiet_until(["a", "b"]) == 100.0 + RESAMPLE_S
+    assert m.quiet_until(["b"]) == 100.5 + RESAMPLE_S
+    assert m.quiet_until([]) == float("inf")
+    clock[0] = 100.0 + RESAMPLE_S
+    assert m.now() >= m.quiet_until(["a", "b"]) and m.should_time("a")
+
+
+async def test_replays_time_their_grid_kernels_when_one_is_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay asks the cost model per dispatch only when its quiet time is over: the first 8 of
+    each kernel, then about once a second; the samples still come."""
+    asked: list[object] = []
+    orig = CostModel.should_time
+
+    def counting(self: CostModel, key: object) -> bool:
+        asked.append(key)
+        return orig(self, key)
+
+    monkeypatch.setattr(CostModel, "should_time", counting)
+    n = 4096
+
+    def run(gpu: hetero.GPUContext, x: Tensor) -> Tensor:
+        gpu.dispatch(IOTA, -(-n // 64), x, np.array([1, n], np.uint32))
+        return x
+
+    g = hetero.Graph("replays")
+    x = g.input("x")
+    g.output(g.gpu(run, x, capture=True))
+    async with hetero.Runtime(cpu_threads=2) as rt:
+        rt.device().cost._clock = lambda: 0.0  # the clock stands still: no once-a-second sample
+        for _ in range(20):
+            await rt.run(g, x=np.zeros(n, np.uint32))
+        assert len(asked) == 9  # the first 8 (the capture's included), the first sample a second; then none
+        rt.device().cost._clock = lambda: 10.0
+        out = await rt.run(g, x=np.zeros(n, np.uint32))
+        assert len(asked) == 10  # a second on: sampled again
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.uint32))
+
+
 async def test_long_submissions_calibrate_the_cost_model() -> None:
     heavy = IOTA.replace("out[i] = out[i] + i * p.k;",
                          "var a = i; for (var j = 0u; j < 200u; j++) { a = a * 1664525u + 1013904223u; } "
@@ -130,9 +180,76 @@ async def test_long_submissions_calibrate_the_cost_model() -> None:
 
 
 def test_prelude_goes_after_directives() -> None:
-    from hetero._gpu.grid import PRELUDE, with_prelude
+    from hetero._gpu.grid import prelude, with_prelude
 
     src = "// header\nenable f16;\nrequires readonly_and_readwrite_storage_textures;\n@compute fn main() {}\n"
-    out = with_prelude(src)
-    assert out.index("enable f16;") < out.index(PRELUDE) < out.index("@compute")
-    assert with_prelude("@compute fn main() {}").startswith(PRELUDE)
+    out = with_prelude(src, 3)
+    assert out.index("enable f16;") < out.index(prelude(3)) < out.index("@compute")
+    assert "@group(0) @binding(3) var<uniform> hetero_grid" in prelude(3)
+    assert with_prelude("@compute fn main() {}", 0).startswith(prelude(0))
+
+
+# Two entry points: `grid` reaches the helpers through a function of its own, `plain` does not.
+TWO_ENTRIES = """
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+fn index_of(wid: vec3<u32>, lid: vec3<u32>) -> u32 { return hetero_workgroup_id(wid).x * 64u + lid.x; }
+fn plain_index(wid: vec3<u32>, lid: vec3<u32>) -> u32 { return wid.x * 64u + lid.x; }
+@compute @workgroup_size(64)
+fn grid(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = index_of(wid, lid);
+    if (i < arrayLength(&out)) { out[i] = i + 1u; }
+}
+@compute @workgroup_size(64)
+fn plain(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = plain_index(wid, lid);  // hetero_workgroup_id(wid) in a comment does not count
+    if (i < arrayLength(&out)) { out[i] = 2u * i; }
+}
+"""
+
+
+def test_the_grid_is_found_through_the_functions_an_entry_point_calls() -> None:
+    from hetero._gpu.grid import entry_uses_grid
+
+    assert entry_uses_grid(TWO_ENTRIES, "grid")
+    assert not entry_uses_grid(TWO_ENTRIES, "plain")
+    assert entry_uses_grid(TWO_ENTRIES, "missing")  # wgpu says what is wrong when it compiles
+    nested = "fn a() -> u32 { return b(); }\nfn b() -> u32 { return hetero_num_workgroups().x; }\n" \
+             "@compute @workgroup_size(1) fn main() { let n = a(); }"
+    assert entry_uses_grid(nested, "main")
+
+
+async def test_grid_kernels_bind_one_group_with_the_grid_uniform_last(shared_rt: hetero.Runtime) -> None:
+    n = 1000
+    ks = []
+
+    def run(gpu: hetero.GPUContext) -> tuple[Tensor, Tensor]:
+        a, b = gpu.empty((n,), np.uint32), gpu.empty((n,), np.uint32)
+        for entry, out in (("grid", a), ("plain", b)):
+            k = gpu.kernel(TWO_ENTRIES, entry)
+            ks.append(k)
+            gpu.dispatch(k, -(-n // 64), out)
+        return a, b
+
+    g = hetero.Graph("two-entries")
+    g.output(g.gpu(run))
+    a, b = await shared_rt.run(g)
+    np.testing.assert_array_equal(a, np.arange(n, dtype=np.uint32) + 1)
+    np.testing.assert_array_equal(b, 2 * np.arange(n, dtype=np.uint32))
+    grid, plain = ks
+    assert (grid.grid, plain.grid) == (True, False)
+    assert grid.n_bindings == plain.n_bindings == 1 and len(grid.layouts) == len(plain.layouts) == 1
+
+
+async def test_a_grid_kernel_with_a_gap_in_its_bindings_is_refused(shared_rt: hetero.Runtime) -> None:
+    src = IOTA.replace("@binding(1) var<uniform> p", "@binding(2) var<uniform> p")
+
+    def run(gpu: hetero.GPUContext) -> int:
+        gpu.kernel(src)
+        return 0
+
+    g = hetero.Graph("gap")
+    g.output(g.gpu(run))
+    with pytest.raises(StageError) as e:
+        await shared_rt.run(g)
+    msg = str(e.value)
+    assert "grid helpers" in msg and "0..1" in msg and "@binding(0, 2)" in msg and "without gaps" in msg

@@ -141,12 +141,9 @@ class _Op:
     pipeline: passcmd.Handle  # the native handle (the kernel holds the pipeline); one object per pipeline and capture
     groups: tuple[int, int, int]
     total: int
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot, ...]  # one a binding; a grid kernel's last is the whole grid's uniform (see grid)
     layout: Any
     group: Any  # the bind group itself when every binding is constant, else None
-    whole: Any = None  # a grid kernel's group-1 bind group for the whole grid in one dispatch (made on first use)
-    whole_uniform: Any = None  # the uniform it binds (held here too: the bind cache may drop it)
-    whole_handle: passcmd.Handle | None = None  # whole's native handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +161,7 @@ class Capture:
     """A stage's captured work for one signature."""
 
     __slots__ = ("ops", "temps", "block_of", "block_bytes", "uploads", "result", "workgroups", "work", "consts",
-                 "_memos", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
+                 "grid_keys", "quiet_until", "_memos", "_op_groups", "_op_gen", "_lock", "_requests", "_prefer")
 
     def __init__(self, ops: list[_Op], temps: list[tuple[int, np.ndarray | None]], result: Any,
                  consts: list[Any], created: list[int]) -> None:
@@ -180,6 +177,10 @@ class Capture:
         for op in ops:
             self.work[op.kernel.key] = self.work.get(op.kernel.key, 0) + op.total
         self.consts = consts  # buffers bound as constants: kept alive with the capture
+        # The cost-model keys of its grid kernels, and the clock time before which none of them is
+        # due a timed sample (CostModel.quiet_until): replays before it skip the per-dispatch check.
+        self.grid_keys = frozenset(op.kernel.key for op in ops if op.kernel.grid)
+        self.quiet_until = 0.0
         # The bind groups (and their native handles) of the last _MEMOS replays over distinct
         # buffers, by those buffers and offsets, with the bind cache's generation they were made in.
         self._memos: dict[tuple[Any, ...], tuple[int, list[Any], list[passcmd.Handle]]] = {}
@@ -398,7 +399,8 @@ class Capturing:
         if self.reason is not None:
             return
         slots: list[Slot] = []
-        for b, (buf, off, size) in zip(bindings, resources):
+        for i, (buf, off, size) in enumerate(resources):  # a grid kernel's last: the whole grid's uniform
+            b = bindings[i] if i < len(bindings) else None
             if isinstance(b, Tensor):
                 where = self._locate(b)
                 if where is None:
@@ -446,7 +448,7 @@ def replay(ctx: CaptureTarget, cap: Capture, flat: list[Tensor]) -> Any:
     if cap.uploads:
         ctx.write_uploads([(data, blocks[k].buffer, blocks[k].offset) for data, k in cap.uploads])
     handles, alive = _bind_groups(ctx.runtime_device.binds, cap, flat, blocks)
-    _issue(ctx, cap, handles)
+    _issue(ctx, cap, handles, flat, blocks)
     del alive
     ctx.workgroups += cap.workgroups
 
@@ -488,16 +490,7 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
         if op.group is not None:
             groups.append(op.group)
             continue
-        resources = []
-        for kind, ref, off, size in op.slots:
-            if kind == ARG:
-                t = flat[ref]
-                resources.append((t.buffer, t.offset + off, size))
-            elif kind == TEMP:
-                b = blocks[block_of[ref]]
-                resources.append((b.buffer, b.offset + off, size))
-            else:
-                resources.append((ref, off, size))
+        resources = _resources(op, flat, blocks, block_of)
         if not stable:  # a buffer hetero does not manage: the bind cache makes a fresh group
             groups.append(binds.bind_group((op.kernel.key, 0), op.layout, resources))
             continue
@@ -522,7 +515,23 @@ def _bind_groups(binds: Any, cap: Capture, flat: list[Tensor], blocks: list[Any]
     return handles, groups
 
 
-def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle]) -> None:
+def _resources(op: _Op, flat: list[Tensor], blocks: list[Any], block_of: list[int]) -> list[tuple[Any, int, int]]:
+    """``(buffer, offset, size)`` of each of ``op``'s bindings in this replay."""
+    resources = []
+    for kind, ref, off, size in op.slots:
+        if kind == ARG:
+            t = flat[ref]
+            resources.append((t.buffer, t.offset + off, size))
+        elif kind == TEMP:
+            b = blocks[block_of[ref]]
+            resources.append((b.buffer, b.offset + off, size))
+        else:
+            resources.append((ref, off, size))
+    return resources
+
+
+def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle], flat: list[Tensor],
+           blocks: list[Any]) -> None:
     """The dispatches, through the C functions, into the recorder's open compute pass.
 
     The recording thread holds the recorder (its lock, or a recorder of its own), so the
@@ -538,7 +547,7 @@ def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle]) -> No
         return
     estimate, reserve, note, compute_pass = cost.estimate_ns, rec.reserve, rec.note, rec.compute_pass
     begin_span, end_span = rec.begin_pass_span, rec.end_pass_span
-    split_groups: list[Any] = []  # group-1 bind groups of split dispatches, held until the loop ends
+    split_groups: list[Any] = []  # bind groups of split dispatches, held until the loop ends
     h: Any = None
     pipeline: Any = None
     for op, bg in zip(cap.ops, groups):
@@ -562,27 +571,23 @@ def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle]) -> No
             continue
         per_x = gy * gz
         chunk = cost.chunk(k.key, budget, per_x, limit)
-        layout1 = k.layouts[1]
+        resources = _resources(op, flat, blocks, cap.block_of)[:-1] if chunk < gx else []
         for x0 in range(0, gx, chunk):
             w = min(chunk, gx - x0)
             est = estimate(k.key, w * per_x)
             if reserve(est) or h is None:
                 h, pipeline = _handle(compute_pass()), None
-            if w == gx and op.whole is not None:
-                bg1 = op.whole_handle  # the common case: one dispatch covers the grid
-            else:
+            if w == gx:
+                group = bg  # the common case: one dispatch covers the grid, the whole grid's uniform bound
+            else:  # the op's own bindings and this sub-dispatch's grid uniform
                 grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
-                group1 = dev.binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
-                bg1 = _handle(group1)
-                if w == gx:  # a uniform is never destroyed while the device lives
-                    op.whole, op.whole_uniform, op.whole_handle = group1, grid, bg1
-                else:
-                    split_groups.append(group1)  # alive until the pass holds it
+                split = dev.binds.bind_group((k.key, 0), op.layout, [*resources, (grid, 0, 32)])
+                split_groups.append(split)  # alive until the pass holds it
+                group = _handle(split)
             if op.pipeline is not pipeline:
                 pipeline = op.pipeline
                 _set_pipeline(h, pipeline)
-            _set_bind_group(h, 0, bg, _NO_OFFSETS, None)
-            _set_bind_group(h, 1, bg1, _NO_OFFSETS, None)
+            _set_bind_group(h, 0, group, _NO_OFFSETS, None)
             if tracing or cost.should_time(k.key):
                 span = begin_span(h, k.label, ("dispatch", k.key, w * per_x, "replayed"))
                 _dispatch(h, w, gy, gz)
@@ -594,7 +599,7 @@ def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle]) -> No
 
 def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle], budget: float, limit: int) -> bool:
     """:func:`_issue`'s common case in one tight loop: the stage's estimated GPU time fits the open
-    submission and every grid kernel fits one dispatch (its whole-grid bind group made), so no
+    submission and every grid kernel fits one dispatch, so no
     dispatch is split and the submission is not ended. False (nothing issued) otherwise."""
     ns = cost.ns_per_workgroup
     est = 0.0
@@ -603,12 +608,13 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle]
         est += op.total * per
         if op.kernel.grid:
             gx, gy, gz = op.groups
-            if op.whole is None or gx > limit or budget < per * gy * gz * gx:
+            if gx > limit or budget < per * gy * gz * gx:
                 return False
     if rec.est_ns + est > budget:
         return False
     h = _handle(rec.compute_pass())
     pipeline = None
+    sampling = cost.now() >= cap.quiet_until  # else no grid kernel of the stage is due a timed sample
     for op, bg in zip(cap.ops, groups):
         if op.pipeline is not pipeline:
             pipeline = op.pipeline
@@ -616,16 +622,14 @@ def _issue_whole(rec: Any, cost: Any, cap: Capture, groups: list[passcmd.Handle]
         _set_bind_group(h, 0, bg, _NO_OFFSETS, None)
         gx, gy, gz = op.groups
         k = op.kernel
-        if not k.grid:
-            _dispatch(h, gx, gy, gz)
-            continue
-        _set_bind_group(h, 1, op.whole_handle, _NO_OFFSETS, None)
-        if cost.should_time(k.key):  # cost-model samples of splittable kernels
+        if sampling and k.grid and cost.should_time(k.key):  # cost-model samples of splittable kernels
             span = rec.begin_pass_span(h, k.label, ("dispatch", k.key, op.total, "replayed"))
             _dispatch(h, gx, gy, gz)
             rec.end_pass_span(h, span)
         else:
             _dispatch(h, gx, gy, gz)
+    if sampling:
+        cap.quiet_until = cost.quiet_until(cap.grid_keys)
     rec.note_many(est, len(cap.ops), cap.work)
     return True
 

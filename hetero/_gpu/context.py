@@ -226,9 +226,11 @@ class GPUContext:
         _check_aliasing(k, bindings)
         binds = self._dev.binds
         resources = [self._resource(b) for b in bindings]
+        # A grid kernel's group 0 ends with the grid uniform (see grid): the whole grid's here.
+        whole = [(binds.uniform(grid_uniform((0, 0, 0), groups)), 0, 32)] if k.grid else []
         try:
             layout = k.layouts[0] if k.layouts and k.layouts[0] is not None else k.pipeline.get_bind_group_layout(0)
-            bind_group = binds.bind_group((k.key, 0), layout, resources)
+            bind_group = binds.bind_group((k.key, 0), layout, resources + whole)
         except Exception as e:
             raise ValueError(_explain_bind_error(k.label, bindings, e)) from e
         total = groups[0] * groups[1] * groups[2]
@@ -236,7 +238,7 @@ class GPUContext:
         if total == 0:
             return DispatchInfo(k.label, groups, 0, 0, 0, 0.0)  # nothing to do; the bindings were checked
         if self._capture is not None:
-            self._capture.on_dispatch(k, groups, bindings, resources, bind_group, layout)
+            self._capture.on_dispatch(k, groups, bindings, resources + whole, bind_group, layout)
         self.workgroups += total
         if not k.grid:
             est = cost.estimate_ns(k.key, total)
@@ -250,18 +252,19 @@ class GPUContext:
             return DispatchInfo(k.label, groups, 1, groups[0], ended, est / 1e6)
         per_x = groups[1] * groups[2]
         chunk = cost.chunk(k.key, self._dev.cost.budget_ns, per_x, limit)
-        layout1 = k.layouts[1]
         ended = n = 0
         for x0 in range(0, groups[0], chunk):
             w = min(chunk, groups[0] - x0)
             est = cost.estimate_ns(k.key, w * per_x)
             ended += rec.reserve(est)
-            grid = binds.uniform(grid_uniform((x0, 0, 0), groups))
-            bg1 = binds.bind_group((k.key, 1), layout1, [(grid, 0, 32)])
+            if w == groups[0]:
+                group = bind_group
+            else:
+                grid = binds.uniform(grid_uniform((x0, 0, 0), groups))
+                group = binds.bind_group((k.key, 0), layout, [*resources, (grid, 0, 32)])
             cpass = rec.compute_pass()
             cpass.set_pipeline(k.pipeline)
-            cpass.set_bind_group(0, bind_group)
-            cpass.set_bind_group(1, bg1)
+            cpass.set_bind_group(0, group)
             # Splittable kernels calibrate the cost model that sizes their chunks.
             self._record(cpass, k, (w, groups[1], groups[2]), w * per_x,
                          timed=self._dev.dispatch_timing or cost.should_time(k.key))

@@ -22,7 +22,7 @@ from .bindcache import BindCache
 from .capture import CaptureCache
 from .lost import LossWatch
 from .pool import BufferPool
-from .grid import CostModel, wants_grid, with_prelude
+from .grid import CostModel, entry_uses_grid, wants_grid, with_prelude
 from .timing import GPUTimer
 from .._trace import Tracer
 from .submission import OpenEncoder, Submission
@@ -190,9 +190,11 @@ class Kernel:
     label: str
     n_bindings: int
     read_write: frozenset[int] = frozenset()  # @group(0) bindings declared var<storage, read_write>
-    grid: bool = False  # uses hetero's grid helpers: may be split into sub-dispatches (see grid)
+    # Uses hetero's grid helpers: may be split into sub-dispatches, and its @group(0) holds the grid
+    # uniform at @binding(n_bindings), after the dispatch's own (see grid).
+    grid: bool = False
     key: Any = None  # the cache key, also the cost model's key
-    layouts: tuple[Any, ...] = ()  # bind group layouts of groups 0 (and 1 for grid kernels), fetched once
+    layouts: tuple[Any, ...] = ()  # the bind group layout of group 0 (None: it binds nothing), fetched once
     # The @group(0) declarations (see wgsl): entry i declares @binding(i), the binding a
     # dispatch's i-th argument fills; None where the WGSL declares no such binding.
     bindings: tuple[Binding | None, ...] = ()
@@ -285,23 +287,27 @@ class Device:
             k = self._kernels.get(key)
             if k is None:
                 label = label or entry_point
-                grid = wants_grid(wgsl)
-                module = self.device.create_shader_module(label=label, code=with_prelude(wgsl) if grid else wgsl)
+                decls = group_bindings(wgsl, 0)
+                n_bindings = len(decls)
+                # The grid uniform goes after the kernel's own bindings (see grid), where its entry
+                # point reaches the helpers; a module of several entry points may use them in one only.
+                named = wants_grid(wgsl)
+                grid = named and entry_uses_grid(wgsl, entry_point)
+                after = max(decls, default=-1) + 1  # the grid uniform's binding, clear of the kernel's
+                if grid and after != n_bindings:
+                    raise ValueError(
+                        f"kernel {label!r} uses hetero's grid helpers, so its @group(0) bindings must be numbered "
+                        f"0..{n_bindings - 1} (hetero adds the grid uniform at @binding({n_bindings})); it declares "
+                        f"@binding({', '.join(map(str, sorted(decls)))}). Number them from 0 without gaps")
+                code = with_prelude(wgsl, after) if named else wgsl
+                module = self.device.create_shader_module(label=label, code=code)
                 compute: dict[str, Any] = {"module": module, "entry_point": entry_point}
                 if consts:
                     compute["constants"] = dict(consts)
                 pipeline = self.device.create_compute_pipeline(label=label, layout="auto", compute=compute)
-                layouts: list[Any] = []
-                decls = group_bindings(wgsl, 0)
-                n_bindings = len(decls)
-                layouts.append(_layout(pipeline, 0) if n_bindings else None)
-                if grid:
-                    try:
-                        layouts.append(pipeline.get_bind_group_layout(1))
-                    except Exception:
-                        grid = False  # the helpers are named but never used by the entry point
+                layouts = (_layout(pipeline, 0) if n_bindings or grid else None,)
                 read_write = frozenset(n for n, b in decls.items() if b.access == "read_write")
-                k = Kernel(pipeline, entry_point, label, n_bindings, read_write, grid, key, tuple(layouts),
+                k = Kernel(pipeline, entry_point, label, n_bindings, read_write, grid, key, layouts,
                            tuple(decls.get(n) for n in range(n_bindings)))
                 self._kernels[key] = k
         return k

@@ -19,11 +19,15 @@ injects, which makes every workgroup see its position in the *whole* grid::
         ...
     }
 
-When the WGSL names ``hetero_workgroup_id``, ``hetero_num_workgroups`` or
-``hetero_grid``, the prelude below is prepended; it declares a uniform at
-``@group(1) @binding(0)``, so such kernels keep their own bindings in ``@group(0)``.
-Kernels that do not opt in are dispatched whole: a grid over the limit is refused
-with a message that points here, and a long one gets a submission of its own.
+When the entry point reaches ``hetero_workgroup_id``, ``hetero_num_workgroups`` or
+``hetero_grid``, the prelude below is inserted; it declares the grid uniform in the
+kernel's own group, at ``@group(0) @binding(n)``, where the kernel declares bindings
+``0 .. n-1`` (hetero binds it after the dispatch's own). One bind group a dispatch, not
+two: on the CPU machine a second group cost ~0.4 µs of recording and ~0.3 µs of
+``encoder.finish()`` a dispatch (BENCHMARKS.md, twenty-ninth session), and a decode step
+is ~150 such dispatches. Kernels that do not opt in are dispatched whole: a grid over
+the limit is refused with a message that points here, and a long one gets a submission
+of its own.
 
 Cost model. The GPU time of a dispatch is estimated as workgroups × ns-per-workgroup
 of its kernel. Estimates start conservative (:data:`DEFAULT_NS_PER_WORKGROUP`) and
@@ -45,15 +49,24 @@ from typing import Any
 
 from .wgsl import strip_comments
 
-__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "PRELUDE", "grid_uniform", "wants_grid", "with_prelude"]
+__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "entry_uses_grid", "grid_uniform", "prelude", "wants_grid",
+           "with_prelude"]
 
-PRELUDE = """
+_PRELUDE = """
 struct HeteroGrid { base: vec3<u32>, total: vec3<u32> }
-@group(1) @binding(0) var<uniform> hetero_grid: HeteroGrid;
+@group(0) @binding(%d) var<uniform> hetero_grid: HeteroGrid;
 fn hetero_workgroup_id(wid: vec3<u32>) -> vec3<u32> { return wid + hetero_grid.base; }
 fn hetero_num_workgroups() -> vec3<u32> { return hetero_grid.total; }
 """
 GRID_NAMES = ("hetero_workgroup_id", "hetero_num_workgroups", "hetero_grid")
+_FN = re.compile(r"\bfn\s+(\w+)\s*\(")
+_CALL = re.compile(r"\b(\w+)\s*\(")
+_GRID_USE = re.compile(r"\b(?:%s)\b" % "|".join(GRID_NAMES))
+
+
+def prelude(binding: int) -> str:
+    """The grid declarations, the uniform at ``@group(0) @binding(binding)``."""
+    return _PRELUDE % binding
 
 # Until a kernel was measured, assume 2 µs of GPU time per workgroup: heavier than most
 # kernels, so the first submissions are smaller than needed rather than too long.
@@ -62,9 +75,10 @@ DEFAULT_NS_PER_WORKGROUP = 2000.0
 RESAMPLE_S = 1.0
 
 
-def with_prelude(wgsl: str) -> str:
-    """The WGSL with the grid prelude inserted after its ``enable``/``requires`` directives
-    (WGSL wants directives before any declaration); comments are skipped over."""
+def with_prelude(wgsl: str, binding: int) -> str:
+    """The WGSL with the grid prelude (its uniform at ``binding`` of group 0) inserted after its
+    ``enable``/``requires`` directives (WGSL wants directives before any declaration); comments
+    are skipped over."""
     lines = wgsl.splitlines(keepends=True)
     code = strip_comments(wgsl).splitlines(keepends=True)  # same lines, comments blanked
     cut = 0
@@ -74,7 +88,7 @@ def with_prelude(wgsl: str) -> str:
             cut = n + 1
         elif text:
             break
-    return "".join(lines[:cut]) + PRELUDE + "".join(lines[cut:])
+    return "".join(lines[:cut]) + prelude(binding) + "".join(lines[cut:])
 
 
 def wants_grid(wgsl: str) -> bool:
@@ -82,6 +96,42 @@ def wants_grid(wgsl: str) -> bool:
     code = strip_comments(wgsl)
     uses = any(re.search(rf"\b{name}\b", code) for name in GRID_NAMES)
     return uses and not re.search(r"\bstruct\s+HeteroGrid\b", code)
+
+
+def entry_uses_grid(wgsl: str, entry_point: str) -> bool:
+    """Does ``entry_point``, or a function it calls (at any depth), name a grid helper?
+
+    wgpu's automatic layout holds the globals an entry point's functions name, so this says
+    whether the grid uniform is in the entry point's layout: a module of several entry points
+    may use the helpers in one of them only. An entry point not found answers True (wgpu then
+    says what is wrong when it compiles)."""
+    code = strip_comments(wgsl)
+    bodies: dict[str, str] = {}
+    for m in _FN.finditer(code):
+        start = code.find("{", m.end())
+        if start < 0:
+            continue
+        depth, i = 0, start
+        while i < len(code):
+            c = code[i]
+            depth += c == "{"
+            depth -= c == "}"
+            if depth == 0:
+                break
+            i += 1
+        bodies[m.group(1)] = code[start:i + 1]
+    if entry_point not in bodies:
+        return True
+    seen, todo = {entry_point}, [entry_point]
+    while todo:
+        body = bodies[todo.pop()]
+        if _GRID_USE.search(body):
+            return True
+        for call in _CALL.findall(body):
+            if call in bodies and call not in seen:
+                seen.add(call)
+                todo.append(call)
+    return False
 
 
 def grid_uniform(base: tuple[int, int, int], total: tuple[int, int, int]) -> bytes:
@@ -130,6 +180,22 @@ class CostModel:
             return False
         self._next_sample[key] = now + RESAMPLE_S
         return True
+
+    def quiet_until(self, keys: Any) -> float:
+        """The clock time before which :meth:`should_time` answers False for every one of ``keys``
+        (0.0: one of them is still among its first 8). A replay that checks the clock against it
+        once skips asking per dispatch: ~0.3 µs a dispatch on the CPU machine."""
+        timed, nxt = self._timed, self._next_sample
+        until = float("inf")
+        for key in keys:
+            if timed.get(key, 0) < 8:
+                return 0.0
+            until = min(until, nxt.get(key, 0.0))
+        return until
+
+    def now(self) -> float:
+        """The clock :meth:`should_time` and :meth:`quiet_until` read."""
+        return self._clock()
 
     def ns_per_workgroup(self, key: Any) -> float:
         return self._ns.get(key, DEFAULT_NS_PER_WORKGROUP)

@@ -61,21 +61,17 @@ def _raw_timing(dev: Device, steps: list[Step], reps: int) -> float:
 
     recorded = []
     for kern, wg, bindings in steps:
+        # A grid kernel's group 0 ends with the grid uniform, after the dispatch's own bindings.
+        grid = [np.frombuffer(grid_uniform((0, 0, 0), wg), np.uint8)] if kern.grid else []
         bg0 = device.create_bind_group(layout=kern.pipeline.get_bind_group_layout(0), entries=[
-            {"binding": i, "resource": resource(x)} for i, x in enumerate(bindings)])
-        bg1 = None
-        if kern.grid:
-            bg1 = device.create_bind_group(layout=kern.pipeline.get_bind_group_layout(1), entries=[
-                {"binding": 0, "resource": resource(np.frombuffer(grid_uniform((0, 0, 0), wg), np.uint8))}])
-        recorded.append((kern.pipeline, wg, bg0, bg1))
+            {"binding": i, "resource": resource(x)} for i, x in enumerate([*bindings, *grid])])
+        recorded.append((kern.pipeline, wg, bg0))
     enc = device.create_command_encoder()
     cp = enc.begin_compute_pass()
     for _ in range(reps):
-        for pipeline, wg, bg0, bg1 in recorded:
+        for pipeline, wg, bg0 in recorded:
             cp.set_pipeline(pipeline)
             cp.set_bind_group(0, bg0)
-            if bg1 is not None:
-                cp.set_bind_group(1, bg1)
             cp.dispatch_workgroups(*wg)
     cp.end()
     return _submit_wait(dev, [enc.finish()])
