@@ -33,6 +33,7 @@ BENCHES = {
     "embed_cpu": "hetero embed with placement on a CPU machine beside sentence-transformers on torch CPU",
     "generate": "LLM text generation (decode, prefill, batched) beside transformers on the same random weights",
     "generate_serve": "hetero serve text generation under 1-256 streaming clients beside in-process generate()",
+    "decode_host": "host CPU time of a decode step per thread (recording, the LLM's loop, fences), on any adapter",
     "decode_profile": "each decoder op of a decode step alone on the GPU (both GEMV kernels), the step, its host replay",
     "tensor_cores": "cooperative matrices through wgpu: offered, requestable, right, TFLOP/s beside an fp32 FMA loop",
     "accuracy": "each kernel setting's logits and greedy tokens on a real model and real text beside float64 numpy",
