@@ -163,3 +163,33 @@ def test_calibration_timestamps_are_sampled() -> None:
     now[0] += 0.6
     assert cost.should_time("k") and not cost.should_time("k")  # a second on: one more sample
     assert cost.should_time("other")  # per kernel
+
+
+def test_bind_groups_made_straight_through_wgpu_native_bind_ranges_and_raise_on_bad_input(
+        shared_rt: hetero.Runtime) -> None:
+    """create_bind_group (wgpuDeviceCreateBindGroup, not wgpu-py's struct building) binds each
+    range at its offset and size, and a bind group wgpu refuses raises as wgpu-py's method does."""
+    from hetero._gpu.bindcache import create_bind_group
+
+    dev = shared_rt.device()
+    k = dev.kernel(ADD)
+    d = dev.device
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    a = d.create_buffer_with_data(data=np.arange(128, dtype=np.float32).tobytes(), usage=usage)
+    out = d.create_buffer(size=1024, usage=usage)
+    p = d.create_buffer_with_data(data=np.array([(10.0, 64)], dtype=[("k", "<f4"), ("n", "<u4")]).tobytes()
+                                  .ljust(16, b"\0"), usage=wgpu.BufferUsage.UNIFORM)
+    group = create_bind_group(d, k.layouts[0], [(a, 256, 256), (out, 512, 256), (p, 0, 16)])
+    enc = d.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(k.pipeline)
+    cp.set_bind_group(0, group)
+    cp.dispatch_workgroups(1)
+    cp.end()
+    d.queue.submit([enc.finish()])
+    got = np.frombuffer(d.queue.read_buffer(out), np.float32)
+    np.testing.assert_array_equal(got[128:192], np.arange(64, 128, dtype=np.float32) + 10)  # a[64:] + k
+    assert not got[:128].any() and not got[192:].any()
+    wrong = d.create_buffer(size=256, usage=wgpu.BufferUsage.UNIFORM)  # bound as storage: refused
+    with pytest.raises(Exception, match="(?i)usage"):
+        create_bind_group(d, k.layouts[0], [(wrong, 0, 256), (out, 0, 256), (p, 0, 16)])
