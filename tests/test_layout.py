@@ -246,6 +246,8 @@ def test_pipeline_modules_hold_one_concern_each() -> None:
 BENCH_PRIVATE = {
     "bench/replay_cost.py": "--profile wraps the scheduler's GPU-stage method in cProfile, to profile exactly "
                             "the recording thread's part of a replayed run; no public API should offer that hook",
+    "bench/decode_host.py": "counts a step's replayed dispatches by wrapping the capture's dispatch command, in a "
+                            "call apart from the timed ones; no public API should offer that hook",
 }
 
 
