@@ -356,3 +356,11 @@ def bench_model(name: str, prefix: str) -> tuple[Path, tempfile.TemporaryDirecto
     from hetero.pipelines.minilm import find_minilm
 
     return (find_minilm() if name == "minilm" else Path(name)), None
+
+
+def thread_cpu_ns(ident: int) -> int:
+    """CPU time of the thread ``ident`` (a ``threading`` ident), in ns; 0 once it has ended."""
+    try:
+        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+    except OSError:
+        return 0

@@ -40,19 +40,11 @@ import threading
 import time
 from typing import Any
 
-from bench._common import adapter_fields, emitter
+from bench._common import adapter_fields, emitter, thread_cpu_ns
 
 emit = emitter("decode_host")
 
 KINDS = ("record", "loop", "fence", "python")
-
-
-def thread_cpu_ns(ident: int) -> int:
-    """CPU time of the thread ``ident`` (a ``threading`` ident), in ns; 0 once it has ended."""
-    try:
-        return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
-    except OSError:
-        return 0
 
 
 def cpu_by_kind() -> dict[str, int]:

@@ -58,7 +58,8 @@ import hetero.kernels.decoder as D
 from hetero.kernels.quant import PackedWeight, concat_rows, unpack
 from hetero.lowlevel import GPUContext, Tensor, device_of
 from bench._common import Spy, adapter_fields, emitter, empty_round_trip, run_once, submit_timed
-from bench.replay_cost import thread_cpu_ns, threads_by_kind
+from bench._common import thread_cpu_ns
+from bench.replay_cost import threads_by_kind
 
 emit = emitter("decode_profile")
 

@@ -45,14 +45,9 @@ from typing import Any
 import anyio
 
 import hetero
-from bench._common import bench_model, emitter
+from bench._common import bench_model, emitter, thread_cpu_ns
 
 emit = emitter("replay_cost")
-
-
-def thread_cpu_ns(ident: int) -> int:
-    """CPU time of the thread ``ident`` (a ``threading`` ident), in ns."""
-    return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
 
 
 def threads_by_kind() -> dict[str, list[int]]:

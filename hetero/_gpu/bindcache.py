@@ -42,6 +42,8 @@ import wgpu
 __all__ = ["BindCache", "create_bind_group"]
 
 _UNIFORM = wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST
+# (buffer, offset, size) of one entry, in binding order.
+Resource = tuple[Any, int, int]
 
 try:  # wgpu-py's cffi binding (wgpu is pinned: see pyproject.toml); the public method where it differs
     from wgpu.backends.wgpu_native import _api as _native
@@ -72,9 +74,6 @@ def create_bind_group(device: Any, layout: Any, resources: Sequence[Resource]) -
     desc.entries = entries
     desc.entryCount = n
     return _Group("", _create_native(device._internal, desc), device)
-
-# (buffer, offset, size) of one entry, in binding order.
-Resource = tuple[Any, int, int]
 
 
 class BindCache:

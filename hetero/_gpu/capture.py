@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import numpy as np
 
 from . import passcmd
-from .grid import grid_uniform
+from .grid import grid_entry
 from .tensor import Tensor, map_values, tensor_of
 
 if TYPE_CHECKING:
@@ -580,8 +580,8 @@ def _issue(ctx: CaptureTarget, cap: Capture, groups: list[passcmd.Handle], flat:
             if w == gx:
                 group = bg  # the common case: one dispatch covers the grid, the whole grid's uniform bound
             else:  # the op's own bindings and this sub-dispatch's grid uniform
-                grid = dev.binds.uniform(grid_uniform((x0, 0, 0), op.groups))
-                split = dev.binds.bind_group((k.key, 0), op.layout, [*resources, (grid, 0, 32)])
+                split = dev.binds.bind_group((k.key, 0), op.layout,
+                                             [*resources, grid_entry(dev.binds, x0, op.groups)])
                 split_groups.append(split)  # alive until the pass holds it
                 group = _handle(split)
             if op.pipeline is not pipeline:

@@ -21,7 +21,7 @@ from .device import Device, Kernel
 from .pool import Block, MemoryWait
 from .recorder import StageRecorder
 from .staging import pad4
-from .grid import DispatchInfo, grid_uniform
+from .grid import DispatchInfo, grid_entry
 from .tensor import Tensor, tensor_of
 from .wgsl import Binding, dtype_mismatch
 
@@ -227,7 +227,7 @@ class GPUContext:
         binds = self._dev.binds
         resources = [self._resource(b) for b in bindings]
         # A grid kernel's group 0 ends with the grid uniform (see grid): the whole grid's here.
-        whole = [(binds.uniform(grid_uniform((0, 0, 0), groups)), 0, 32)] if k.grid else []
+        whole = [grid_entry(binds, 0, groups)] if k.grid else []
         try:
             layout = k.layouts[0] if k.layouts and k.layouts[0] is not None else k.pipeline.get_bind_group_layout(0)
             bind_group = binds.bind_group((k.key, 0), layout, resources + whole)
@@ -260,8 +260,7 @@ class GPUContext:
             if w == groups[0]:
                 group = bind_group
             else:
-                grid = binds.uniform(grid_uniform((x0, 0, 0), groups))
-                group = binds.bind_group((k.key, 0), layout, [*resources, (grid, 0, 32)])
+                group = binds.bind_group((k.key, 0), layout, [*resources, grid_entry(binds, x0, groups)])
             cpass = rec.compute_pass()
             cpass.set_pipeline(k.pipeline)
             cpass.set_bind_group(0, group)

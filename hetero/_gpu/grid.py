@@ -49,8 +49,8 @@ from typing import Any
 
 from .wgsl import strip_comments
 
-__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "entry_uses_grid", "grid_uniform", "prelude", "wants_grid",
-           "with_prelude"]
+__all__ = ["CostModel", "DispatchInfo", "GRID_NAMES", "entry_uses_grid", "grid_entry", "grid_uniform", "prelude",
+           "wants_grid", "with_prelude"]
 
 _PRELUDE = """
 struct HeteroGrid { base: vec3<u32>, total: vec3<u32> }
@@ -137,6 +137,12 @@ def entry_uses_grid(wgsl: str, entry_point: str) -> bool:
 def grid_uniform(base: tuple[int, int, int], total: tuple[int, int, int]) -> bytes:
     """The 32 bytes of a ``HeteroGrid`` uniform (two vec3<u32>, each 16-byte aligned)."""
     return struct.pack("<8I", *base, 0, *total, 0)
+
+
+def grid_entry(binds: Any, x0: int, total: tuple[int, int, int]) -> tuple[Any, int, int]:
+    """The ``(buffer, offset, size)`` a grid kernel binds last: the uniform of a (sub-)dispatch from
+    workgroup ``x0`` along x of a grid of ``total``, shared by content through ``binds`` (a BindCache)."""
+    return (binds.uniform(grid_uniform((x0, 0, 0), total)), 0, 32)
 
 
 @dataclass(frozen=True)
